@@ -1,0 +1,48 @@
+// The one place kvcopy registers its ops: schemas, then CPU and CUDA kernels.
+// Fake (meta) implementations for torch.compile live in kvcopy/_ext.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops/ops.h"
+
+TORCH_LIBRARY(kvcopy, m) {
+  // For every i and plane p: dst[p][dst_ids[i]] = src[p][src_ids[i]], bytewise.
+  // num_ctas bounds the SM kernel's grid (<= 0: sized to the work).
+  m.def("copy_blocks(Tensor[] src, Tensor src_ids, Tensor(a!)[] dst, Tensor dst_ids, "
+        "int num_ctas) -> ()");
+  // The same copy on the DMA copy engines; ids live on the host.
+  m.def("copy_blocks_dma(Tensor[] src, Tensor src_ids, Tensor(a!)[] dst, Tensor dst_ids) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvcopy, CPU, m) {
+  m.impl("copy_blocks", &kvcopy::copy_blocks_cpu_op);
+  m.impl("copy_blocks_dma", &kvcopy::copy_blocks_dma_cpu_op);
+}
+
+#ifdef KVCOPY_WITH_CUDA
+TORCH_LIBRARY_IMPL(kvcopy, CUDA, m) {
+  m.impl("copy_blocks", &kvcopy::copy_blocks_cuda_op);
+  m.impl("copy_blocks_dma", &kvcopy::copy_blocks_dma_cuda_op);
+}
+#endif
+
+// A plain extension module: importing it runs the registrations above. Which
+// CUDA archs were built is recorded by setup.py in kvcopy/_build_config.py.
+static struct PyModuleDef kvcopy_c_module = {PyModuleDef_HEAD_INIT, "_C",
+                                             "kvcopy's compiled ops", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* module = PyModule_Create(&kvcopy_c_module);
+  if (module == nullptr) return nullptr;
+#ifdef KVCOPY_WITH_CUDA
+  const long with_cuda = 1;
+#else
+  const long with_cuda = 0;
+#endif
+  if (PyModule_AddIntConstant(module, "WITH_CUDA", with_cuda) < 0 ||
+      PyModule_AddStringConstant(module, "COMPILER", __VERSION__) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}

@@ -1,0 +1,40 @@
+// CUDA block copies: an SM kernel and a DMA (copy engine) submission.
+// Torch-free: raw pointers, int64 sizes, cudaStream_t in, cudaError_t out.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvcopy/plane_copy.h"
+
+namespace kvcopy {
+
+// Planes passed by value in one launch: 40 B each, so 10 KiB of kernel
+// parameters, inside the 32 KiB that CUDA 12.1+ allows on Volta and newer.
+// A cache with more planes is copied in several launches on the same stream.
+constexpr int64_t kMaxPlanesPerLaunch = 256;
+
+// CTAs the SM kernel uses when a host buffer is on one side: a few CTAs
+// saturate PCIe, and decode keeps every other SM (shared/REFERENCE.md).
+constexpr int kHostLinkCtaBudget = 4;
+
+// SM kernel: every (block, plane) pair is copied by one warp with 16-byte
+// vector accesses where alignment allows. `src_ids`/`dst_ids` are device (or
+// mapped pinned host) pointers of length num_ids. Ids outside
+// [0, src_num_blocks) or [0, dst_num_blocks) are skipped, never dereferenced.
+// num_ctas <= 0 sizes the grid to the work (up to two CTAs per SM).
+cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes,
+                                     const int64_t* src_ids, const int64_t* dst_ids,
+                                     int64_t num_ids, int64_t src_num_blocks,
+                                     int64_t dst_num_blocks, int num_ctas, cudaStream_t stream);
+
+// Copy-engine path: runs of adjacent ids are coalesced on dense planes and all
+// copies are submitted with one cudaMemcpyBatchAsync (CUDA 12.8+, non-legacy
+// stream), else one cudaMemcpyAsync per run. `src_ids`/`dst_ids` are host
+// pointers, validated by the caller.
+cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
+                                  const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
+                                  cudaStream_t stream);
+
+}  // namespace kvcopy

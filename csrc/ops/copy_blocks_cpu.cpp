@@ -1,0 +1,26 @@
+// Thin ATen launcher for the CPU block copy.
+#include <ATen/Parallel.h>
+
+#include "../cpu/block_copy_cpu.h"
+#include "ops.h"
+#include "plane_table.h"
+
+namespace kvcopy {
+
+void copy_blocks_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                        const at::Tensor& dst_ids, int64_t /*num_ctas: unused on CPU*/) {
+  check_ids(src_ids, "src_ids", src_ids.numel());
+  check_ids(dst_ids, "dst_ids", src_ids.numel());
+  TORCH_CHECK(src_ids.is_cpu() && dst_ids.is_cpu(), "kvcopy: the CPU copy needs host ids");
+  const std::vector<PlaneCopy> planes = make_plane_table(src, dst);
+  copy_blocks_cpu(planes.data(), static_cast<int64_t>(planes.size()),
+                  src_ids.const_data_ptr<int64_t>(), dst_ids.const_data_ptr<int64_t>(),
+                  src_ids.numel(), at::get_num_threads());
+}
+
+void copy_blocks_dma_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                            const at::Tensor& dst_ids) {
+  copy_blocks_cpu_op(src, src_ids, dst, dst_ids, 0);
+}
+
+}  // namespace kvcopy

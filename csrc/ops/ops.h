@@ -1,0 +1,24 @@
+// ATen entry points of the kvcopy ops; schemas live in csrc/bindings.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace kvcopy {
+
+// kvcopy::copy_blocks on CPU tensors: coalesced parallel memcpy.
+void copy_blocks_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                        const at::Tensor& dst_ids, int64_t num_ctas);
+// kvcopy::copy_blocks_dma on CPU tensors: host memcpy of the same coalesced runs.
+void copy_blocks_dma_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                            const at::Tensor& dst_ids);
+
+#ifdef KVCOPY_WITH_CUDA
+// kvcopy::copy_blocks with a CUDA tensor involved: the SM kernel.
+void copy_blocks_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                         const at::Tensor& dst_ids, int64_t num_ctas);
+// kvcopy::copy_blocks_dma with a CUDA tensor involved: the copy engines.
+void copy_blocks_dma_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                             const at::Tensor& dst_ids);
+#endif
+
+}  // namespace kvcopy

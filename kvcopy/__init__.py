@@ -1,0 +1,35 @@
+"""kvcopy: move paged KV-cache blocks between GPU pages and host memory.
+
+The one primitive is :func:`copy_blocks`: for every i and plane p,
+``dst.planes[p][dst_ids[i]] = src.planes[p][src_ids[i]]``, bitwise, all planes
+and blocks in one submission. :func:`gather` (pages -> host) and
+:func:`scatter` (host -> pages) are that primitive with a :class:`HostKVPool`
+on one side.
+"""
+
+from __future__ import annotations
+
+from ._ext import build_info
+from ._version import __version__
+from .host import HostKVPool
+from .layout import PagedKV
+from .methods import METHODS
+from .ops import available_methods, copy_blocks, gather, scatter
+
+__all__ = [
+    "METHODS",
+    "HostKVPool",
+    "PagedKV",
+    "__version__",
+    "available_methods",
+    "build_info",
+    "copy_blocks",
+    "gather",
+    "scatter",
+]
+
+# Register the compiled ops (and their fake implementations) at import: cheap,
+# and torch.ops.kvcopy then exists for users and for torch.compile.
+from . import _ext as _ext_module  # noqa: E402
+
+_ext_module.extension()

@@ -1,0 +1,105 @@
+"""Loads the compiled extension (kvcopy._C) and says what was built.
+
+Importing ``kvcopy._C`` registers the ``torch.ops.kvcopy`` ops. When it is
+missing (KVCOPY_NO_EXT=1, no compiler, a torch mismatch) kvcopy still works
+through its "torch" method; :func:`build_info` says why the extension is absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import platform
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ._version import __version__
+
+__all__ = ["build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str | None]:
+    try:
+        module = importlib.import_module("kvcopy._C")
+    except ImportError as err:
+        return None, str(err)
+    _register_fakes()
+    return module, None
+
+
+def extension() -> ModuleType | None:
+    """The compiled module, or None when it is not built or failed to load."""
+    return _load()[0]
+
+
+def _register_fakes() -> None:
+    """Fake implementations: the ops only mutate ``dst``, so tracing needs no output."""
+
+    @torch.library.register_fake("kvcopy::copy_blocks")
+    def _copy_blocks_fake(src, src_ids, dst, dst_ids, num_ctas) -> None:  # noqa: ANN001
+        return None
+
+    @torch.library.register_fake("kvcopy::copy_blocks_dma")
+    def _copy_blocks_dma_fake(src, src_ids, dst, dst_ids) -> None:  # noqa: ANN001
+        return None
+
+
+def has_cpu_kernels() -> bool:
+    return extension() is not None
+
+
+def has_cuda_kernels() -> bool:
+    module = extension()
+    return module is not None and bool(module.WITH_CUDA)
+
+
+@functools.cache
+def _triton_version() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        import triton
+    except Exception:  # a broken triton install is the same as none  # noqa: BLE001
+        return None
+    return str(triton.__version__)
+
+
+def triton_available() -> bool:
+    return _triton_version() is not None
+
+
+def _recorded_build_config() -> dict[str, Any]:
+    try:
+        from ._build_config import BUILD_CONFIG
+    except ImportError:
+        return {"extension": False, "reason": "not built (no kvcopy/_build_config.py from setup.py)"}
+    return dict(BUILD_CONFIG)
+
+
+def build_info() -> dict[str, Any]:
+    """What this kvcopy has: compiled CPU/CUDA kernels and CUDA archs, Triton, versions."""
+    module, load_error = _load()
+    recorded = _recorded_build_config()
+    archs = recorded.get("cuda_archs", "")
+    return {
+        "kvcopy": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "extension_loaded": module is not None,
+        "extension_error": load_error,
+        "cpu_kernels": module is not None,
+        "cuda_kernels": module is not None and bool(module.WITH_CUDA),
+        "cuda_archs": [a for a in archs.split(";") if a] if module is not None else [],
+        "built_with_torch": recorded.get("torch_version"),
+        "build_note": recorded.get("reason"),
+        "compiler": getattr(module, "COMPILER", None),
+        "triton": _triton_version(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "cuda_available": torch.cuda.is_available(),
+    }

@@ -1,0 +1,3 @@
+"""kvcopy version."""
+
+__version__ = "0.1.0"

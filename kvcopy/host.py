@@ -1,0 +1,112 @@
+"""HostKVPool: host storage shaped like a device PagedKV, page-first or layer-first."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .layout import PagedKV
+
+__all__ = ["HostKVPool", "HostLayout"]
+
+HostLayout = Literal["page_first", "layer_first"]
+_LAYOUTS = ("page_first", "layer_first")
+
+
+class HostKVPool:
+    """Host blocks for a cache shaped like ``like``, in one contiguous uint8 buffer.
+
+    ``page_first``: host block i is bytes ``[i * nbytes_per_block, (i + 1) * nbytes_per_block)``
+    of :attr:`buffer`, its planes in plane order with no padding, so a block is
+    one region to spill or send. ``layer_first``: plane p holds all blocks of
+    that plane contiguously, mirroring the device.
+
+    ``pin_memory=None`` pins when CUDA is available; ``pin_memory=True`` without
+    CUDA raises RuntimeError. The buffer is not zeroed.
+    """
+
+    def __init__(
+        self,
+        like: PagedKV,
+        num_blocks: int,
+        *,
+        layout: HostLayout = "page_first",
+        pin_memory: bool | None = None,
+    ) -> None:
+        if not isinstance(like, PagedKV):
+            raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        cuda = torch.cuda.is_available()
+        pin = cuda if pin_memory is None else bool(pin_memory)
+        if pin and not cuda:
+            raise RuntimeError("pin_memory=True: pinning host memory needs a CUDA device, and none is available")
+        self.layout: HostLayout = layout
+        self.pinned: bool = pin
+        self.buffer: torch.Tensor = torch.empty(num_blocks * like.nbytes_per_block, dtype=torch.uint8, pin_memory=pin)
+        planes = _page_first_planes(self.buffer, like, num_blocks) if layout == "page_first" else (
+            _layer_first_planes(self.buffer, like, num_blocks)
+        )
+        self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer)
+        self.paged.__dict__["is_pinned"] = pin  # known here; spares a per-plane query
+
+    @property
+    def num_blocks(self) -> int:
+        return self.paged.num_blocks
+
+    @property
+    def nbytes_per_block(self) -> int:
+        return self.paged.nbytes_per_block
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.buffer.numel()
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """The uint8 bytes of host block ``block_id`` (page_first pools only): one region."""
+        if self.layout != "page_first":
+            raise ValueError(f"block_bytes: needs a page_first pool, this one is {self.layout}")
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block_id: expected an id in [0, {self.num_blocks}), got {block_id}")
+        start = block_id * self.nbytes_per_block
+        return self.buffer[start : start + self.nbytes_per_block]
+
+    def __repr__(self) -> str:
+        return (
+            f"HostKVPool(num_blocks={self.num_blocks}, layout={self.layout!r}, pinned={self.pinned}, "
+            f"nbytes={self.nbytes})"
+        )
+
+
+def _typed_view(raw: torch.Tensor, plane: torch.Tensor, index: int, num_blocks: int) -> torch.Tensor:
+    """Reinterprets ``raw`` ([num_blocks, block_nbytes] uint8) as blocks shaped like ``plane``."""
+    try:
+        return raw.view(plane.dtype).view(num_blocks, *plane.shape[1:])
+    except RuntimeError as err:
+        raise ValueError(
+            f"like.planes[{index}]: its {plane.dtype} blocks cannot start at a byte offset aligned to "
+            f"{plane.element_size()} in an unpadded host layout ({err}); order planes by decreasing "
+            f"element size or use layout='layer_first'"
+        ) from None
+
+
+def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
+    rows = buffer.view(num_blocks, like.nbytes_per_block)
+    planes, offset = [], 0
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.block_nbytes)):
+        planes.append(_typed_view(rows[:, offset : offset + nbytes], plane, index, num_blocks))
+        offset += nbytes
+    return planes
+
+
+def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
+    planes, offset = [], 0
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.block_nbytes)):
+        region = buffer[offset : offset + num_blocks * nbytes].view(num_blocks, nbytes)
+        planes.append(_typed_view(region, plane, index, num_blocks))
+        offset += num_blocks * nbytes
+    return planes

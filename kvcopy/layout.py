@@ -1,0 +1,186 @@
+"""PagedKV: a paged KV cache seen as planes, and adapters for engine layouts.
+
+A *plane* is a tensor whose first dimension indexes blocks and whose block
+``plane[i]`` is one contiguous run of bytes. Every engine layout reduces to a
+list of planes with the same block count on one device (shared/DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+import torch
+
+__all__ = ["PagedKV"]
+
+
+def _block_numel(plane: torch.Tensor) -> int:
+    numel = 1
+    for size in plane.shape[1:]:
+        numel *= size
+    return numel
+
+
+def _check_plane(index: int, plane: object, first: torch.Tensor | None) -> None:
+    if not isinstance(plane, torch.Tensor):
+        raise TypeError(f"planes[{index}]: expected a torch.Tensor, got {type(plane).__name__}")
+    if plane.dim() < 1:
+        raise ValueError(f"planes[{index}]: expected at least 1 dimension (blocks first), got a 0-d tensor")
+    block_numel = _block_numel(plane)
+    # A block is contiguous when its inner dims are laid out densely (size-1 dims may have any stride).
+    expected = 1
+    for size, stride in reversed(list(zip(plane.shape[1:], plane.stride()[1:]))):
+        if size != 1 and stride != expected:
+            raise ValueError(
+                f"planes[{index}]: each block must be one contiguous run of bytes; block shape "
+                f"{tuple(plane.shape[1:])} has strides {tuple(plane.stride()[1:])}, expected contiguous strides"
+            )
+        expected *= size
+    if plane.shape[0] > 1 and plane.stride(0) < block_numel:
+        raise ValueError(
+            f"planes[{index}]: blocks overlap (block stride {plane.stride(0)} elements < block size "
+            f"{block_numel} elements)"
+        )
+    if first is None:
+        return
+    if plane.device != first.device:
+        raise ValueError(f"planes[{index}]: expected device {first.device} like planes[0], got {plane.device}")
+    if plane.shape[0] != first.shape[0]:
+        raise ValueError(
+            f"planes[{index}]: expected {first.shape[0]} blocks like planes[0], got {plane.shape[0]}"
+        )
+
+
+class PagedKV:
+    """A paged KV cache as a list of planes on one device.
+
+    Build it from an engine's own tensors (no copy is made: the planes are
+    views of them) with :meth:`from_planes`, :meth:`from_vllm`,
+    :meth:`from_flashinfer` or :meth:`from_mla`.
+    """
+
+    def __init__(self, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1) -> None:
+        planes = tuple(planes)
+        if not planes:
+            raise ValueError("planes: expected at least one plane, got none")
+        for i, plane in enumerate(planes):
+            _check_plane(i, plane, planes[0] if i else None)
+        if planes_per_layer < 1 or len(planes) % planes_per_layer:
+            raise ValueError(
+                f"planes_per_layer: expected a divisor of the plane count {len(planes)}, got {planes_per_layer}"
+            )
+        self._planes = planes
+        self.planes_per_layer = planes_per_layer
+
+    @classmethod
+    def from_planes(cls, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1) -> PagedKV:
+        """Any list of planes (blocks first, each block contiguous).
+
+        ``planes_per_layer`` says how many consecutive planes form one engine
+        layer (used by layer-wise transfers); fp8 scale planes go here too.
+        """
+        return cls(planes, planes_per_layer=planes_per_layer)
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Sequence[torch.Tensor]) -> PagedKV:
+        """vLLM flash-attn layout: each layer ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+        Planes are ``kv[0]`` (keys) and ``kv[1]`` (values) of each layer, in layer order.
+        """
+        planes: list[torch.Tensor] = []
+        for i, kv in enumerate(_layers(kv_caches)):
+            if kv.dim() != 5 or kv.shape[0] != 2:
+                raise ValueError(
+                    f"kv_caches[{i}]: expected vLLM shape [2, num_blocks, block_size, num_kv_heads, head_size], "
+                    f"got {list(kv.shape)}"
+                )
+            planes += [kv[0], kv[1]]
+        return cls(planes, planes_per_layer=2)
+
+    @classmethod
+    def from_flashinfer(cls, kv_caches: Sequence[torch.Tensor]) -> PagedKV:
+        """FlashInfer layout: each layer ``[num_blocks, 2, block_size, num_kv_heads, head_size]``.
+
+        Planes are ``kv[:, 0]`` and ``kv[:, 1]`` (strided: K and V of a block are adjacent).
+        """
+        planes: list[torch.Tensor] = []
+        for i, kv in enumerate(_layers(kv_caches)):
+            if kv.dim() != 5 or kv.shape[1] != 2:
+                raise ValueError(
+                    f"kv_caches[{i}]: expected FlashInfer shape [num_blocks, 2, block_size, num_kv_heads, "
+                    f"head_size], got {list(kv.shape)}"
+                )
+            planes += [kv[:, 0], kv[:, 1]]
+        return cls(planes, planes_per_layer=2)
+
+    @classmethod
+    def from_mla(cls, kv_caches: Sequence[torch.Tensor]) -> PagedKV:
+        """MLA layout: each layer ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, one plane."""
+        planes: list[torch.Tensor] = []
+        for i, kv in enumerate(_layers(kv_caches)):
+            if kv.dim() != 3:
+                raise ValueError(
+                    f"kv_caches[{i}]: expected MLA shape [num_blocks, block_size, head_size], got {list(kv.shape)}"
+                )
+            planes.append(kv)
+        return cls(planes, planes_per_layer=1)
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, ...]:
+        """The plane tensors (views of the caller's tensors)."""
+        return self._planes
+
+    @property
+    def num_planes(self) -> int:
+        return len(self._planes)
+
+    @property
+    def num_layers(self) -> int:
+        """Engine layers: ``num_planes // planes_per_layer``."""
+        return len(self._planes) // self.planes_per_layer
+
+    @property
+    def num_blocks(self) -> int:
+        return self._planes[0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._planes[0].device
+
+    @cached_property
+    def block_nbytes(self) -> tuple[int, ...]:
+        """Bytes of one block of each plane."""
+        return tuple(_block_numel(p) * p.element_size() for p in self._planes)
+
+    @cached_property
+    def nbytes_per_block(self) -> int:
+        """Bytes of one block across all planes."""
+        return sum(self.block_nbytes)
+
+    @cached_property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(p.dtype for p in self._planes)
+
+    @cached_property
+    def is_pinned(self) -> bool:
+        """True when every plane is in page-locked host memory (False on a GPU)."""
+        if self.device.type != "cpu" or not torch.cuda.is_available():
+            return False
+        return all(p.is_pinned() for p in self._planes)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKV(num_planes={self.num_planes}, num_blocks={self.num_blocks}, device={self.device}, "
+            f"nbytes_per_block={self.nbytes_per_block})"
+        )
+
+
+def _layers(kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(kv_caches, torch.Tensor):
+        raise TypeError("kv_caches: expected a sequence of per-layer tensors, got a single tensor")
+    layers = list(kv_caches)
+    for i, kv in enumerate(layers):
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv_caches[{i}]: expected a torch.Tensor, got {type(kv).__name__}")
+    return layers

@@ -1,0 +1,87 @@
+"""Which copy methods can run for a (source, destination) pair, and what "auto" picks."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from . import _ext
+from .layout import PagedKV
+
+__all__ = ["METHODS", "Method", "available_methods", "choose_method", "DMA_MIN_BLOCK_BYTES"]
+
+Method = Literal["torch", "cpu", "triton", "cuda", "copy_engine"]
+METHODS: tuple[Method, ...] = ("torch", "cpu", "triton", "cuda", "copy_engine")
+
+# Without a calibrated profile, "auto" sends plane-blocks of at least this many
+# bytes to the copy engines: per-copy DMA cost is 2-7 us, so below the
+# half-peak size (100-350 KB, shared/REFERENCE.md) the SM kernel wins.
+DMA_MIN_BLOCK_BYTES = 256 * 1024
+
+
+def _pair_problem(src: PagedKV, dst: PagedKV) -> str | None:
+    """Why no compiled GPU method can run for this pair, or None when they can."""
+    cuda_sides = [kv.device for kv in (src, dst) if kv.device.type == "cuda"]
+    if not cuda_sides:
+        return "no CUDA tensor on either side"
+    for name, kv in (("src", src), ("dst", dst)):
+        if kv.device.type == "cpu" and not kv.is_pinned:
+            return f"{name} is pageable host memory (pin it, e.g. HostKVPool(pin_memory=True))"
+        if kv.device.type not in ("cpu", "cuda"):
+            return f"{name} is on {kv.device}"
+    return None
+
+
+def available_methods(src: PagedKV, dst: PagedKV) -> list[Method]:
+    """The methods that can copy from ``src`` to ``dst`` in this process, "torch" first."""
+    methods: list[Method] = ["torch"]
+    both_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if both_cpu:
+        if _ext.has_cpu_kernels():
+            methods.append("cpu")
+        if interpret and _ext.triton_available():
+            methods.append("triton")
+        return methods
+    if _pair_problem(src, dst) is not None:
+        return methods
+    if not interpret and _ext.triton_available():
+        methods.append("triton")
+    if _ext.has_cuda_kernels():
+        methods += ["cuda", "copy_engine"]
+    return methods
+
+
+def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
+    """A sentence on why ``method`` cannot run for this pair."""
+    if method == "cpu":
+        if src.device.type != "cpu" or dst.device.type != "cpu":
+            return "'cpu' copies host to host only"
+        return f"the compiled extension is not loaded ({_ext.build_info()['extension_error']})"
+    if method == "triton":
+        if not _ext.triton_available():
+            return "triton is not installed"
+        if src.device.type == "cpu" and dst.device.type == "cpu":
+            return "'triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        return _pair_problem(src, dst) or "TRITON_INTERPRET=1 is set, and the interpreter cannot reach GPU memory"
+    problem = _pair_problem(src, dst)
+    if problem:
+        return problem
+    return "kvcopy was built without CUDA kernels"
+
+
+def choose_method(src: PagedKV, dst: PagedKV, available: list[Method], *, host_ids: bool) -> Method:
+    """The documented default for ``method="auto"`` (a calibrated profile replaces it later).
+
+    Host to host: "cpu" when compiled, else "torch". With a GPU: "copy_engine"
+    for plane-blocks of at least DMA_MIN_BLOCK_BYTES (host ids only), else the
+    SM kernel "cuda", else "triton", else "torch".
+    """
+    if "cpu" in available:
+        return "cpu"
+    if "copy_engine" in available and host_ids and min(src.block_nbytes) >= DMA_MIN_BLOCK_BYTES:
+        return "copy_engine"
+    for method in ("cuda", "triton"):
+        if method in available and (src.device.type == "cuda" or dst.device.type == "cuda"):
+            return method
+    return "torch"

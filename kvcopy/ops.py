@@ -1,0 +1,155 @@
+"""copy_blocks, gather and scatter: validation, method choice, dispatch.
+
+Everything a user can get wrong is checked before any byte moves, without a
+device synchronisation: see kvcopy._ids for what "fully validated" means for
+host-resident versus device-resident ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Union
+
+import torch
+
+from . import methods as _methods
+from ._ids import BlockIds, prepare_ids
+from ._torch_copy import copy_blocks_torch
+from .host import HostKVPool
+from .layout import PagedKV
+
+__all__ = ["copy_blocks", "gather", "scatter", "available_methods", "HOST_LINK_CTA_BUDGET"]
+
+KVLike = Union[PagedKV, HostKVPool]
+
+# CTAs the "cuda" SM kernel may use when host memory is on one side (mirrors
+# kHostLinkCtaBudget in csrc/kernels/block_copy_cuda.h): a few CTAs saturate
+# PCIe, every other SM stays with decode.
+HOST_LINK_CTA_BUDGET = 4
+
+
+def _as_paged(kv: KVLike, name: str) -> PagedKV:
+    if isinstance(kv, PagedKV):
+        return kv
+    if isinstance(kv, HostKVPool):
+        return kv.paged
+    raise TypeError(f"{name}: expected a PagedKV or HostKVPool, got {type(kv).__name__}")
+
+
+def _check_pair(src: PagedKV, dst: PagedKV) -> None:
+    if src.num_planes != dst.num_planes:
+        raise ValueError(f"dst: expected {src.num_planes} planes like src, got {dst.num_planes}")
+    if src.block_nbytes != dst.block_nbytes:
+        p = next(i for i, (a, b) in enumerate(zip(src.block_nbytes, dst.block_nbytes)) if a != b)
+        raise ValueError(
+            f"dst: plane {p} blocks are {dst.block_nbytes[p]} bytes, expected {src.block_nbytes[p]} like src"
+        )
+    if src.dtypes != dst.dtypes:
+        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes)) if a != b)
+        raise ValueError(f"dst: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like src")
+    if src.device.type == "cuda" and dst.device.type == "cuda" and src.device != dst.device:
+        raise ValueError(f"dst: on {dst.device}, src on {src.device}; copies between two GPUs are not supported")
+
+
+def available_methods(src: KVLike, dst: KVLike) -> list[str]:
+    """The methods that can copy from ``src`` to ``dst`` here, "torch" first."""
+    return list(_methods.available_methods(_as_paged(src, "src"), _as_paged(dst, "dst")))
+
+
+def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool) -> str:
+    available = _methods.available_methods(src, dst)
+    if method == "auto":
+        return _methods.choose_method(src, dst, available, host_ids=host_ids)
+    if method not in _methods.METHODS:
+        raise ValueError(f"method: expected 'auto' or one of {list(_methods.METHODS)}, got {method!r}")
+    if method not in available:
+        reason = _methods.unavailable_reason(method, src, dst)
+        raise ValueError(f"method: {method!r} cannot run for this pair ({reason}); methods that can: {available}")
+    if method in ("cpu", "copy_engine") and not host_ids:
+        raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
+    return method
+
+
+def _cuda_device(src: PagedKV, dst: PagedKV) -> torch.device:
+    return src.device if src.device.type == "cuda" else dst.device
+
+
+def _ids_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if ids.device == device:
+        return ids
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
+def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
+    if method == "torch":
+        copy_blocks_torch(src, src_ids, dst, dst_ids)
+    elif method == "cpu":
+        torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, 0)
+    elif method == "copy_engine":
+        torch.ops.kvcopy.copy_blocks_dma(src.planes, src_ids, dst.planes, dst_ids)
+    else:
+        uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
+        device = _cuda_device(src, dst) if uses_cuda else src.device
+        src_ids, dst_ids = _ids_on(src_ids, device), _ids_on(dst_ids, device)
+        if method == "cuda":
+            host_link = src.device.type != dst.device.type
+            ctas = HOST_LINK_CTA_BUDGET if host_link else 0
+            torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, ctas)
+        else:
+            from .triton_copy import copy_blocks_triton
+
+            copy_blocks_triton(src, src_ids, dst, dst_ids)
+
+
+def copy_blocks(
+    src: KVLike,
+    src_ids: BlockIds,
+    dst: KVLike,
+    dst_ids: BlockIds,
+    *,
+    method: str = "auto",
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """For every i and plane p: ``dst.planes[p][dst_ids[i]] = src.planes[p][src_ids[i]]``, bitwise.
+
+    All planes and blocks go in one submission. ``src`` and ``dst`` are PagedKV
+    or HostKVPool; ids are 1-D int32/int64 tensors or sequences of ints.
+    Repeated source ids are allowed; repeated destination ids are not.
+
+    GPU methods ("cuda", "triton", "copy_engine") are asynchronous on
+    ``stream`` (default: the current stream); keep both sides alive and
+    unchanged until that stream has reached the copy. "cpu" and "torch" return
+    when the copy is done. Host-resident ids are validated in full before
+    anything is written; CUDA-resident ids only for dtype and shape (see
+    kvcopy._ids). Raises IndexError, TypeError or ValueError for bad input.
+    """
+    src_kv, dst_kv = _as_paged(src, "src"), _as_paged(dst, "dst")
+    _check_pair(src_kv, dst_kv)
+    src_t = prepare_ids(src_ids, "src_ids", src_kv.num_blocks, unique=False)
+    dst_t = prepare_ids(dst_ids, "dst_ids", dst_kv.num_blocks, unique=True)
+    if src_t.numel() != dst_t.numel():
+        raise ValueError(
+            f"dst_ids: expected as many ids as src_ids ({src_t.numel()}), got {dst_t.numel()}"
+        )
+    host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
+    chosen = _resolve(method, src_kv, dst_kv, host_ids=host_ids)
+    if src_t.numel() == 0:
+        return
+    uses_cuda = src_kv.device.type == "cuda" or dst_kv.device.type == "cuda"
+    context = torch.cuda.stream(stream) if stream is not None and uses_cuda else contextlib.nullcontext()
+    with context:
+        _run(chosen, src_kv, src_t, dst_kv, dst_t)
+
+
+def gather(kv: KVLike, block_ids: BlockIds, host: HostKVPool, host_ids: BlockIds, **kw: object) -> None:
+    """Device pages -> host: ``copy_blocks(kv, block_ids, host, host_ids, **kw)``."""
+    if not isinstance(host, HostKVPool):
+        raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
+    copy_blocks(kv, block_ids, host, host_ids, **kw)  # type: ignore[arg-type]
+
+
+def scatter(host: HostKVPool, host_ids: BlockIds, kv: KVLike, block_ids: BlockIds, **kw: object) -> None:
+    """Host -> device pages: ``copy_blocks(host, host_ids, kv, block_ids, **kw)``."""
+    if not isinstance(host, HostKVPool):
+        raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
+    copy_blocks(host, host_ids, kv, block_ids, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,92 @@
+"""The "triton" method: the block-copy kernel written in Triton.
+
+Planes are passed as a table of raw addresses, cast to pointers inside the
+kernel, so the same kernel reads device pages and (on CUDA) pinned host memory
+through unified addressing. On CPU tensors it runs under ``TRITON_INTERPRET=1``
+(set before triton is first imported), which is how it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import PagedKV
+
+__all__ = ["copy_blocks_triton"]
+
+# Elements each program moves per step: 1024 x 8 B = 8 KiB, a 16-token block
+# of one head in bf16, so one step covers a typical small plane-block.
+_STEP_ELEMENTS = 1024
+# Programs when a host buffer is on one side: like the CUDA kernel's CTA budget,
+# a few CTAs (8 warps each) keep PCIe busy and leave the SMs to decode.
+HOST_LINK_PROGRAMS = 16
+# Programs for device-to-device copies: enough to fill a large GPU.
+DEVICE_PROGRAMS = 1024
+_WORD_DTYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+
+
+@triton.jit
+def _block_copy_kernel(
+    table_ptr,  # int64 [num_planes, 5]: src address, src stride, dst address, dst stride (bytes), block bytes
+    src_ids_ptr,  # int64 [num_ids]
+    dst_ids_ptr,  # int64 [num_ids]
+    num_ids,
+    num_planes,
+    src_num_blocks,
+    dst_num_blocks,
+    WORD: tl.constexpr,  # element type: the widest of int64/32/16/8 dividing every address, stride and size
+    WORD_BYTES: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    # Grid: (num_programs,). Item = i * num_planes + p copies block src_ids[i] -> dst_ids[i] of
+    # plane p; programs stride over items.
+    num_items = num_ids * num_planes
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        i = item // num_planes
+        row = table_ptr + (item % num_planes) * 5
+        src_id = tl.load(src_ids_ptr + i)
+        dst_id = tl.load(dst_ids_ptr + i)
+        if (src_id >= 0) & (src_id < src_num_blocks) & (dst_id >= 0) & (dst_id < dst_num_blocks):
+            src_addr = tl.load(row) + src_id * tl.load(row + 1)
+            dst_addr = tl.load(row + 2) + dst_id * tl.load(row + 3)
+            src = src_addr.to(tl.pointer_type(WORD), bitcast=True)
+            dst = dst_addr.to(tl.pointer_type(WORD), bitcast=True)
+            num_words = tl.load(row + 4) // WORD_BYTES
+            for start in range(0, num_words, STEP):
+                offsets = start + tl.arange(0, STEP)
+                mask = offsets < num_words
+                tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+
+
+def _plane_table(src: PagedKV, dst: PagedKV, device: torch.device) -> tuple[torch.Tensor, int]:
+    rows: list[int] = []
+    low_bits = 8  # word = the lowest set bit of (8 | every address, stride and size)
+    for s, d, nbytes in zip(src.planes, dst.planes, src.block_nbytes):
+        row = [s.data_ptr(), s.stride(0) * s.element_size(), d.data_ptr(), d.stride(0) * d.element_size(), nbytes]
+        rows += row
+        for value in row:
+            low_bits |= value
+    word_bytes = low_bits & -low_bits
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cpu":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, word_bytes
+
+
+def copy_blocks_triton(
+    src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, *, num_programs: int | None = None
+) -> None:
+    """Copies with the Triton kernel; ids must be int64 on the kernel's device."""
+    device = src.device if src.device.type == "cuda" else dst.device
+    table, word_bytes = _plane_table(src, dst, device)
+    num_items = src_ids.numel() * src.num_planes
+    if num_programs is None:
+        host_link = src.device.type != dst.device.type
+        num_programs = HOST_LINK_PROGRAMS if host_link else DEVICE_PROGRAMS
+    grid = (max(1, min(num_items, num_programs)),)
+    _block_copy_kernel[grid](
+        table, src_ids, dst_ids, src_ids.numel(), src.num_planes, src.num_blocks, dst.num_blocks,
+        WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, STEP=_STEP_ELEMENTS, num_warps=8,
+    )
