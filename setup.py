@@ -21,7 +21,12 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = ("8.0", "9.0", "10.0")  # A100, H100/H200, B200
-CPU_SOURCES = ["csrc/bindings.cpp", "csrc/ops/copy_blocks_cpu.cpp", "csrc/cpu/block_copy_cpu.cpp"]
+CPU_SOURCES = [
+    "csrc/bindings.cpp",
+    "csrc/fast_path.cpp",
+    "csrc/ops/copy_blocks_cpu.cpp",
+    "csrc/cpu/block_copy_cpu.cpp",
+]
 CUDA_SOURCES = [
     "csrc/ops/copy_blocks_cuda.cpp",
     "csrc/kernels/block_copy_kernel.cu",

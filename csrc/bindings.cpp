@@ -26,10 +26,15 @@ TORCH_LIBRARY_IMPL(kvcopy, CUDA, m) {
 }
 #endif
 
-// A plain extension module: importing it runs the registrations above. Which
-// CUDA archs were built is recorded by setup.py in kvcopy/_build_config.py.
-static struct PyModuleDef kvcopy_c_module = {PyModuleDef_HEAD_INIT, "_C",
-                                             "kvcopy's compiled ops", -1, nullptr};
+namespace kvcopy {
+extern PyMethodDef kFastPathMethods[];  // csrc/fast_path.cpp
+}
+
+// A plain extension module: importing it runs the registrations above; its
+// functions are the eager fast path (csrc/fast_path.cpp). Which CUDA archs
+// were built is recorded by setup.py in kvcopy/_build_config.py.
+static struct PyModuleDef kvcopy_c_module = {PyModuleDef_HEAD_INIT, "_C", "kvcopy's compiled ops", -1,
+                                             kvcopy::kFastPathMethods};
 
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* module = PyModule_Create(&kvcopy_c_module);

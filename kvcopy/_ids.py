@@ -19,8 +19,16 @@ __all__ = ["BlockIds", "prepare_ids"]
 
 BlockIds = torch.Tensor | Sequence[int] | np.ndarray
 _ID_DTYPES = (torch.int32, torch.int64)
-# Up to this many ids a Python set finds repeats faster than a numpy sort.
+# Up to this many ids, plain Python checks beat numpy's per-call overhead.
 _SMALL_ID_COUNT = 64
+
+
+def _validate_ints(values: Sequence[int], name: str) -> None:
+    if all(type(v) is int for v in values):
+        return
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected integer ids, got {type(value).__name__} {value!r}")
 
 
 def _as_tensor(ids: BlockIds, name: str) -> torch.Tensor:
@@ -30,16 +38,7 @@ def _as_tensor(ids: BlockIds, name: str) -> torch.Tensor:
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{name}: expected int32 or int64 ids, got a numpy array of {ids.dtype}")
         return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor or a sequence of ints, got {type(ids).__name__}")
-    values = list(ids)
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name}: expected integer ids, got {type(value).__name__} {value!r}")
-    try:
-        return torch.tensor(values, dtype=torch.int64)
-    except (OverflowError, RuntimeError) as err:
-        raise IndexError(f"{name}: an id does not fit in int64 ({err})") from None
+    raise TypeError(f"{name}: expected a 1-D int32/int64 tensor or a sequence of ints, got {type(ids).__name__}")
 
 
 def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> torch.Tensor:
@@ -49,35 +48,58 @@ def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> t
     1-D or (with ``unique``) a repeated id, IndexError for an id outside
     ``[0, num_blocks)``. Value checks apply to host-resident ids only.
     """
+    if isinstance(ids, (list, tuple, range)):
+        _validate_ints(ids, name)
+        _check_values(ids, name, num_blocks, unique=unique)
+        return torch.tensor(ids, dtype=torch.int64)
     tensor = _as_tensor(ids, name)
     if tensor.dtype not in _ID_DTYPES:
         raise TypeError(f"{name}: expected dtype int32 or int64, got {tensor.dtype}")
     if tensor.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor of block ids, got shape {list(tensor.shape)}")
-    tensor = tensor.to(torch.int64).contiguous()
+    if tensor.dtype != torch.int64:
+        tensor = tensor.to(torch.int64)
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return tensor
-    values = tensor.numpy()
-    low, high = int(values.min()), int(values.max())
-    if low < 0 or high >= num_blocks:
-        bad = low if low < 0 else high
-        raise IndexError(f"{name}: expected ids in [0, {num_blocks}), got {bad}")
-    if unique and values.size > 1:
-        _check_no_repeats(values, name)
+    if tensor.numel() <= _SMALL_ID_COUNT:
+        _check_values(tensor.tolist(), name, num_blocks, unique=unique)
+    else:
+        _check_array(tensor.numpy(), name, num_blocks, unique=unique)
     return tensor
 
 
-def _check_no_repeats(values: np.ndarray, name: str) -> None:
-    if values.size <= _SMALL_ID_COUNT:
-        seen: set[int] = set()
-        for value in values.tolist():
-            if value in seen:
-                raise ValueError(f"{name}: expected distinct destination ids (repeats would race), got {value} twice")
-            seen.add(value)
+def _range_error(name: str, num_blocks: int, bad: int) -> IndexError:
+    return IndexError(f"{name}: expected ids in [0, {num_blocks}), got {bad}")
+
+
+def _repeat_error(name: str, value: int) -> ValueError:
+    return ValueError(f"{name}: expected distinct destination ids (repeats would race), got {value} more than once")
+
+
+def _check_values(values: Sequence[int], name: str, num_blocks: int, *, unique: bool) -> None:
+    """Checks a short Python sequence of ints."""
+    if not values:
         return
-    ordered = np.sort(values)
-    repeats = ordered[1:][ordered[1:] == ordered[:-1]]
-    if repeats.size:
-        raise ValueError(
-            f"{name}: expected distinct destination ids (repeats would race), got {int(repeats[0])} more than once"
-        )
+    low, high = min(values), max(values)
+    if low < 0 or high >= num_blocks:
+        raise _range_error(name, num_blocks, int(low if low < 0 else high))
+    if unique and len(set(values)) != len(values):
+        seen: set[int] = set()
+        for value in values:
+            if value in seen:
+                raise _repeat_error(name, int(value))
+            seen.add(value)
+
+
+def _check_array(values: np.ndarray, name: str, num_blocks: int, *, unique: bool) -> None:
+    """Checks a long int64 array with numpy."""
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= num_blocks:
+        raise _range_error(name, num_blocks, low if low < 0 else high)
+    if unique:
+        ordered = np.sort(values)
+        repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeats.size:
+            raise _repeat_error(name, int(repeats[0]))

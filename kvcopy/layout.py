@@ -163,6 +163,23 @@ class PagedKV:
         return tuple(p.dtype for p in self._planes)
 
     @cached_property
+    def plane_table(self) -> torch.Tensor:
+        """Host int64 ``[num_planes, 3]``: block-0 address, block stride (bytes), block bytes.
+
+        What the compiled kernels read. Cached: planes must not be resized or
+        re-pointed (``set_``) while this PagedKV is in use.
+        """
+        rows = [[p.data_ptr(), p.stride(0) * p.element_size(), n] for p, n in zip(self._planes, self.block_nbytes)]
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def plane_table_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`plane_table` copied to ``device`` once and cached (for the Triton kernel)."""
+        cache: dict[torch.device, torch.Tensor] = self.__dict__.setdefault("_plane_tables", {})
+        if device not in cache:
+            cache[device] = self.plane_table.to(device)
+        return cache[device]
+
+    @cached_property
     def is_pinned(self) -> bool:
         """True when every plane is in page-locked host memory (False on a GPU)."""
         if self.device.type != "cpu" or not torch.cuda.is_available():

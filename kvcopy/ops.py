@@ -12,6 +12,7 @@ from typing import Union
 
 import torch
 
+from . import _ext
 from . import methods as _methods
 from ._ids import BlockIds, prepare_ids
 from ._torch_copy import copy_blocks_torch
@@ -83,22 +84,50 @@ def _ids_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
     if method == "torch":
         copy_blocks_torch(src, src_ids, dst, dst_ids)
-    elif method == "cpu":
+        return
+    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
+    device = _cuda_device(src, dst) if uses_cuda else src.device
+    if method == "triton":
+        from .triton_copy import copy_blocks_triton
+
+        copy_blocks_triton(src, _ids_on(src_ids, device), dst, _ids_on(dst_ids, device))
+        return
+    if torch.compiler.is_compiling():
+        _run_op(method, src, src_ids, dst, dst_ids, device)
+        return
+    # Eager: the same kernels, entered with cached plane tables (csrc/fast_path.cpp).
+    fast = _ext.extension()
+    n = src_ids.numel()
+    tables = (src.plane_table.data_ptr(), dst.plane_table.data_ptr(), src.num_planes)
+    if method == "cpu":
+        fast.copy_blocks_cpu(*tables, src_ids.data_ptr(), dst_ids.data_ptr(), n, torch.get_num_threads())
+    elif method == "copy_engine":
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        fast.copy_blocks_dma(*tables, src_ids.data_ptr(), dst_ids.data_ptr(), n, stream, device.index)
+    else:
+        src_ids, dst_ids = _ids_on(src_ids, device), _ids_on(dst_ids, device)
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        fast.copy_blocks_cuda(
+            *tables, src_ids.data_ptr(), dst_ids.data_ptr(), n, src.num_blocks, dst.num_blocks,
+            _cta_budget(src, dst), stream, device.index,
+        )
+
+
+def _cta_budget(src: PagedKV, dst: PagedKV) -> int:
+    return HOST_LINK_CTA_BUDGET if src.device.type != dst.device.type else 0
+
+
+def _run_op(
+    method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, device: torch.device
+) -> None:
+    """The registered torch.ops (traceable by torch.compile)."""
+    if method == "cpu":
         torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, 0)
     elif method == "copy_engine":
         torch.ops.kvcopy.copy_blocks_dma(src.planes, src_ids, dst.planes, dst_ids)
     else:
-        uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
-        device = _cuda_device(src, dst) if uses_cuda else src.device
         src_ids, dst_ids = _ids_on(src_ids, device), _ids_on(dst_ids, device)
-        if method == "cuda":
-            host_link = src.device.type != dst.device.type
-            ctas = HOST_LINK_CTA_BUDGET if host_link else 0
-            torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, ctas)
-        else:
-            from .triton_copy import copy_blocks_triton
-
-            copy_blocks_triton(src, src_ids, dst, dst_ids)
+        torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, _cta_budget(src, dst))
 
 
 def copy_blocks(

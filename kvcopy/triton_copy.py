@@ -29,7 +29,8 @@ _WORD_DTYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 @triton.jit
 def _block_copy_kernel(
-    table_ptr,  # int64 [num_planes, 5]: src address, src stride, dst address, dst stride (bytes), block bytes
+    src_table_ptr,  # int64 [num_planes, 3]: block-0 address, block stride (bytes), block bytes
+    dst_table_ptr,  # int64 [num_planes, 3]: the same for the destination
     src_ids_ptr,  # int64 [num_ids]
     dst_ids_ptr,  # int64 [num_ids]
     num_ids,
@@ -45,34 +46,28 @@ def _block_copy_kernel(
     num_items = num_ids * num_planes
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         i = item // num_planes
-        row = table_ptr + (item % num_planes) * 5
+        src_row = src_table_ptr + (item % num_planes) * 3
+        dst_row = dst_table_ptr + (item % num_planes) * 3
         src_id = tl.load(src_ids_ptr + i)
         dst_id = tl.load(dst_ids_ptr + i)
         if (src_id >= 0) & (src_id < src_num_blocks) & (dst_id >= 0) & (dst_id < dst_num_blocks):
-            src_addr = tl.load(row) + src_id * tl.load(row + 1)
-            dst_addr = tl.load(row + 2) + dst_id * tl.load(row + 3)
+            src_addr = tl.load(src_row) + src_id * tl.load(src_row + 1)
+            dst_addr = tl.load(dst_row) + dst_id * tl.load(dst_row + 1)
             src = src_addr.to(tl.pointer_type(WORD), bitcast=True)
             dst = dst_addr.to(tl.pointer_type(WORD), bitcast=True)
-            num_words = tl.load(row + 4) // WORD_BYTES
+            num_words = tl.load(src_row + 2) // WORD_BYTES
             for start in range(0, num_words, STEP):
                 offsets = start + tl.arange(0, STEP)
                 mask = offsets < num_words
                 tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
-def _plane_table(src: PagedKV, dst: PagedKV, device: torch.device) -> tuple[torch.Tensor, int]:
-    rows: list[int] = []
-    low_bits = 8  # word = the lowest set bit of (8 | every address, stride and size)
-    for s, d, nbytes in zip(src.planes, dst.planes, src.block_nbytes):
-        row = [s.data_ptr(), s.stride(0) * s.element_size(), d.data_ptr(), d.stride(0) * d.element_size(), nbytes]
-        rows += row
-        for value in row:
-            low_bits |= value
-    word_bytes = low_bits & -low_bits
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type != "cpu":
-        table = table.pin_memory().to(device, non_blocking=True)
-    return table, word_bytes
+def _word_bytes(src: PagedKV, dst: PagedKV) -> int:
+    """The widest word (<= 8 bytes) dividing every address, stride and block size."""
+    low_bits = 8
+    for value in torch.cat([src.plane_table, dst.plane_table]).view(-1).tolist():
+        low_bits |= value
+    return low_bits & -low_bits
 
 
 def copy_blocks_triton(
@@ -80,13 +75,14 @@ def copy_blocks_triton(
 ) -> None:
     """Copies with the Triton kernel; ids must be int64 on the kernel's device."""
     device = src.device if src.device.type == "cuda" else dst.device
-    table, word_bytes = _plane_table(src, dst, device)
+    word_bytes = _word_bytes(src, dst)
     num_items = src_ids.numel() * src.num_planes
     if num_programs is None:
         host_link = src.device.type != dst.device.type
         num_programs = HOST_LINK_PROGRAMS if host_link else DEVICE_PROGRAMS
     grid = (max(1, min(num_items, num_programs)),)
     _block_copy_kernel[grid](
-        table, src_ids, dst_ids, src_ids.numel(), src.num_planes, src.num_blocks, dst.num_blocks,
+        src.plane_table_on(device), dst.plane_table_on(device), src_ids, dst_ids,
+        src_ids.numel(), src.num_planes, src.num_blocks, dst.num_blocks,
         WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, STEP=_STEP_ELEMENTS, num_warps=8,
     )
