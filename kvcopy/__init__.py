@@ -9,7 +9,7 @@ on one side.
 
 from __future__ import annotations
 
-from ._ext import build_info
+from ._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from ._version import __version__
 from .host import HostKVPool
 from .layout import PagedKV
@@ -27,9 +27,3 @@ __all__ = [
     "gather",
     "scatter",
 ]
-
-# Register the compiled ops (and their fake implementations) at import: cheap,
-# and torch.ops.kvcopy then exists for users and for torch.compile.
-from . import _ext as _ext_module  # noqa: E402
-
-_ext_module.extension()

@@ -22,7 +22,6 @@ from ._version import __version__
 __all__ = ["build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
 
 
-@functools.cache
 def _load() -> tuple[ModuleType | None, str | None]:
     try:
         module = importlib.import_module("kvcopy._C")
@@ -34,7 +33,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
 def extension() -> ModuleType | None:
     """The compiled module, or None when it is not built or failed to load."""
-    return _load()[0]
+    return _MODULE
 
 
 def _register_fakes() -> None:
@@ -50,12 +49,11 @@ def _register_fakes() -> None:
 
 
 def has_cpu_kernels() -> bool:
-    return extension() is not None
+    return _MODULE is not None
 
 
 def has_cuda_kernels() -> bool:
-    module = extension()
-    return module is not None and bool(module.WITH_CUDA)
+    return _MODULE is not None and bool(_MODULE.WITH_CUDA)
 
 
 @functools.cache
@@ -70,7 +68,8 @@ def _triton_version() -> str | None:
 
 
 def triton_available() -> bool:
-    return _triton_version() is not None
+    """Whether triton is installed (found without importing it: importing takes seconds)."""
+    return _TRITON_FOUND
 
 
 def _recorded_build_config() -> dict[str, Any]:
@@ -83,7 +82,7 @@ def _recorded_build_config() -> dict[str, Any]:
 
 def build_info() -> dict[str, Any]:
     """What this kvcopy has: compiled CPU/CUDA kernels and CUDA archs, Triton, versions."""
-    module, load_error = _load()
+    module, load_error = _MODULE, _LOAD_ERROR
     recorded = _recorded_build_config()
     archs = recorded.get("cuda_archs", "")
     return {
@@ -103,3 +102,8 @@ def build_info() -> dict[str, Any]:
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "cuda_available": torch.cuda.is_available(),
     }
+
+
+# Loaded once at import, so hot paths and torch.compile read plain globals.
+_MODULE, _LOAD_ERROR = _load()
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None

@@ -61,8 +61,8 @@ def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> t
         tensor = tensor.to(torch.int64)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
-        return tensor
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or torch.compiler.is_compiling():
+        return tensor  # values unread: that would sync the device or break the traced graph
     if tensor.numel() <= _SMALL_ID_COUNT:
         _check_values(tensor.tolist(), name, num_blocks, unique=unique)
     else:

@@ -51,7 +51,7 @@ class HostKVPool:
             _layer_first_planes(self.buffer, like, num_blocks)
         )
         self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer)
-        self.paged.__dict__["is_pinned"] = pin  # known here; spares a per-plane query
+        self.paged._pinned = pin  # known here; spares a per-plane query
 
     @property
     def num_blocks(self) -> int:
@@ -82,23 +82,40 @@ class HostKVPool:
         )
 
 
-def _typed_view(raw: torch.Tensor, plane: torch.Tensor, index: int, num_blocks: int) -> torch.Tensor:
-    """Reinterprets ``raw`` ([num_blocks, block_nbytes] uint8) as blocks shaped like ``plane``."""
-    try:
-        return raw.view(plane.dtype).view(num_blocks, *plane.shape[1:])
-    except RuntimeError as err:
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _plane_over(buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks: int, offset: int, stride: int) -> torch.Tensor:
+    """A tensor shaped like ``like`` ([num_blocks, *block]) over ``buffer``'s storage.
+
+    Block b starts at byte ``offset + b * stride``. Made with ``set_`` rather
+    than a chain of views so that every plane is a plain alias of the storage:
+    torch.compile can then trace one op mutating several planes of one pool.
+    """
+    itemsize = like.element_size()
+    if offset % itemsize or stride % itemsize:
         raise ValueError(
-            f"like.planes[{index}]: its {plane.dtype} blocks cannot start at a byte offset aligned to "
-            f"{plane.element_size()} in an unpadded host layout ({err}); order planes by decreasing "
-            f"element size or use layout='layer_first'"
-        ) from None
+            f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "
+            f"not multiples of its {itemsize}-byte elements, in an unpadded host layout; order planes by "
+            f"decreasing element size or use layout='layer_first'"
+        )
+    block_shape = tuple(like.shape[1:])
+    plane = torch.empty(0, dtype=like.dtype)
+    return plane.set_(
+        buffer.untyped_storage(), offset // itemsize, (num_blocks, *block_shape),
+        (stride // itemsize, *_contiguous_strides(block_shape)),
+    )
 
 
 def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
-    rows = buffer.view(num_blocks, like.nbytes_per_block)
     planes, offset = [], 0
     for index, (plane, nbytes) in enumerate(zip(like.planes, like.block_nbytes)):
-        planes.append(_typed_view(rows[:, offset : offset + nbytes], plane, index, num_blocks))
+        planes.append(_plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
         offset += nbytes
     return planes
 
@@ -106,7 +123,6 @@ def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> 
 def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
     for index, (plane, nbytes) in enumerate(zip(like.planes, like.block_nbytes)):
-        region = buffer[offset : offset + num_blocks * nbytes].view(num_blocks, nbytes)
-        planes.append(_typed_view(region, plane, index, num_blocks))
+        planes.append(_plane_over(buffer, plane, index, num_blocks, offset, nbytes))
         offset += num_blocks * nbytes
     return planes

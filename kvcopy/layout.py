@@ -8,7 +8,6 @@ list of planes with the same block count on one device (shared/DESIGN.md §2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 
 import torch
 
@@ -72,6 +71,15 @@ class PagedKV:
             )
         self._planes = planes
         self.planes_per_layer = planes_per_layer
+        # Derived once: the hot path and torch.compile read plain attributes.
+        self._block_nbytes = tuple(_block_numel(p) * p.element_size() for p in planes)
+        self._dtypes = tuple(p.dtype for p in planes)
+        self._plane_table = torch.tensor(
+            [[p.data_ptr(), p.stride(0) * p.element_size(), n] for p, n in zip(planes, self._block_nbytes)],
+            dtype=torch.int64,
+        )
+        self._plane_tables_on: dict[torch.device, torch.Tensor] = {}
+        self._pinned: bool | None = None
 
     @classmethod
     def from_planes(cls, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1) -> PagedKV:
@@ -148,43 +156,42 @@ class PagedKV:
     def device(self) -> torch.device:
         return self._planes[0].device
 
-    @cached_property
+    @property
     def block_nbytes(self) -> tuple[int, ...]:
         """Bytes of one block of each plane."""
-        return tuple(_block_numel(p) * p.element_size() for p in self._planes)
+        return self._block_nbytes
 
-    @cached_property
+    @property
     def nbytes_per_block(self) -> int:
         """Bytes of one block across all planes."""
-        return sum(self.block_nbytes)
+        return sum(self._block_nbytes)
 
-    @cached_property
+    @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        return tuple(p.dtype for p in self._planes)
+        return self._dtypes
 
-    @cached_property
+    @property
     def plane_table(self) -> torch.Tensor:
         """Host int64 ``[num_planes, 3]``: block-0 address, block stride (bytes), block bytes.
 
-        What the compiled kernels read. Cached: planes must not be resized or
-        re-pointed (``set_``) while this PagedKV is in use.
+        What the compiled kernels read. Computed at construction: planes must
+        not be resized or re-pointed (``set_``) while this PagedKV is in use.
         """
-        rows = [[p.data_ptr(), p.stride(0) * p.element_size(), n] for p, n in zip(self._planes, self.block_nbytes)]
-        return torch.tensor(rows, dtype=torch.int64)
+        return self._plane_table
 
     def plane_table_on(self, device: torch.device) -> torch.Tensor:
         """:attr:`plane_table` copied to ``device`` once and cached (for the Triton kernel)."""
-        cache: dict[torch.device, torch.Tensor] = self.__dict__.setdefault("_plane_tables", {})
-        if device not in cache:
-            cache[device] = self.plane_table.to(device)
-        return cache[device]
+        if device not in self._plane_tables_on:
+            self._plane_tables_on[device] = self._plane_table.to(device)
+        return self._plane_tables_on[device]
 
-    @cached_property
+    @property
     def is_pinned(self) -> bool:
-        """True when every plane is in page-locked host memory (False on a GPU)."""
-        if self.device.type != "cpu" or not torch.cuda.is_available():
-            return False
-        return all(p.is_pinned() for p in self._planes)
+        """True when every plane is in page-locked host memory (False on a GPU); asked once."""
+        if self._pinned is None:
+            on_host = self.device.type == "cpu" and torch.cuda.is_available()
+            self._pinned = on_host and all(p.is_pinned() for p in self._planes)
+        return self._pinned
 
     def __repr__(self) -> str:
         return (

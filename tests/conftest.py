@@ -53,8 +53,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, tor
 
 
 def byte_rows(plane: torch.Tensor) -> torch.Tensor:
-    """``plane`` as ``[num_blocks, block_nbytes]`` uint8, a view (works for fp8 and strided planes)."""
-    return plane.view(plane.shape[0], -1).view(torch.uint8)
+    """``plane`` as ``[num_blocks, block_nbytes]`` uint8, a view (works for fp8 and strided planes).
+
+    Built with as_strided from the block stride, so size-1 block dims of any
+    stride (which PagedKV accepts) are handled too.
+    """
+    block_numel = 1
+    for size in plane.shape[1:]:
+        block_numel *= size
+    rows = plane.as_strided((plane.shape[0], block_numel), (plane.stride(0), 1))
+    return rows.view(torch.uint8)
 
 
 def random_bytes(numel_bytes: int, gen: torch.Generator) -> torch.Tensor:
