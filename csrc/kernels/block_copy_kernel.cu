@@ -90,7 +90,8 @@ cudaError_t launch_aligned(const BlockCopyArgs& args, int alignment, int num_cta
   }
 }
 
-cudaError_t grid_for_work(int64_t num_items, int requested, cudaStream_t stream, int* num_ctas) {
+// The launchers make the stream's device current before calling in.
+cudaError_t grid_for_work(int64_t num_items, int requested, int* num_ctas) {
   const int64_t needed = (num_items + kWarpsPerCta - 1) / kWarpsPerCta;
   if (requested > 0) {
     *num_ctas = static_cast<int>(std::min<int64_t>(requested, needed));
@@ -98,7 +99,7 @@ cudaError_t grid_for_work(int64_t num_items, int requested, cudaStream_t stream,
   }
   int device = 0;
   int num_sms = 0;
-  cudaError_t err = cudaStreamGetDevice(stream, &device);
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
@@ -123,7 +124,7 @@ cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes
     args.num_planes = std::min(kMaxPlanesPerLaunch, num_planes - first);
     std::copy(planes + first, planes + first + args.num_planes, args.planes);
     int grid = 0;
-    cudaError_t err = grid_for_work(num_ids * args.num_planes, num_ctas, stream, &grid);
+    cudaError_t err = grid_for_work(num_ids * args.num_planes, num_ctas, &grid);
     if (err != cudaSuccess) return err;
     err = launch_aligned(args, common_alignment(args.planes, args.num_planes), grid, stream);
     if (err != cudaSuccess) return err;
