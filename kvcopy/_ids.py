@@ -27,6 +27,8 @@ def _validate_ints(values: Sequence[int], name: str) -> None:
     if all(type(v) is int for v in values):
         return
     for value in values:
+        if isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(value, (str, bytes)):
+            raise ValueError(f"{name}: expected a 1-D sequence of block ids, got a nested {type(value).__name__}")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name}: expected integer ids, got {type(value).__name__} {value!r}")
 
@@ -35,9 +37,9 @@ def _as_tensor(ids: BlockIds, name: str) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         return ids
     if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"{name}: expected int32 or int64 ids, got a numpy array of {ids.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        if ids.dtype not in (np.int32, np.int64):
+            raise TypeError(f"{name}: expected dtype int32 or int64, got a numpy array of {ids.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(ids))
     raise TypeError(f"{name}: expected a 1-D int32/int64 tensor or a sequence of ints, got {type(ids).__name__}")
 
 

@@ -101,8 +101,8 @@ def _plane_over(buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks
     if offset % itemsize or stride % itemsize:
         raise ValueError(
             f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "
-            f"not multiples of its {itemsize}-byte elements, in an unpadded host layout; order planes by "
-            f"decreasing element size or use layout='layer_first'"
+            f"not multiples of its {itemsize}-byte elements, in an unpadded host layout; order the planes by "
+            f"decreasing element size"
         )
     block_shape = tuple(like.shape[1:])
     plane = torch.empty(0, dtype=like.dtype)

@@ -62,7 +62,7 @@ def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool) -> str:
     if method == "auto":
         return _methods.choose_method(src, dst, available, host_ids=host_ids)
     if method not in _methods.METHODS:
-        raise ValueError(f"method: expected 'auto' or one of {list(_methods.METHODS)}, got {method!r}")
+        raise ValueError(f"method: expected 'auto' or a method that can run for this pair {available}, got {method!r}")
     if method not in available:
         reason = _methods.unavailable_reason(method, src, dst)
         raise ValueError(f"method: {method!r} cannot run for this pair ({reason}); methods that can: {available}")

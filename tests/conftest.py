@@ -7,9 +7,7 @@ it is set here, before kvcopy (which imports triton lazily) is imported.
 
 from __future__ import annotations
 
-import importlib
 import os
-import time
 
 import torch
 
@@ -19,32 +17,16 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-
-def _import_kvcopy():
-    """Imports kvcopy, waiting out a concurrent rebuild of kvcopy/_C.
-
-    kvcopy caches a failed load of its extension for the life of the process,
-    so the compiled module is imported (with retries) before kvcopy itself.
-    """
-    last_error = None
-    for _ in range(4):
-        try:
-            importlib.import_module("kvcopy._C")
-            return importlib.import_module("kvcopy")
-        except ImportError as err:  # the .so may be half-written during a rebuild
-            last_error = err
-            time.sleep(30)
-    raise last_error  # type: ignore[misc]
-
-
-kvcopy = _import_kvcopy()
+import kvcopy  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 gpu = pytest.mark.gpu
 
+# Triton runs on CPU tensors only under its interpreter (set above when there is no GPU).
+TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 # Methods that can run on a CPU <-> CPU pair in this process.
-CPU_METHODS = ("torch", "cpu", "triton")
+CPU_METHODS = ("torch", "cpu", "triton") if TRITON_ON_CPU else ("torch", "cpu")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)
 

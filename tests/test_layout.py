@@ -199,6 +199,12 @@ def test_overlapping_blocks_are_rejected():
         kvcopy.PagedKV.from_planes([plane])
 
 
+def test_planes_on_different_devices_are_rejected():
+    # Two real GPUs are tested in test_gpu.py; the meta device gives a second device on any machine.
+    with pytest.raises(ValueError, match=r"planes\[1\].*device"):
+        kvcopy.PagedKV.from_planes([torch.zeros(4, 3), torch.zeros(4, 3, device="meta")])
+
+
 def test_different_block_counts_are_rejected():
     with pytest.raises(ValueError, match=r"planes\[1\]"):
         kvcopy.PagedKV.from_planes([torch.zeros(4, 3), torch.zeros(5, 3)])

@@ -7,12 +7,29 @@
 
 namespace kvcopy {
 
+void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                    const at::Tensor& dst_ids) {
+  check_id_tensor(src_ids, "src_ids", src_ids.numel());
+  check_id_tensor(dst_ids, "dst_ids", src_ids.numel());
+  TORCH_CHECK_VALUE(src_ids.is_cpu() && dst_ids.is_cpu(), "kvcopy: this copy reads ids on the host, got ",
+                    src_ids.device(), " and ", dst_ids.device());
+  const int64_t src_blocks = src.empty() ? 0 : src[0].size(0);
+  const int64_t dst_blocks = dst.empty() ? 0 : dst[0].size(0);
+  const IdProblem problem = check_ids(src_ids.const_data_ptr<int64_t>(), dst_ids.const_data_ptr<int64_t>(),
+                                      src_ids.numel(), src_blocks, dst_blocks);
+  TORCH_CHECK_INDEX(problem.kind != IdProblem::kSrcOutOfRange, "src_ids: expected ids in [0, ", src_blocks,
+                    "), got ", problem.id);
+  TORCH_CHECK_INDEX(problem.kind != IdProblem::kDstOutOfRange, "dst_ids: expected ids in [0, ", dst_blocks,
+                    "), got ", problem.id);
+  TORCH_CHECK_VALUE(problem.kind != IdProblem::kDstRepeated,
+                    "dst_ids: expected distinct destination ids (repeats would race), got ", problem.id,
+                    " more than once");
+}
+
 void copy_blocks_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
                         const at::Tensor& dst_ids, int64_t /*num_ctas: unused on CPU*/) {
-  check_ids(src_ids, "src_ids", src_ids.numel());
-  check_ids(dst_ids, "dst_ids", src_ids.numel());
-  TORCH_CHECK(src_ids.is_cpu() && dst_ids.is_cpu(), "kvcopy: the CPU copy needs host ids");
   const std::vector<PlaneCopy> planes = make_plane_table(src, dst);
+  check_host_ids(src, src_ids, dst, dst_ids);
   copy_blocks_cpu(planes.data(), static_cast<int64_t>(planes.size()),
                   src_ids.const_data_ptr<int64_t>(), dst_ids.const_data_ptr<int64_t>(),
                   src_ids.numel(), at::get_num_threads());

@@ -24,8 +24,8 @@ void check_cuda(cudaError_t err, const char* what) {
 
 void copy_blocks_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
                          const at::Tensor& dst_ids, int64_t num_ctas) {
-  check_ids(src_ids, "src_ids", src_ids.numel());
-  check_ids(dst_ids, "dst_ids", src_ids.numel());
+  check_id_tensor(src_ids, "src_ids", src_ids.numel());
+  check_id_tensor(dst_ids, "dst_ids", src_ids.numel());
   const c10::Device device = cuda_device_of(src, dst);
   TORCH_CHECK(src_ids.device() == device && dst_ids.device() == device,
               "kvcopy: the SM kernel reads ids on ", device, ", got ", src_ids.device(), " and ",
@@ -44,12 +44,10 @@ void copy_blocks_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::Tens
 
 void copy_blocks_dma_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
                              const at::Tensor& dst_ids) {
-  check_ids(src_ids, "src_ids", src_ids.numel());
-  check_ids(dst_ids, "dst_ids", src_ids.numel());
-  TORCH_CHECK(src_ids.is_cpu() && dst_ids.is_cpu(), "kvcopy: the copy-engine path needs host ids");
+  const std::vector<PlaneCopy> planes = make_plane_table(src, dst);
+  check_host_ids(src, src_ids, dst, dst_ids);
   const c10::Device device = cuda_device_of(src, dst);
   const c10::cuda::CUDAGuard guard(device);
-  const std::vector<PlaneCopy> planes = make_plane_table(src, dst);
   check_cuda(submit_block_copy_dma(planes.data(), static_cast<int64_t>(planes.size()),
                                    src_ids.const_data_ptr<int64_t>(),
                                    dst_ids.const_data_ptr<int64_t>(), src_ids.numel(),

@@ -5,6 +5,11 @@
 
 namespace kvcopy {
 
+// Full checks of host ids (range, distinct destinations) before any byte moves:
+// IndexError / ValueError in Python. Shared by the ops that read host ids.
+void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                    const at::Tensor& dst_ids);
+
 // kvcopy::copy_blocks on CPU tensors: coalesced parallel memcpy.
 void copy_blocks_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
                         const at::Tensor& dst_ids, int64_t num_ctas);

@@ -32,7 +32,7 @@ inline std::vector<PlaneCopy> make_plane_table(at::TensorList src, at::TensorLis
   return planes;
 }
 
-inline void check_ids(const at::Tensor& ids, const char* name, int64_t expected_len) {
+inline void check_id_tensor(const at::Tensor& ids, const char* name, int64_t expected_len) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "kvcopy: ",
               name, " must be a contiguous 1-D int64 tensor");
   TORCH_CHECK(ids.numel() == expected_len, "kvcopy: ", name, " has ", ids.numel(),
