@@ -16,6 +16,6 @@ torch_spec=${KVCOPY_TORCH:-torch==2.14.1}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 export PATH="$PWD/.venv/bin:$PATH"   # so the build finds the venv's ninja
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet "$torch_spec" ninja setuptools wheel
+python -m pip install --quiet "$torch_spec" numpy ninja "setuptools>=77" wheel
 MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install --quiet --no-build-isolation -e ".[test]"
 python -m kvcopy info

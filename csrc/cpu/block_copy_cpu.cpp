@@ -6,6 +6,11 @@
 
 #include "kvcopy/id_runs.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>  // SSE2, part of every x86-64 CPU: no runtime dispatch needed
+#define KVCOPY_HAVE_STREAMING_STORES 1
+#endif
+
 namespace kvcopy {
 namespace {
 
@@ -17,6 +22,13 @@ constexpr int64_t kParallelMinBytes = 256 * 1024;
 // balanced shares even when one run dominates the call.
 constexpr int64_t kMaxPieceBytes = 1 << 20;
 
+// Calls moving at least this many bytes write with non-temporal stores. That
+// is about half of an EPYC CCX's 32 MiB L3: a destination this large cannot
+// stay cached anyway, and skipping the read-for-ownership of each destination
+// line cuts memory traffic from 3x to 2x the bytes moved. Smaller calls keep
+// ordinary stores, which win while the data is still in cache.
+constexpr int64_t kStreamingMinBytes = 16 << 20;
+
 struct CopyPiece {
   const uint8_t* src;
   uint8_t* dst;
@@ -27,6 +39,48 @@ void add_range(std::vector<CopyPiece>& pieces, const uint8_t* src, uint8_t* dst,
   for (int64_t off = 0; off < nbytes; off += kMaxPieceBytes) {
     pieces.push_back({src + off, dst + off, std::min(kMaxPieceBytes, nbytes - off)});
   }
+}
+
+bool overlaps(const CopyPiece& piece) {
+  return piece.dst < piece.src + piece.nbytes && piece.src < piece.dst + piece.nbytes;
+}
+
+// Copies one piece; with `streaming`, through non-temporal 16-byte stores
+// (the caller fences once after its last piece).
+void copy_piece(const CopyPiece& piece, bool streaming) {
+#ifdef KVCOPY_HAVE_STREAMING_STORES
+  if (streaming && !overlaps(piece)) {
+    const uint8_t* src = piece.src;
+    uint8_t* dst = piece.dst;
+    int64_t left = piece.nbytes;
+    const int64_t head = std::min<int64_t>(left, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+    std::memcpy(dst, src, head);
+    src += head, dst += head, left -= head;
+    constexpr int64_t kLine = 64;  // one cache line per iteration: 4 loads, then 4 stores
+    for (; left >= kLine; src += kLine, dst += kLine, left -= kLine) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+    }
+    std::memcpy(dst, src, left);
+    return;
+  }
+#endif
+  (void)streaming;
+  std::memmove(piece.dst, piece.src, piece.nbytes);
+}
+
+// Makes a thread's non-temporal stores visible before the call returns.
+void finish_streaming(bool streaming) {
+#ifdef KVCOPY_HAVE_STREAMING_STORES
+  if (streaming) _mm_sfence();
+#endif
+  (void)streaming;
 }
 
 // One memcpy per run of a dense plane, one per block of a strided plane.
@@ -76,8 +130,10 @@ void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t*
   for (const CopyPiece& piece : pieces) total_bytes += piece.nbytes;
   const int64_t num_pieces = static_cast<int64_t>(pieces.size());
   const int threads = total_bytes < kParallelMinBytes ? 1 : std::max(1, num_threads);
+  const bool streaming = total_bytes >= kStreamingMinBytes;
   if (threads == 1) {
-    for (const CopyPiece& piece : pieces) std::memmove(piece.dst, piece.src, piece.nbytes);
+    for (const CopyPiece& piece : pieces) copy_piece(piece, streaming);
+    finish_streaming(streaming);
     return;
   }
 
@@ -93,9 +149,8 @@ void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t*
   }
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int worker = 0; worker < threads; ++worker) {
-    for (int64_t i = first_piece[worker]; i < first_piece[worker + 1]; ++i) {
-      std::memmove(pieces[i].dst, pieces[i].src, pieces[i].nbytes);
-    }
+    for (int64_t i = first_piece[worker]; i < first_piece[worker + 1]; ++i) copy_piece(pieces[i], streaming);
+    finish_streaming(streaming);
   }
 }
 
