@@ -19,6 +19,7 @@ from conftest import (
     empty_like_kv,
     fill_random_,
     make_layout,
+    random_bytes,
     random_tensor,
     reference_copy,
     snapshot,
@@ -317,3 +318,18 @@ def test_reference_copy_by_hand():
     want = torch.tensor([[9, 10, 11], [-1, -1, -1], [0, 1, 2]], dtype=torch.int16)
     assert torch.equal(expected, want.view(torch.uint8).view(3, 6))
     assert torch.equal(dst.planes[0], torch.full((3, 3), -1, dtype=torch.int16))  # works on a clone
+
+
+def test_cpu_method_streaming_stores_with_unaligned_blocks(gen):
+    # 8 planes x 64 blocks x 33,001 B = 16.9 MB: above the 16 MiB non-temporal-store threshold, with block
+    # sizes and page_first offsets that are not multiples of 16, so every piece has an unaligned head and tail.
+    num_planes, num_blocks, block_bytes = 8, 64, 33_001
+    src = kvcopy.PagedKV.from_planes([random_bytes(num_blocks * block_bytes, gen).view(num_blocks, block_bytes)
+                                      for _ in range(num_planes)])
+    pool = kvcopy.HostKVPool(src, num_blocks, pin_memory=False)
+    pool.buffer.fill_(0xA5)
+    src_ids = torch.randperm(num_blocks, generator=gen)
+    dst_ids = torch.randperm(num_blocks, generator=gen)
+    expected = reference_copy(src, src_ids, pool, dst_ids)
+    kvcopy.gather(src, src_ids, pool, dst_ids, method="cpu")
+    assert_same_bytes(dst_bytes(pool), expected)

@@ -7,7 +7,8 @@
 #include "kvcopy/id_runs.h"
 
 #if defined(__x86_64__)
-#include <emmintrin.h>  // SSE2, part of every x86-64 CPU: no runtime dispatch needed
+#include <emmintrin.h>
+#include <xmmintrin.h>  // SSE2, part of every x86-64 CPU: no runtime dispatch needed
 #define KVCOPY_HAVE_STREAMING_STORES 1
 #endif
 
@@ -28,6 +29,11 @@ constexpr int64_t kMaxPieceBytes = 1 << 20;
 // line cuts memory traffic from 3x to 2x the bytes moved. Smaller calls keep
 // ordinary stores, which win while the data is still in cache.
 constexpr int64_t kStreamingMinBytes = 16 << 20;
+
+// How far ahead of the loads the streaming loop prefetches: hardware
+// prefetchers stop at 4 KiB page boundaries, and a 32 KiB plane-block spans
+// eight pages; 1 KiB ahead (16 lines) covers DRAM latency at ~10 GB/s a core.
+constexpr int64_t kPrefetchAheadBytes = 1024;
 
 struct CopyPiece {
   const uint8_t* src;
@@ -58,6 +64,7 @@ void copy_piece(const CopyPiece& piece, bool streaming) {
     src += head, dst += head, left -= head;
     constexpr int64_t kLine = 64;  // one cache line per iteration: 4 loads, then 4 stores
     for (; left >= kLine; src += kLine, dst += kLine, left -= kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchAheadBytes, _MM_HINT_T0);
       const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
