@@ -63,19 +63,21 @@ PyObject* raise_cuda(cudaError_t err, const char* what) {
   return nullptr;
 }
 
-// Runs `submit` with `device` current, restoring the caller's device.
-template <typename Submit>
-cudaError_t on_device(int device, Submit submit) {
-  int previous = 0;
-  cudaError_t err = cudaGetDevice(&previous);
-  if (err != cudaSuccess) return err;
-  if (previous != device && (err = cudaSetDevice(device)) != cudaSuccess) return err;
-  err = submit();
-  if (previous != device) {
-    const cudaError_t restore = cudaSetDevice(previous);
-    if (err == cudaSuccess) err = restore;
+// The Python layer makes the copy's device current (torch.cuda.device); a
+// mismatch here would launch on the wrong GPU, so it is an error.
+// Returns false with a Python exception set when it is not.
+bool device_is_current(int device) {
+  int current = -1;
+  const cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) {
+    raise_cuda(err, "cudaGetDevice");
+    return false;
   }
-  return err;
+  if (current != device) {
+    PyErr_Format(PyExc_RuntimeError, "kvcopy: the current CUDA device is %d, the copy's is %d", current, device);
+    return false;
+  }
+  return true;
 }
 
 // copy_blocks_cuda(src_table, dst_table, num_planes, src_ids, dst_ids, num_ids,
@@ -90,11 +92,10 @@ PyObject* py_copy_blocks_cuda(PyObject*, PyObject* args) {
   }
   const std::vector<PlaneCopy> planes =
       planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
-  const cudaError_t err = on_device(device, [&] {
-    return launch_block_copy_kernel(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                    as_ptr<const int64_t>(dst_ids), num_ids, src_blocks, dst_blocks,
-                                    num_ctas, as_ptr<CUstream_st>(stream));
-  });
+  if (!device_is_current(device)) return nullptr;
+  const cudaError_t err = launch_block_copy_kernel(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                                                   as_ptr<const int64_t>(dst_ids), num_ids, src_blocks,
+                                                   dst_blocks, num_ctas, as_ptr<CUstream_st>(stream));
   if (err != cudaSuccess) return raise_cuda(err, "block copy kernel launch");
   Py_RETURN_NONE;
 }
@@ -111,10 +112,9 @@ PyObject* py_copy_blocks_dma(PyObject*, PyObject* args) {
   }
   const std::vector<PlaneCopy> planes =
       planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
-  const cudaError_t err = on_device(device, [&] {
-    return submit_block_copy_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                 as_ptr<const int64_t>(dst_ids), num_ids, as_ptr<CUstream_st>(stream));
-  });
+  if (!device_is_current(device)) return nullptr;
+  const cudaError_t err = submit_block_copy_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                                                as_ptr<const int64_t>(dst_ids), num_ids, as_ptr<CUstream_st>(stream));
   if (err != cudaSuccess) return raise_cuda(err, "copy-engine submission");
   Py_RETURN_NONE;
 }

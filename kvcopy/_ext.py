@@ -47,6 +47,13 @@ def _register_fakes() -> None:
     def _copy_blocks_dma_fake(src, src_ids, dst, dst_ids) -> None:  # noqa: ANN001
         return None
 
+    @torch.library.register_fake("kvcopy::check_block_ids")
+    def _check_block_ids_fake(src_ids, dst_ids, src_num_blocks, dst_num_blocks) -> None:  # noqa: ANN001
+        return None
+
+    # It returns nothing and mutates nothing: without this, graphs would drop it as dead code.
+    torch.fx.node.has_side_effect(torch.ops.kvcopy.check_block_ids.default)
+
 
 def has_cpu_kernels() -> bool:
     return _MODULE is not None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["BlockIds", "prepare_ids"]
+__all__ = ["BlockIds", "check_disjoint", "prepare_ids"]
 
 BlockIds = torch.Tensor | Sequence[int] | np.ndarray
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -105,3 +105,15 @@ def _check_array(values: np.ndarray, name: str, num_blocks: int, *, unique: bool
         repeats = ordered[1:][ordered[1:] == ordered[:-1]]
         if repeats.size:
             raise _repeat_error(name, int(repeats[0]))
+
+
+def check_disjoint(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Within one cache, no block may be both read and written: the result would depend on copy order."""
+    if torch.compiler.is_compiling() or src_ids.numel() == 0:
+        return
+    both = np.intersect1d(src_ids.numpy(), dst_ids.numpy())
+    if both.size:
+        raise ValueError(
+            f"dst_ids: block {int(both[0])} is both a source and a destination within one cache; "
+            f"copy in two calls or through a spare block"
+        )

@@ -14,7 +14,7 @@ import torch
 
 from . import _ext
 from . import methods as _methods
-from ._ids import BlockIds, prepare_ids
+from ._ids import BlockIds, check_disjoint, prepare_ids
 from ._torch_copy import copy_blocks_torch
 from .host import HostKVPool
 from .layout import PagedKV
@@ -75,10 +75,18 @@ def _cuda_device(src: PagedKV, dst: PagedKV) -> torch.device:
     return src.device if src.device.type == "cuda" else dst.device
 
 
-def _ids_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if ids.device == device:
-        return ids
-    return ids.pin_memory().to(device, non_blocking=True)
+def _ids_on(src_ids: torch.Tensor, dst_ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both id tensors on ``device``; host ids travel together in one pinned, asynchronous copy."""
+    if src_ids.device == device and dst_ids.device == device:
+        return src_ids, dst_ids
+    if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu":
+        both = torch.cat((src_ids, dst_ids)).pin_memory().to(device, non_blocking=True)
+        return both[: src_ids.numel()], both[src_ids.numel() :]
+
+    def moved(ids: torch.Tensor) -> torch.Tensor:
+        return ids if ids.device == device else ids.pin_memory().to(device, non_blocking=True)
+
+    return moved(src_ids), moved(dst_ids)
 
 
 def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
@@ -90,7 +98,10 @@ def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids
     if method == "triton":
         from .triton_copy import copy_blocks_triton
 
-        copy_blocks_triton(src, _ids_on(src_ids, device), dst, _ids_on(dst_ids, device))
+        if torch.compiler.is_compiling():
+            _check_ids_in_graph(src, src_ids, dst, dst_ids)
+        src_on_device, dst_on_device = _ids_on(src_ids, dst_ids, device)
+        copy_blocks_triton(src, src_on_device, dst, dst_on_device)
         return
     if torch.compiler.is_compiling():
         _run_op(method, src, src_ids, dst, dst_ids, device)
@@ -105,7 +116,7 @@ def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         fast.copy_blocks_dma(*tables, src_ids.data_ptr(), dst_ids.data_ptr(), n, stream, device.index)
     else:
-        src_ids, dst_ids = _ids_on(src_ids, device), _ids_on(dst_ids, device)
+        src_ids, dst_ids = _ids_on(src_ids, dst_ids, device)
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         fast.copy_blocks_cuda(
             *tables, src_ids.data_ptr(), dst_ids.data_ptr(), n, src.num_blocks, dst.num_blocks,
@@ -126,8 +137,15 @@ def _run_op(
     elif method == "copy_engine":
         torch.ops.kvcopy.copy_blocks_dma(src.planes, src_ids, dst.planes, dst_ids)
     else:
-        src_ids, dst_ids = _ids_on(src_ids, device), _ids_on(dst_ids, device)
+        _check_ids_in_graph(src, src_ids, dst, dst_ids)
+        src_ids, dst_ids = _ids_on(src_ids, dst_ids, device)
         torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, _cta_budget(src, dst))
+
+
+def _check_ids_in_graph(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
+    """Under torch.compile the Python id checks cannot read values: an op checks host ids at run time."""
+    if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu" and _ext.has_cpu_kernels():
+        torch.ops.kvcopy.check_block_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks)
 
 
 def copy_blocks(
@@ -154,20 +172,47 @@ def copy_blocks(
     """
     src_kv, dst_kv = _as_paged(src, "src"), _as_paged(dst, "dst")
     _check_pair(src_kv, dst_kv)
-    src_t = prepare_ids(src_ids, "src_ids", src_kv.num_blocks, unique=False)
-    dst_t = prepare_ids(dst_ids, "dst_ids", dst_kv.num_blocks, unique=True)
+    # Device and stream first: ids converted on the GPU are made on the copy's stream.
+    with _device_context(src_kv, dst_kv, stream):
+        _copy(src_kv, src_ids, dst_kv, dst_ids, method)
+
+
+def _device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Makes the copy's GPU current, and ``stream`` its current stream when given."""
+    if src.device.type != "cuda" and dst.device.type != "cuda":
+        return contextlib.nullcontext()  # host-only copies run on the calling thread; `stream` is moot
+    device = _cuda_device(src, dst)
+    if stream is not None:
+        if stream.device != device:
+            raise ValueError(f"stream: expected a stream on {device} like the copy, got one on {stream.device}")
+        return torch.cuda.stream(stream)  # also makes the stream's device current
+    if torch.cuda.current_device() != device.index:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str) -> None:
+    src_t = prepare_ids(src_ids, "src_ids", src.num_blocks, unique=False)
+    dst_t = prepare_ids(dst_ids, "dst_ids", dst.num_blocks, unique=True)
     if src_t.numel() != dst_t.numel():
-        raise ValueError(
-            f"dst_ids: expected as many ids as src_ids ({src_t.numel()}), got {dst_t.numel()}"
-        )
+        raise ValueError(f"dst_ids: expected as many ids as src_ids ({src_t.numel()}), got {dst_t.numel()}")
+    _check_id_devices(src, src_t, dst, dst_t)
     host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
-    chosen = _resolve(method, src_kv, dst_kv, host_ids=host_ids)
+    if src is dst and host_ids:
+        check_disjoint(src_t, dst_t)
+    chosen = _resolve(method, src, dst, host_ids=host_ids)
     if src_t.numel() == 0:
         return
-    uses_cuda = src_kv.device.type == "cuda" or dst_kv.device.type == "cuda"
-    context = torch.cuda.stream(stream) if stream is not None and uses_cuda else contextlib.nullcontext()
-    with context:
-        _run(chosen, src_kv, src_t, dst_kv, dst_t)
+    _run(chosen, src, src_t, dst, dst_t)
+
+
+def _check_id_devices(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
+    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
+    allowed = {torch.device("cpu"), _cuda_device(src, dst)} if uses_cuda else {torch.device("cpu")}
+    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        if ids.device not in allowed:
+            where = " or ".join(str(d) for d in sorted(allowed, key=str))
+            raise ValueError(f"{name}: expected ids on {where}, got ids on {ids.device}")
 
 
 def gather(kv: KVLike, block_ids: BlockIds, host: HostKVPool, host_ids: BlockIds, **kw: object) -> None:

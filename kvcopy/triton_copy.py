@@ -39,6 +39,7 @@ def _block_copy_kernel(
     dst_num_blocks,
     WORD: tl.constexpr,  # element type: the widest of int64/32/16/8 dividing every address, stride and size
     WORD_BYTES: tl.constexpr,
+    ALIGN: tl.constexpr,  # bytes (<= 16) dividing every address, stride and size: lets loads vectorise
     STEP: tl.constexpr,
 ):
     # Grid: (num_programs,). Item = i * num_planes + p copies block src_ids[i] -> dst_ids[i] of
@@ -53,18 +54,19 @@ def _block_copy_kernel(
         if (src_id >= 0) & (src_id < src_num_blocks) & (dst_id >= 0) & (dst_id < dst_num_blocks):
             src_addr = tl.load(src_row) + src_id * tl.load(src_row + 1)
             dst_addr = tl.load(dst_row) + dst_id * tl.load(dst_row + 1)
-            src = src_addr.to(tl.pointer_type(WORD), bitcast=True)
-            dst = dst_addr.to(tl.pointer_type(WORD), bitcast=True)
-            num_words = tl.load(src_row + 2) // WORD_BYTES
+            # Pointers made from integers carry no alignment: state it, or every access is scalar.
+            src = tl.multiple_of(src_addr.to(tl.pointer_type(WORD), bitcast=True), ALIGN)
+            dst = tl.multiple_of(dst_addr.to(tl.pointer_type(WORD), bitcast=True), ALIGN)
+            num_words = tl.multiple_of(tl.load(src_row + 2) // WORD_BYTES, ALIGN // WORD_BYTES)
             for start in range(0, num_words, STEP):
                 offsets = start + tl.arange(0, STEP)
                 mask = offsets < num_words
                 tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
-def _word_bytes(src: PagedKV, dst: PagedKV) -> int:
-    """The widest word (<= 8 bytes) dividing every address, stride and block size."""
-    low_bits = 8
+def _alignment(src: PagedKV, dst: PagedKV) -> int:
+    """The largest power of two (<= 16 bytes) dividing every address, stride and block size."""
+    low_bits = 16
     for value in torch.cat([src.plane_table, dst.plane_table]).view(-1).tolist():
         low_bits |= value
     return low_bits & -low_bits
@@ -75,7 +77,8 @@ def copy_blocks_triton(
 ) -> None:
     """Copies with the Triton kernel; ids must be int64 on the kernel's device."""
     device = src.device if src.device.type == "cuda" else dst.device
-    word_bytes = _word_bytes(src, dst)
+    alignment = _alignment(src, dst)
+    word_bytes = min(alignment, 8)
     num_items = src_ids.numel() * src.num_planes
     if num_programs is None:
         host_link = src.device.type != dst.device.type
@@ -84,5 +87,5 @@ def copy_blocks_triton(
     _block_copy_kernel[grid](
         src.plane_table_on(device), dst.plane_table_on(device), src_ids, dst_ids,
         src_ids.numel(), src.num_planes, src.num_blocks, dst.num_blocks,
-        WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, STEP=_STEP_ELEMENTS, num_warps=8,
+        WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, ALIGN=alignment, STEP=_STEP_ELEMENTS, num_warps=8,
     )

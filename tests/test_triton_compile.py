@@ -26,12 +26,13 @@ SIGNATURE = {
     "dst_num_blocks": "i64",
     "WORD": "constexpr",
     "WORD_BYTES": "constexpr",
+    "ALIGN": "constexpr",
     "STEP": "constexpr",
 }
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("word", [(tl.int64, 8), (tl.int16, 2)])
+@pytest.mark.parametrize("word", [(tl.int64, 8, 16), (tl.int64, 8, 8), (tl.int16, 2, 2)])
 def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     if not hasattr(triton, "compile"):
         pytest.skip("this triton has no ahead-of-time compile entry point")
@@ -43,8 +44,10 @@ def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     source = ASTSource(
         fn=kernel,
         signature=SIGNATURE,
-        constexprs={"WORD": word[0], "WORD_BYTES": word[1], "STEP": _STEP_ELEMENTS},
+        constexprs={"WORD": word[0], "WORD_BYTES": word[1], "ALIGN": word[2], "STEP": _STEP_ELEMENTS},
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
     assert "ld.global" in compiled.asm["ptx"] and "st.global" in compiled.asm["ptx"]
     assert len(compiled.asm["cubin"]) > 0
+    if word[2] == 16:  # the alignment hints must turn into 16-byte vector accesses
+        assert "ld.global.v2.b64" in compiled.asm["ptx"] or "ld.global.v4.b32" in compiled.asm["ptx"]

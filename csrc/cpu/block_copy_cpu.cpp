@@ -4,11 +4,11 @@
 #include <cstring>
 #include <vector>
 
-#include "kvcopy/id_runs.h"
+#include "kvcopy/copy_ranges.h"
 
 #if defined(__x86_64__)
-#include <emmintrin.h>
-#include <xmmintrin.h>  // SSE2, part of every x86-64 CPU: no runtime dispatch needed
+#include <emmintrin.h>  // SSE2 streaming stores: part of every x86-64 CPU, no runtime dispatch
+#include <xmmintrin.h>  // _mm_prefetch, _mm_sfence
 #define KVCOPY_HAVE_STREAMING_STORES 1
 #endif
 
@@ -19,8 +19,8 @@ namespace {
 // saves (a team start is a few microseconds; one core copies ~10 GB/s).
 constexpr int64_t kParallelMinBytes = 256 * 1024;
 
-// A coalesced run is cut into pieces of at most this size so that threads get
-// balanced shares even when one run dominates the call.
+// A planned range is cut into pieces of at most this size so that threads get
+// balanced shares even when one range dominates the call.
 constexpr int64_t kMaxPieceBytes = 1 << 20;
 
 // Calls moving at least this many bytes write with non-temporal stores. That
@@ -41,10 +41,16 @@ struct CopyPiece {
   int64_t nbytes;
 };
 
-void add_range(std::vector<CopyPiece>& pieces, const uint8_t* src, uint8_t* dst, int64_t nbytes) {
-  for (int64_t off = 0; off < nbytes; off += kMaxPieceBytes) {
-    pieces.push_back({src + off, dst + off, std::min(kMaxPieceBytes, nbytes - off)});
+// The planned ranges, cut into pieces of at most kMaxPieceBytes.
+std::vector<CopyPiece> plan_pieces(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                   const int64_t* dst_ids, int64_t num_ids) {
+  std::vector<CopyPiece> pieces;
+  for (const CopyRange& range : plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids)) {
+    for (int64_t off = 0; off < range.nbytes; off += kMaxPieceBytes) {
+      pieces.push_back({range.src + off, range.dst + off, std::min(kMaxPieceBytes, range.nbytes - off)});
+    }
   }
+  return pieces;
 }
 
 bool overlaps(const CopyPiece& piece) {
@@ -90,27 +96,6 @@ void finish_streaming(bool streaming) {
   (void)streaming;
 }
 
-// One memcpy per run of a dense plane, one per block of a strided plane.
-std::vector<CopyPiece> plan_pieces(const PlaneCopy* planes, int64_t num_planes,
-                                   const std::vector<IdRun>& runs) {
-  std::vector<CopyPiece> pieces;
-  for (const IdRun& run : runs) {
-    for (int64_t p = 0; p < num_planes; ++p) {
-      const PlaneCopy& plane = planes[p];
-      if (plane_is_dense(plane)) {
-        add_range(pieces, plane.src + run.src_id * plane.src_stride,
-                  plane.dst + run.dst_id * plane.dst_stride, run.length * plane.nbytes);
-        continue;
-      }
-      for (int64_t k = 0; k < run.length; ++k) {
-        add_range(pieces, plane.src + (run.src_id + k) * plane.src_stride,
-                  plane.dst + (run.dst_id + k) * plane.dst_stride, plane.nbytes);
-      }
-    }
-  }
-  return pieces;
-}
-
 }  // namespace
 
 IdProblem check_ids(const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
@@ -130,8 +115,7 @@ IdProblem check_ids(const int64_t* src_ids, const int64_t* dst_ids, int64_t num_
 void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                      const int64_t* dst_ids, int64_t num_ids, int num_threads) {
   if (num_ids <= 0 || num_planes <= 0) return;
-  const std::vector<CopyPiece> pieces =
-      plan_pieces(planes, num_planes, find_id_runs(src_ids, dst_ids, num_ids));
+  const std::vector<CopyPiece> pieces = plan_pieces(planes, num_planes, src_ids, dst_ids, num_ids);
 
   int64_t total_bytes = 0;
   for (const CopyPiece& piece : pieces) total_bytes += piece.nbytes;

@@ -21,7 +21,7 @@ IdProblem check_ids(const int64_t* src_ids, const int64_t* dst_ids, int64_t num_
 
 // For every plane p and every i < num_ids copies block src_ids[i] of plane p
 // to block dst_ids[i], using at most `num_threads` OpenMP threads. Ids must
-// have passed check_ids. Overlapping byte ranges are copied with memmove.
+// have passed check_ids; no block may be both a source and a destination.
 void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                      const int64_t* dst_ids, int64_t num_ids, int num_threads);
 

@@ -19,20 +19,22 @@ constexpr int64_t kMaxPlanesPerLaunch = 256;
 // saturate PCIe, and decode keeps every other SM (shared/REFERENCE.md).
 constexpr int kHostLinkCtaBudget = 4;
 
-// SM kernel: every (block, plane) pair is copied by one warp with 16-byte
-// vector accesses where alignment allows. `src_ids`/`dst_ids` are device (or
+// SM kernel: every (block, plane) pair, in chunks of at most 32 KiB, is copied
+// by one warp with the widest vector accesses (up to 16 B) its alignment allows. `src_ids`/`dst_ids` are device (or
 // mapped pinned host) pointers of length num_ids. Ids outside
 // [0, src_num_blocks) or [0, dst_num_blocks) are skipped, never dereferenced.
-// num_ctas <= 0 sizes the grid to the work (up to two CTAs per SM).
+// num_ctas <= 0 sizes the grid to the work (up to two CTAs per SM). The
+// current device must be the stream's.
 cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes,
                                      const int64_t* src_ids, const int64_t* dst_ids,
                                      int64_t num_ids, int64_t src_num_blocks,
                                      int64_t dst_num_blocks, int num_ctas, cudaStream_t stream);
 
-// Copy-engine path: runs of adjacent ids are coalesced on dense planes and all
-// copies are submitted with one cudaMemcpyBatchAsync (CUDA 12.8+, non-legacy
-// stream), else one cudaMemcpyAsync per run. `src_ids`/`dst_ids` are host
-// pointers, validated by the caller.
+// Copy-engine path: the byte ranges of kvcopy/copy_ranges.h (adjacent runs
+// and side-by-side planes merged), all submitted with one cudaMemcpyBatchAsync
+// (CUDA 12.8+; on the legacy default stream through an event-ordered side
+// stream), else one cudaMemcpyAsync per range. `src_ids`/`dst_ids` are host
+// pointers, validated by the caller; the current device is the stream's.
 cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
                                   const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
                                   cudaStream_t stream);

@@ -1,8 +1,9 @@
 // Copy-engine (DMA) submission of block copies. Torch-free host code.
+#include <unordered_map>
 #include <vector>
 
 #include "block_copy_cuda.h"
-#include "kvcopy/id_runs.h"
+#include "kvcopy/copy_ranges.h"
 
 namespace kvcopy {
 namespace {
@@ -11,81 +12,97 @@ struct DmaCopies {
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
-
-  void add(const uint8_t* src, uint8_t* dst, int64_t nbytes) {
-    srcs.push_back(src);
-    dsts.push_back(dst);
-    sizes.push_back(static_cast<size_t>(nbytes));
-  }
 };
 
-// One copy per run on dense planes, one per block on strided planes.
-DmaCopies plan_copies(const PlaneCopy* planes, int64_t num_planes, const std::vector<IdRun>& runs) {
+DmaCopies plan_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
+                   int64_t num_ids) {
   DmaCopies copies;
-  for (int64_t p = 0; p < num_planes; ++p) {
-    const PlaneCopy& plane = planes[p];
-    for (const IdRun& run : runs) {
-      if (plane_is_dense(plane)) {
-        copies.add(plane.src + run.src_id * plane.src_stride,
-                   plane.dst + run.dst_id * plane.dst_stride, run.length * plane.nbytes);
-        continue;
-      }
-      for (int64_t k = 0; k < run.length; ++k) {
-        copies.add(plane.src + (run.src_id + k) * plane.src_stride,
-                   plane.dst + (run.dst_id + k) * plane.dst_stride, plane.nbytes);
-      }
-    }
+  for (const CopyRange& range : plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids)) {
+    copies.srcs.push_back(range.src);
+    copies.dsts.push_back(range.dst);
+    copies.sizes.push_back(static_cast<size_t>(range.nbytes));
   }
   return copies;
 }
 
-cudaError_t submit_one_by_one(DmaCopies& copies, cudaStream_t stream) {
+cudaError_t submit_one_by_one(const DmaCopies& copies, cudaStream_t stream) {
   for (size_t i = 0; i < copies.sizes.size(); ++i) {
-    cudaError_t err =
+    const cudaError_t err =
         cudaMemcpyAsync(copies.dsts[i], copies.srcs[i], copies.sizes[i], cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-// The batched call refuses the legacy default stream (handle 0).
-bool can_batch(cudaStream_t stream) {
 #if CUDART_VERSION >= 12080
-  return stream != nullptr && stream != cudaStreamLegacy;
-#else
-  (void)stream;
-  return false;
-#endif
-}
-
-cudaError_t submit_batched(DmaCopies& copies, cudaStream_t stream) {
-#if CUDART_VERSION >= 12080
-  // Sources are read in stream order: they may be written by earlier work.
+cudaError_t submit_batch(DmaCopies& copies, cudaStream_t stream) {
+  // Sources are read in stream order: earlier work on the stream may write them.
   cudaMemcpyAttributes attrs{};
   attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   size_t attrs_index = 0;
 #if CUDART_VERSION >= 13000
-  return cudaMemcpyBatchAsync(copies.dsts.data(), copies.srcs.data(), copies.sizes.data(),
-                              copies.sizes.size(), &attrs, &attrs_index, 1, stream);
+  return cudaMemcpyBatchAsync(copies.dsts.data(), copies.srcs.data(), copies.sizes.data(), copies.sizes.size(),
+                              &attrs, &attrs_index, 1, stream);
 #else
   size_t fail_index = 0;
-  return cudaMemcpyBatchAsync(copies.dsts.data(), const_cast<void**>(copies.srcs.data()),
-                              copies.sizes.data(), copies.sizes.size(), &attrs, &attrs_index, 1,
-                              &fail_index, stream);
-#endif
-#else
-  return submit_one_by_one(copies, stream);
+  return cudaMemcpyBatchAsync(copies.dsts.data(), const_cast<void**>(copies.srcs.data()), copies.sizes.data(),
+                              copies.sizes.size(), &attrs, &attrs_index, 1, &fail_index, stream);
 #endif
 }
 
+// The batched call refuses the legacy default stream, which is torch's
+// default. There the batch goes to a side stream of this host thread, ordered
+// both ways with events, so it behaves as if it ran on the legacy stream.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t before = nullptr;  // recorded on the caller's stream, waited on by the side stream
+  cudaEvent_t after = nullptr;   // recorded on the side stream, waited on by the caller's stream
+};
+
+cudaError_t side_stream_for_current_device(SideStream** out) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  // Never destroyed: one stream and two events per (host thread, device) that used this path.
+  thread_local std::unordered_map<int, SideStream> side_streams;
+  SideStream& side = side_streams[device];
+  if (side.stream == nullptr) {
+    if ((err = cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (err = cudaEventCreateWithFlags(&side.before, cudaEventDisableTiming)) != cudaSuccess ||
+        (err = cudaEventCreateWithFlags(&side.after, cudaEventDisableTiming)) != cudaSuccess) {
+      side = SideStream{};
+      return err;
+    }
+  }
+  *out = &side;
+  return cudaSuccess;
+}
+
+cudaError_t submit_batch_via_side_stream(DmaCopies& copies, cudaStream_t stream) {
+  SideStream* side = nullptr;
+  cudaError_t err = side_stream_for_current_device(&side);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaEventRecord(side->before, stream)) != cudaSuccess) return err;
+  if ((err = cudaStreamWaitEvent(side->stream, side->before, 0)) != cudaSuccess) return err;
+  if ((err = submit_batch(copies, side->stream)) != cudaSuccess) return err;
+  if ((err = cudaEventRecord(side->after, side->stream)) != cudaSuccess) return err;
+  return cudaStreamWaitEvent(stream, side->after, 0);
+}
+
+bool is_legacy_stream(cudaStream_t stream) { return stream == nullptr || stream == cudaStreamLegacy; }
+#endif
+
 }  // namespace
 
-cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
-                                  const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
-                                  cudaStream_t stream) {
+cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  DmaCopies copies = plan_copies(planes, num_planes, find_id_runs(src_ids, dst_ids, num_ids));
-  if (copies.sizes.size() > 1 && can_batch(stream)) return submit_batched(copies, stream);
+  DmaCopies copies = plan_dma(planes, num_planes, src_ids, dst_ids, num_ids);
+#if CUDART_VERSION >= 12080
+  if (copies.sizes.size() > 1) {
+    return is_legacy_stream(stream) ? submit_batch_via_side_stream(copies, stream) : submit_batch(copies, stream);
+  }
+#endif
   return submit_one_by_one(copies, stream);
 }
 

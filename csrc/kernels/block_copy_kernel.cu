@@ -15,78 +15,79 @@ constexpr int kWarpSize = 32;
 constexpr int kWarpsPerCta = kThreadsPerCta / kWarpSize;
 constexpr int kUnroll = 4;
 
+// A block larger than this is split into several work items, so that a few
+// large blocks still spread over many warps (32 KiB = 64 16-byte vectors a lane).
+constexpr int64_t kMaxItemBytes = 32 * 1024;
+
 struct BlockCopyArgs {
   const int64_t* src_ids;  // [num_ids]
   const int64_t* dst_ids;  // [num_ids]
   int64_t num_ids;
   int64_t src_num_blocks;
   int64_t dst_num_blocks;
-  int64_t num_planes;  // <= kMaxPlanesPerLaunch
+  int64_t num_planes;       // <= kMaxPlanesPerLaunch
+  int64_t chunks_per_block;  // ceil(largest block / kMaxItemBytes)
   PlaneCopy planes[kMaxPlanesPerLaunch];
 };
 
-// Grid: (num_ctas), block: (kThreadsPerCta). Work item w = i * num_planes + p
-// copies block src_ids[i] -> dst_ids[i] of plane p; warps stride over items.
-// Vec is the widest type dividing every address, stride and size (<= 16 B).
+// One warp copies `nbytes` from src to dst in Vec-sized words, kUnroll loads
+// in flight per lane. Both pointers and nbytes are multiples of sizeof(Vec).
 template <typename Vec>
-__global__ void __launch_bounds__(kThreadsPerCta)
-    block_copy_kernel(const __grid_constant__ BlockCopyArgs args) {
+__device__ __forceinline__ void warp_copy(const uint8_t* src_bytes, uint8_t* dst_bytes, int64_t nbytes, int lane) {
+  const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
+  Vec* dst = reinterpret_cast<Vec*>(dst_bytes);
+  const int64_t num_vecs = nbytes / static_cast<int64_t>(sizeof(Vec));
+  for (int64_t base = lane; base < num_vecs; base += kWarpSize * kUnroll) {
+    Vec staged[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = base + u * kWarpSize;
+      if (k < num_vecs) staged[u] = src[k];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = base + u * kWarpSize;
+      if (k < num_vecs) dst[k] = staged[u];
+    }
+  }
+}
+
+// Grid: (num_ctas), block: (kThreadsPerCta). Work item
+// w = (i * num_planes + p) * chunks_per_block + c copies chunk c (kMaxItemBytes)
+// of block src_ids[i] -> dst_ids[i] of plane p; warps stride over items. Each
+// item uses the widest word (<= 16 B) its addresses and size allow: the choice
+// is uniform across the warp, so mixed plane alignments cost no divergence.
+__global__ void __launch_bounds__(kThreadsPerCta) block_copy_kernel(const __grid_constant__ BlockCopyArgs args) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerCta;
-  const int64_t num_items = args.num_ids * args.num_planes;
+  const int64_t num_items = args.num_ids * args.num_planes * args.chunks_per_block;
   for (int64_t item = first_warp; item < num_items; item += num_warps) {
-    const int64_t i = item / args.num_planes;
-    const PlaneCopy& plane = args.planes[item % args.num_planes];
+    const int64_t chunk = item % args.chunks_per_block;
+    const int64_t pair = item / args.chunks_per_block;
+    const int64_t i = pair / args.num_planes;
+    const PlaneCopy& plane = args.planes[pair % args.num_planes];
+    const int64_t offset = chunk * kMaxItemBytes;
+    if (offset >= plane.nbytes) continue;
     const int64_t src_id = args.src_ids[i];
     const int64_t dst_id = args.dst_ids[i];
-    if (src_id < 0 || src_id >= args.src_num_blocks || dst_id < 0 || dst_id >= args.dst_num_blocks) {
-      continue;
+    if (src_id < 0 || src_id >= args.src_num_blocks || dst_id < 0 || dst_id >= args.dst_num_blocks) continue;
+    const uint8_t* src = plane.src + src_id * plane.src_stride + offset;
+    uint8_t* dst = plane.dst + dst_id * plane.dst_stride + offset;
+    const int64_t nbytes = min(kMaxItemBytes, plane.nbytes - offset);
+    const uint64_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
+                          static_cast<uint64_t>(nbytes);
+    if (bits % 16 == 0) {
+      warp_copy<uint4>(src, dst, nbytes, lane);
+    } else if (bits % 8 == 0) {
+      warp_copy<uint2>(src, dst, nbytes, lane);
+    } else if (bits % 4 == 0) {
+      warp_copy<uint32_t>(src, dst, nbytes, lane);
+    } else if (bits % 2 == 0) {
+      warp_copy<uint16_t>(src, dst, nbytes, lane);
+    } else {
+      warp_copy<uint8_t>(src, dst, nbytes, lane);
     }
-    const Vec* src = reinterpret_cast<const Vec*>(plane.src + src_id * plane.src_stride);
-    Vec* dst = reinterpret_cast<Vec*>(plane.dst + dst_id * plane.dst_stride);
-    const int64_t num_vecs = plane.nbytes / static_cast<int64_t>(sizeof(Vec));
-    for (int64_t base = lane; base < num_vecs; base += kWarpSize * kUnroll) {
-      Vec staged[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t k = base + u * kWarpSize;
-        if (k < num_vecs) staged[u] = src[k];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t k = base + u * kWarpSize;
-        if (k < num_vecs) dst[k] = staged[u];
-      }
-    }
-  }
-}
-
-// Largest power of two <= 16 dividing every address, stride and block size.
-int common_alignment(const PlaneCopy* planes, int64_t num_planes) {
-  uint64_t bits = 16;
-  for (int64_t p = 0; p < num_planes; ++p) {
-    bits |= reinterpret_cast<uintptr_t>(planes[p].src) | reinterpret_cast<uintptr_t>(planes[p].dst) |
-            static_cast<uint64_t>(planes[p].src_stride) | static_cast<uint64_t>(planes[p].dst_stride) |
-            static_cast<uint64_t>(planes[p].nbytes);
-  }
-  return static_cast<int>(bits & (~bits + 1));  // lowest set bit
-}
-
-template <typename Vec>
-cudaError_t launch_with(const BlockCopyArgs& args, int num_ctas, cudaStream_t stream) {
-  block_copy_kernel<Vec><<<num_ctas, kThreadsPerCta, 0, stream>>>(args);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_aligned(const BlockCopyArgs& args, int alignment, int num_ctas,
-                           cudaStream_t stream) {
-  switch (alignment) {
-    case 16: return launch_with<uint4>(args, num_ctas, stream);
-    case 8: return launch_with<uint2>(args, num_ctas, stream);
-    case 4: return launch_with<uint32_t>(args, num_ctas, stream);
-    case 2: return launch_with<uint16_t>(args, num_ctas, stream);
-    default: return launch_with<uint8_t>(args, num_ctas, stream);
   }
 }
 
@@ -109,9 +110,8 @@ cudaError_t grid_for_work(int64_t num_items, int requested, int* num_ctas) {
 
 }  // namespace
 
-cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes,
-                                     const int64_t* src_ids, const int64_t* dst_ids,
-                                     int64_t num_ids, int64_t src_num_blocks,
+cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                     const int64_t* dst_ids, int64_t num_ids, int64_t src_num_blocks,
                                      int64_t dst_num_blocks, int num_ctas, cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
   for (int64_t first = 0; first < num_planes; first += kMaxPlanesPerLaunch) {
@@ -123,11 +123,14 @@ cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes
     args.dst_num_blocks = dst_num_blocks;
     args.num_planes = std::min(kMaxPlanesPerLaunch, num_planes - first);
     std::copy(planes + first, planes + first + args.num_planes, args.planes);
+    int64_t largest = 1;
+    for (int64_t p = 0; p < args.num_planes; ++p) largest = std::max(largest, args.planes[p].nbytes);
+    args.chunks_per_block = (largest + kMaxItemBytes - 1) / kMaxItemBytes;
     int grid = 0;
-    cudaError_t err = grid_for_work(num_ids * args.num_planes, num_ctas, &grid);
+    cudaError_t err = grid_for_work(num_ids * args.num_planes * args.chunks_per_block, num_ctas, &grid);
     if (err != cudaSuccess) return err;
-    err = launch_aligned(args, common_alignment(args.planes, args.num_planes), grid, stream);
-    if (err != cudaSuccess) return err;
+    block_copy_kernel<<<grid, kThreadsPerCta, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
 }

@@ -7,14 +7,12 @@
 
 namespace kvcopy {
 
-void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
-                    const at::Tensor& dst_ids) {
+void check_block_ids_op(const at::Tensor& src_ids, const at::Tensor& dst_ids, int64_t src_blocks,
+                        int64_t dst_blocks) {
   check_id_tensor(src_ids, "src_ids", src_ids.numel());
   check_id_tensor(dst_ids, "dst_ids", src_ids.numel());
-  TORCH_CHECK_VALUE(src_ids.is_cpu() && dst_ids.is_cpu(), "kvcopy: this copy reads ids on the host, got ",
+  TORCH_CHECK_VALUE(src_ids.is_cpu() && dst_ids.is_cpu(), "kvcopy: ids are checked on the host, got ",
                     src_ids.device(), " and ", dst_ids.device());
-  const int64_t src_blocks = src.empty() ? 0 : src[0].size(0);
-  const int64_t dst_blocks = dst.empty() ? 0 : dst[0].size(0);
   const IdProblem problem = check_ids(src_ids.const_data_ptr<int64_t>(), dst_ids.const_data_ptr<int64_t>(),
                                       src_ids.numel(), src_blocks, dst_blocks);
   TORCH_CHECK_INDEX(problem.kind != IdProblem::kSrcOutOfRange, "src_ids: expected ids in [0, ", src_blocks,
@@ -24,6 +22,11 @@ void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorLis
   TORCH_CHECK_VALUE(problem.kind != IdProblem::kDstRepeated,
                     "dst_ids: expected distinct destination ids (repeats would race), got ", problem.id,
                     " more than once");
+}
+
+void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
+                    const at::Tensor& dst_ids) {
+  check_block_ids_op(src_ids, dst_ids, src.empty() ? 0 : src[0].size(0), dst.empty() ? 0 : dst[0].size(0));
 }
 
 void copy_blocks_cpu_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,

@@ -5,8 +5,11 @@
 
 namespace kvcopy {
 
-// Full checks of host ids (range, distinct destinations) before any byte moves:
-// IndexError / ValueError in Python. Shared by the ops that read host ids.
+// kvcopy::check_block_ids: full checks of host ids (range, distinct
+// destinations): IndexError / ValueError in Python, nothing written.
+void check_block_ids_op(const at::Tensor& src_ids, const at::Tensor& dst_ids, int64_t src_num_blocks,
+                        int64_t dst_num_blocks);
+// The same against the block counts of the planes; run by every op that reads host ids.
 void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
                     const at::Tensor& dst_ids);
 

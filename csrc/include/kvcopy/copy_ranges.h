@@ -1,0 +1,64 @@
+// The byte ranges a block copy moves, planned once for the CPU and DMA paths.
+// Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvcopy/id_runs.h"
+#include "kvcopy/plane_copy.h"
+
+namespace kvcopy {
+
+struct CopyRange {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t nbytes;
+};
+
+// Appends a range, extending the previous one when both sides continue it.
+inline void append_range(std::vector<CopyRange>& ranges, const uint8_t* src, uint8_t* dst, int64_t nbytes) {
+  if (nbytes <= 0) return;
+  if (!ranges.empty()) {
+    CopyRange& last = ranges.back();
+    if (last.src + last.nbytes == src && last.dst + last.nbytes == dst) {
+      last.nbytes += nbytes;
+      return;
+    }
+  }
+  ranges.push_back({src, dst, nbytes});
+}
+
+// Every byte range of copying src_ids[i] -> dst_ids[i] in every plane, merged
+// where both sides are adjacent:
+// - a run of adjacent ids in a plane dense on both sides is one range;
+// - other planes are emitted block by block, planes in order, so planes that
+//   sit side by side in both layouts merge (FlashInfer's K and V of a layer
+//   into a page-first host block: one range per layer instead of two).
+inline std::vector<CopyRange> plan_copy_ranges(const PlaneCopy* planes, int64_t num_planes,
+                                               const int64_t* src_ids, const int64_t* dst_ids,
+                                               int64_t num_ids) {
+  std::vector<CopyRange> ranges;
+  ranges.reserve(static_cast<size_t>(num_ids * num_planes));
+  for (const IdRun& run : find_id_runs(src_ids, dst_ids, num_ids)) {
+    for (int64_t p = 0; p < num_planes; ++p) {
+      const PlaneCopy& plane = planes[p];
+      if (plane_is_dense(plane)) {
+        append_range(ranges, plane.src + run.src_id * plane.src_stride, plane.dst + run.dst_id * plane.dst_stride,
+                     run.length * plane.nbytes);
+      }
+    }
+    for (int64_t k = 0; k < run.length; ++k) {
+      for (int64_t p = 0; p < num_planes; ++p) {
+        const PlaneCopy& plane = planes[p];
+        if (!plane_is_dense(plane)) {
+          append_range(ranges, plane.src + (run.src_id + k) * plane.src_stride,
+                       plane.dst + (run.dst_id + k) * plane.dst_stride, plane.nbytes);
+        }
+      }
+    }
+  }
+  return ranges;
+}
+
+}  // namespace kvcopy
