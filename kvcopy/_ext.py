@@ -48,7 +48,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("kvcopy::check_block_ids")
-    def _check_block_ids_fake(src_ids, dst_ids, src_num_blocks, dst_num_blocks) -> None:  # noqa: ANN001
+    def _check_block_ids_fake(src_ids, dst_ids, src_num_blocks, dst_num_blocks, same_cache=False) -> None:  # noqa: ANN001
         return None
 
     # It returns nothing and mutates nothing: without this, graphs would drop it as dead code.

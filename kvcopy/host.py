@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -52,6 +53,8 @@ class HostKVPool:
         )
         self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer)
         self.paged._pinned = pin  # known here; spares a per-plane query
+        if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
+            self.paged.plane_table_on(like.device)
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +101,8 @@ def _plane_over(buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks
     torch.compile can then trace one op mutating several planes of one pool.
     """
     itemsize = like.element_size()
-    if offset % itemsize or stride % itemsize:
+    empty_blocks = math.prod(like.shape[1:]) == 0  # nothing to align
+    if not empty_blocks and (offset % itemsize or stride % itemsize):
         raise ValueError(
             f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "
             f"not multiples of its {itemsize}-byte elements, in an unpadded host layout; order the planes by "

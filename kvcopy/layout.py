@@ -79,6 +79,12 @@ class PagedKV:
             dtype=torch.int64,
         )
         self._plane_tables_on: dict[torch.device, torch.Tensor] = {}
+        if self.device.type == "cuda":  # for the Triton kernel; a one-time synchronous copy, here and not in a copy
+            self._plane_tables_on[self.device] = self._plane_table.to(self.device)
+        low_bits = 16  # the largest power of two (<= 16) dividing every address, stride and block size
+        for value in self._plane_table.view(-1).tolist():
+            low_bits |= value
+        self._alignment = low_bits & -low_bits
         self._pinned: bool | None = None
 
     @classmethod
@@ -179,8 +185,17 @@ class PagedKV:
         """
         return self._plane_table
 
+    @property
+    def alignment(self) -> int:
+        """The largest power of two, at most 16, dividing every block address, stride and size (bytes)."""
+        return self._alignment
+
     def plane_table_on(self, device: torch.device) -> torch.Tensor:
-        """:attr:`plane_table` copied to ``device`` once and cached (for the Triton kernel)."""
+        """:attr:`plane_table` on ``device`` (for the Triton kernel).
+
+        Made at construction for a cache's own GPU, and by HostKVPool for the
+        GPU of the cache it mirrors; any other device is copied once on first use.
+        """
         if device not in self._plane_tables_on:
             self._plane_tables_on[device] = self._plane_table.to(device)
         return self._plane_tables_on[device]

@@ -131,13 +131,18 @@ def _cta_budget(src: PagedKV, dst: PagedKV) -> int:
 def _run_op(
     method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, device: torch.device
 ) -> None:
-    """The registered torch.ops (traceable by torch.compile)."""
+    """The registered torch.ops (traceable by torch.compile).
+
+    Host ids are checked by an op first: the copy ops check ranges and repeats
+    themselves, but under functionalization they see a clone of ``dst`` and
+    cannot tell that it is the same cache as ``src``.
+    """
+    _check_ids_in_graph(src, src_ids, dst, dst_ids)
     if method == "cpu":
         torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, 0)
     elif method == "copy_engine":
         torch.ops.kvcopy.copy_blocks_dma(src.planes, src_ids, dst.planes, dst_ids)
     else:
-        _check_ids_in_graph(src, src_ids, dst, dst_ids)
         src_ids, dst_ids = _ids_on(src_ids, dst_ids, device)
         torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, _cta_budget(src, dst))
 
@@ -145,7 +150,7 @@ def _run_op(
 def _check_ids_in_graph(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
     """Under torch.compile the Python id checks cannot read values: an op checks host ids at run time."""
     if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu" and _ext.has_cpu_kernels():
-        torch.ops.kvcopy.check_block_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks)
+        torch.ops.kvcopy.check_block_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks, src is dst)
 
 
 def copy_blocks(

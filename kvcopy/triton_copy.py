@@ -64,20 +64,12 @@ def _block_copy_kernel(
                 tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
-def _alignment(src: PagedKV, dst: PagedKV) -> int:
-    """The largest power of two (<= 16 bytes) dividing every address, stride and block size."""
-    low_bits = 16
-    for value in torch.cat([src.plane_table, dst.plane_table]).view(-1).tolist():
-        low_bits |= value
-    return low_bits & -low_bits
-
-
 def copy_blocks_triton(
     src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, *, num_programs: int | None = None
 ) -> None:
     """Copies with the Triton kernel; ids must be int64 on the kernel's device."""
     device = src.device if src.device.type == "cuda" else dst.device
-    alignment = _alignment(src, dst)
+    alignment = min(src.alignment, dst.alignment)
     word_bytes = min(alignment, 8)
     num_items = src_ids.numel() * src.num_planes
     if num_programs is None:

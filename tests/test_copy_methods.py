@@ -333,3 +333,78 @@ def test_cpu_method_streaming_stores_with_unaligned_blocks(gen):
     expected = reference_copy(src, src_ids, pool, dst_ids)
     kvcopy.gather(src, src_ids, pool, dst_ids, method="cpu")
     assert_same_bytes(dst_bytes(pool), expected)
+
+
+# --------------------------------------------------------------------------- merged ranges (CPU planner)
+
+
+# FlashInfer K and V of a block are adjacent on the device and side by side in a page_first host
+# block, so the planner merges them into one range per layer (with one layer: a run of adjacent ids
+# is one range). Runs of several lengths, a run on one side only, and ids out of order.
+FLASHINFER_RUN_IDS = {
+    "runs": ([0, 1, 2, 3, 8, 9, 10, 5], [4, 5, 6, 7, 0, 1, 2, 9]),
+    "one_long_run": (list(range(2, 12)), list(range(1, 11))),
+    "src_gap_dst_run": ([3, 4, 5, 7, 8], [0, 1, 2, 3, 4]),
+    "reversed": ([11, 10, 9, 8], [0, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.parametrize("ids", list(FLASHINFER_RUN_IDS))
+@pytest.mark.parametrize("method", CPU_METHODS)
+def test_flashinfer_page_first_merged_ranges(method, ids, num_layers, gen):
+    kv = make_layout("flashinfer", 12, torch.bfloat16, gen, block_size=4, heads=2, head_dim=8, num_layers=num_layers)
+    pool = kvcopy.HostKVPool(kv, 12, layout="page_first", pin_memory=False)
+    fill_random_(pool, gen)
+    src_ids, dst_ids = FLASHINFER_RUN_IDS[ids]
+    check_copy(kv, src_ids, pool, dst_ids, method=method)  # device -> host
+    fill_random_(kv, gen)
+    check_copy(pool, dst_ids, kv, src_ids, method=method)  # host -> device
+    # Random ids, both directions.
+    perm_src = torch.randperm(12, generator=gen)[:9]
+    perm_dst = torch.randperm(12, generator=gen)[:9]
+    check_copy(kv, perm_src, pool, perm_dst, method=method)
+    check_copy(pool, perm_src, kv, perm_dst, method=method)
+
+
+# --------------------------------------------------------------------------- zero-byte planes
+
+
+def _with_empty_planes(num_blocks, gen, *, empty_first):
+    """Planes of 12 B and 6 B with a zero-byte plane (shape [num_blocks, 0]) among them."""
+    planes = [random_tensor((num_blocks, 3, 2), torch.bfloat16, gen), torch.empty(num_blocks, 0, dtype=torch.bfloat16),
+              random_tensor((num_blocks, 6), torch.uint8, gen)]
+    if empty_first:
+        planes = [torch.empty(num_blocks, 0, dtype=torch.float16)] + planes
+    return kvcopy.PagedKV.from_planes(planes)
+
+
+@pytest.mark.parametrize("empty_first", [False, True])
+@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+def test_zero_byte_planes(method, empty_first, gen):
+    kv = _with_empty_planes(DEVICE_BLOCKS, gen, empty_first=empty_first)
+    assert 0 in kv.block_nbytes
+    other = _with_empty_planes(DEVICE_BLOCKS + 2, gen, empty_first=empty_first)
+    check_copy(kv, [0, 1, 2, 7, 7], other, [3, 4, 5, 0, 9], method=method)
+    for host_layout in ("page_first", "layer_first"):
+        pool = kvcopy.HostKVPool(kv, HOST_BLOCKS, layout=host_layout, pin_memory=False)
+        assert pool.nbytes == HOST_BLOCKS * (12 + 6)
+        fill_random_(pool, gen)
+        check_copy(kv, [0, 1, 2, 7], pool, [1, 2, 3, 5], method=method)
+        check_copy(pool, [5, 1, 2, 3], kv, [3, 4, 5, 6], method=method)
+        pool_b = kvcopy.HostKVPool(kv, HOST_BLOCKS, layout="layer_first", pin_memory=False)
+        fill_random_(pool_b, gen)
+        check_copy(pool, [0, 1, 2], pool_b, [3, 4, 5], method=method)  # layer_first: empty planes have stride 0
+
+
+@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+def test_only_zero_byte_planes(method, gen):
+    kv = kvcopy.PagedKV.from_planes([torch.empty(4, 0, dtype=torch.float16), torch.empty(4, 0, dtype=torch.uint8)])
+    assert kv.nbytes_per_block == 0
+    other = kvcopy.PagedKV.from_planes([torch.empty(5, 0, dtype=torch.float16), torch.empty(5, 0, dtype=torch.uint8)])
+    check_copy(kv, [0, 1, 3], other, [4, 0, 1], method=method)
+    pool = kvcopy.HostKVPool(kv, 3, pin_memory=False)
+    check_copy(kv, [3, 2], pool, [0, 2], method=method)
+    check_copy(pool, [0, 2], kv, [1, 0], method=method)
+    with pytest.raises(IndexError, match="dst_ids"):  # ids are still checked
+        kvcopy.copy_blocks(kv, [0], pool, [3], method=method)

@@ -5,19 +5,28 @@ Every test here needs a CUDA GPU and is skipped without one.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import kvcopy
+from kvcopy.ops import HOST_LINK_CTA_BUDGET
 from conftest import (
     HAS_CUDA,
+    as_id_list,
     assert_same_bytes,
     byte_rows,
     check_copy,
     dst_bytes,
+    empty_like_kv,
     fill_random_,
     gpu,
+    make_flashinfer,
     make_layout,
+    make_vllm,
+    paged,
+    random_bytes,
     random_tensor,
     reference_copy,
     requires_gpu,
@@ -224,7 +233,7 @@ def test_more_than_256_planes(method, direction):
                                             for p in dev.planes])
         src, dst = dev, other
     else:
-        pool = kvcopy.HostKVPool(dev, 5, layout="page_first", pin_memory=True)
+        pool = kvcopy.HostKVPool(dev, 6, layout="page_first", pin_memory=True)
         fill_random_(pool, gen)
         src, dst = (dev, pool) if direction == "d2h" else (pool, dev)
     src_ids, dst_ids = [5, 0, 1, 1], [4, 0, 1, 2]
@@ -239,6 +248,9 @@ def test_large_blocks(method):
                                       for _ in range(3)])
     pool = kvcopy.HostKVPool(dev, 5, pin_memory=True)
     fill_random_(pool, gen)
+    available = kvcopy.methods.available_methods(dev, pool.paged)
+    assert kvcopy.methods.choose_method(dev, pool.paged, available, host_ids=True) == "copy_engine"
+    assert kvcopy.methods.choose_method(pool.paged, dev, available, host_ids=True) == "copy_engine"
     check_copy(dev, [1, 2, 3, 5], pool, [0, 1, 2, 4], method=method)
     check_copy(pool, [4, 0, 1], dev, [0, 2, 3], method=method)
 
@@ -256,3 +268,464 @@ def test_odd_sizes_and_alignments(method):
     fill_random_(pool, gen)
     check_copy(dev, [6, 0, 1, 2], pool, [5, 0, 1, 2], method=method)
     check_copy(pool, [5, 0, 1], dev, [0, 4, 5], method=method)
+
+
+# --------------------------------------------------------------------------- the ops' CUDA launchers
+# Eager copy_blocks enters the kernels through csrc/fast_path.cpp; calling the registered ops
+# directly (as compiled graphs do) goes through csrc/ops/copy_blocks_cuda.cpp instead.
+
+
+def _cuda_ids(ids):
+    return torch.tensor(ids, dtype=torch.int64, device="cuda")
+
+
+def _cpu_ids(ids):
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("num_ctas", [0, 1, HOST_LINK_CTA_BUDGET])
+@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
+def test_copy_blocks_op_on_cuda(direction, num_ctas):
+    src, dst, src_ids, dst_ids = _sides(direction, "flashinfer", torch.bfloat16, _gen(20))
+    torch.cuda.synchronize()
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    src_before = snapshot(src)
+    torch.ops.kvcopy.copy_blocks(
+        list(paged(src).planes), _cuda_ids(src_ids), list(paged(dst).planes), _cuda_ids(dst_ids), num_ctas
+    )
+    torch.cuda.synchronize()
+    assert_same_bytes(dst_bytes(dst), expected)
+    assert_same_bytes(snapshot(src), src_before)
+
+
+@pytest.mark.parametrize("stream_kind", ["default", "side"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
+def test_copy_blocks_dma_op_on_cuda(direction, stream_kind):
+    src, dst, src_ids, dst_ids = _sides(direction, "flashinfer", torch.bfloat16, _gen(21))
+    torch.cuda.synchronize()
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    src_before = snapshot(src)
+    args = (list(paged(src).planes), _cpu_ids(src_ids), list(paged(dst).planes), _cpu_ids(dst_ids))
+    if stream_kind == "default":
+        torch.ops.kvcopy.copy_blocks_dma(*args)
+        torch.cuda.current_stream().synchronize()  # the batch's side stream is ordered back onto this one
+    else:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.ops.kvcopy.copy_blocks_dma(*args)
+        stream.synchronize()
+    assert_same_bytes(dst_bytes(dst), expected)
+    assert_same_bytes(snapshot(src), src_before)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_ops_on_cuda_reject_bad_ids(direction):
+    src, dst, _, _ = _sides(direction, "vllm", torch.bfloat16, _gen(22))
+    torch.cuda.synchronize()
+    before = snapshot(dst)
+    src_planes, dst_planes = list(paged(src).planes), list(paged(dst).planes)
+    n_src, n_dst = paged(src).num_blocks, paged(dst).num_blocks
+    with pytest.raises(IndexError, match="src_ids"):
+        torch.ops.kvcopy.copy_blocks_dma(src_planes, _cpu_ids([0, n_src]), dst_planes, _cpu_ids([0, 1]))
+    with pytest.raises(IndexError, match="dst_ids"):
+        torch.ops.kvcopy.copy_blocks_dma(src_planes, _cpu_ids([0, 1]), dst_planes, _cpu_ids([-1, 1]))
+    with pytest.raises(ValueError, match="dst_ids"):
+        torch.ops.kvcopy.copy_blocks_dma(src_planes, _cpu_ids([0, 1]), dst_planes, _cpu_ids([2, 2]))
+    with pytest.raises(RuntimeError):  # the SM kernel reads its ids on the device
+        torch.ops.kvcopy.copy_blocks(src_planes, _cpu_ids([0, 1]), dst_planes, _cpu_ids([2, 3]), 0)
+    with pytest.raises(RuntimeError):  # int64 only
+        torch.ops.kvcopy.copy_blocks(
+            src_planes, _cuda_ids([0, 1]).int(), dst_planes, _cuda_ids([2, 3]).int(), 0
+        )
+    torch.cuda.synchronize()
+    assert_same_bytes(snapshot(dst), before)
+
+
+@pytest.mark.parametrize("layout", ["planes", "flashinfer"])
+@pytest.mark.parametrize("name", ["copy_blocks", "copy_blocks_dma"])
+def test_opcheck_on_cuda(name, layout):
+    gen = _gen(23)
+    src_kv = make_layout(layout, 6, torch.bfloat16, gen, device="cuda")
+    dst_kv = make_layout(layout, 7, torch.bfloat16, gen, device="cuda")
+    ids_device = "cuda" if name == "copy_blocks" else "cpu"  # the copy engines read ids on the host
+    src_ids = torch.tensor([5, 0, 1, 1], dtype=torch.int64, device=ids_device)
+    dst_ids = torch.tensor([6, 2, 3, 0], dtype=torch.int64, device=ids_device)
+    args = (list(src_kv.planes), src_ids, list(dst_kv.planes), dst_ids)
+    if name == "copy_blocks":
+        args += (0,)
+    result = torch.library.opcheck(getattr(torch.ops.kvcopy, name).default, args, raise_exception=False)
+    failures = {test: outcome for test, outcome in result.items() if outcome != "SUCCESS"}
+    assert not failures, failures
+
+
+# --------------------------------------------------------------------------- torch.compile on the GPU
+# Python lists are not traceable inputs: host ids are CPU int64 tensors.
+
+COMPILE_CASES = [
+    ("cuda", "d2h", "aot_eager"),
+    ("cuda", "h2d", "aot_eager"),
+    ("cuda", "d2d", "aot_eager"),
+    ("copy_engine", "d2h", "aot_eager"),
+    ("copy_engine", "h2d", "aot_eager"),
+    ("copy_engine", "d2d", "aot_eager"),
+    ("cuda", "h2d", "inductor"),
+    ("copy_engine", "d2h", "inductor"),
+]
+
+
+@pytest.mark.parametrize(("method", "direction", "backend"), COMPILE_CASES)
+def test_torch_compile_on_gpu_with_host_ids(method, direction, backend):
+    torch._dynamo.reset()
+    src, dst, src_ids, dst_ids = _sides(direction, "vllm", torch.bfloat16, _gen(30))
+    torch.cuda.synchronize()
+
+    def copy(s, d):
+        kvcopy.copy_blocks(src, s, dst, d, method=method)
+
+    compiled = torch.compile(copy, fullgraph=True, backend=backend)
+    for s_ids, d_ids in ((src_ids, dst_ids), ([1, 2, 3], [2, 3, 4]), ([6], [7])):
+        s, d = _cpu_ids(s_ids), _cpu_ids(d_ids)
+        expected = reference_copy(src, s, dst, d)
+        compiled(s, d)
+        torch.cuda.synchronize()
+        assert_same_bytes(dst_bytes(dst), expected)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize(
+    ("method", "backend"), [("cuda", "aot_eager"), ("cuda", "inductor"), ("copy_engine", "aot_eager")]
+)
+def test_torch_compile_on_gpu_validates_host_ids(method, backend, direction):
+    """"cuda" checks host ids with torch.ops.kvcopy.check_block_ids inside the graph; the DMA op checks its own."""
+    torch._dynamo.reset()
+    src, dst, _, _ = _sides(direction, "vllm", torch.bfloat16, _gen(31))
+    n_src, n_dst = paged(src).num_blocks, paged(dst).num_blocks
+
+    def copy(s, d):
+        kvcopy.copy_blocks(src, s, dst, d, method=method)
+
+    compiled = torch.compile(copy, fullgraph=True, backend=backend)
+    compiled(_cpu_ids([0, 1]), _cpu_ids([2, 3]))  # a valid call first: the same graph runs the bad ones
+    torch.cuda.synchronize()
+    before = snapshot(dst)
+    bad_cases = [
+        ([0, n_src], [1, 2], IndexError, "src_ids"),
+        ([-1, 0], [1, 2], IndexError, "src_ids"),
+        ([0, 1], [1, n_dst], IndexError, "dst_ids"),
+        ([0, 1], [2, 2], ValueError, "dst_ids"),
+    ]
+    for bad_src, bad_dst, exc, name in bad_cases:
+        with pytest.raises(exc, match=name):
+            compiled(_cpu_ids(bad_src), _cpu_ids(bad_dst))
+        torch.cuda.synchronize()
+        assert_same_bytes(snapshot(dst), before)
+
+
+# --------------------------------------------------------------------------- streams
+# ~200 ms of GPU time at 2 GHz: far longer than the host work between enqueueing it and the checks.
+SLEEP_CYCLES = int(0.2 * 2e9)
+
+
+def _scribble(num_ids):
+    """Allocates and overwrites device (default stream) and pinned buffers of the sizes a copy stages ids in.
+
+    Had a delayed copy staged its ids on the default stream, or released pinned staging memory still
+    in use, these would reuse and overwrite that memory before the copy reads it. Keep the result alive.
+    """
+    junk = []
+    for numel in (num_ids, 2 * num_ids):
+        junk += [torch.full((numel,), -1, dtype=torch.int64, device="cuda") for _ in range(4)]
+        junk += [torch.full((numel,), -1, dtype=torch.int64).pin_memory() for _ in range(4)]
+    return junk
+
+
+def _check_copy_waits_on_stream(src, src_ids, dst, dst_ids, method):
+    """Queues a long sleep on a side stream, then the copy with stream=; checks the copy waits behind it."""
+    stream = torch.cuda.Stream()
+    num_ids = len(as_id_list(src_ids))
+    # Warm-up on the same pair: compiles the Triton kernel, caches plane tables and allocator blocks,
+    # so nothing below has a reason to block the host.
+    kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method, stream=stream)
+    _scribble(num_ids)  # fills the allocators' caches with blocks of these sizes
+    stream.synchronize()
+    fill_random_(dst, _gen(45))
+    torch.cuda.synchronize()
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    before = dst_bytes(dst)
+
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method, stream=stream)
+    junk = _scribble(num_ids)
+    time.sleep(0.02)  # any work not queued behind the sleep has finished by now
+    assert torch.cuda.current_stream().query(), "work was queued on the default stream behind the side stream"
+    now = dst_bytes(dst)  # reads on the default stream, without waiting for `stream`
+    assert not stream.query(), "the sleep ended before the checks: the host blocked on the stream, or sleep too short"
+    assert_same_bytes(now, before)  # nothing written yet: the copy is queued behind the sleep on `stream`
+    stream.synchronize()
+    assert_same_bytes(dst_bytes(dst), expected)
+    del junk
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("method", HOST_BOUND_METHODS)
+def test_copy_is_queued_on_the_given_stream(method, direction):
+    src, dst, src_ids, dst_ids = _sides(direction, "flashinfer", torch.bfloat16, _gen(40))
+    _check_copy_waits_on_stream(src, src_ids, dst, dst_ids, method)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
+@pytest.mark.parametrize("method", ["cuda", "triton"])
+def test_int32_device_ids_on_a_side_stream(method, direction):
+    # int32 ids are converted to int64 on the GPU, on the copy's stream.
+    src, dst, src_ids, dst_ids = _sides(direction, "flashinfer", torch.bfloat16, _gen(41))
+    s = torch.tensor(src_ids, dtype=torch.int32, device="cuda")
+    d = torch.tensor(dst_ids, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    _check_copy_waits_on_stream(src, s, dst, d, method)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("method", HOST_BOUND_METHODS)
+def test_copy_is_ordered_on_the_default_stream(method, direction):
+    """On torch's default (legacy) stream, a copy sees earlier work on it and later work sees the copy
+    ("copy_engine" submits its batch from a side stream there, ordered with events both ways)."""
+    gen = _gen(44)
+    src, dst, src_ids, dst_ids = _sides(direction, "flashinfer", torch.bfloat16, gen)
+    kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method)  # warm-up
+    torch.cuda.synchronize()
+    fill_random_(dst, gen)
+    torch.cuda.synchronize()
+    if direction == "d2h":
+        # The device source is rewritten on the default stream behind a sleep: the copy must read the new bytes.
+        new_rows = []
+        for plane in src.planes:
+            rows = byte_rows(plane)
+            new_rows.append(random_bytes(rows.numel(), gen).view(rows.shape).to("cuda"))
+        torch.cuda.synchronize()
+        s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
+        expected = []
+        for old, new in zip(dst_bytes(dst), new_rows):
+            old[d] = new.cpu()[s]
+            expected.append(old)
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        for plane, new in zip(src.planes, new_rows):
+            byte_rows(plane).copy_(new)
+        kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method)
+        torch.cuda.current_stream().synchronize()
+        assert_same_bytes(dst_bytes(dst), expected)
+    else:
+        # The copy waits behind a sleep; the device destination is then read on the default stream.
+        expected = reference_copy(src, src_ids, dst, dst_ids)
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method)
+        assert_same_bytes(dst_bytes(dst), expected)
+
+
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+def test_stream_on_another_device_is_rejected(method):
+    src, dst, src_ids, dst_ids = _sides("d2h", "vllm", torch.bfloat16, _gen(43))
+    torch.cuda.synchronize()
+    before = snapshot(dst)
+    with pytest.raises(ValueError, match="stream"):
+        kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method, stream=torch.cuda.Stream(device=1))
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert_same_bytes(snapshot(dst), before)
+
+
+# --------------------------------------------------------------------------- device ids outside the cache
+
+
+def _guarded_kv(num_blocks, spare, gen):
+    """A device cache whose planes are the middle blocks of larger tensors, so a write through an id
+    outside the cache lands in memory we own (and check) rather than elsewhere on the device."""
+    bases = [
+        random_tensor((num_blocks + 2 * spare, 4, 8), torch.bfloat16, gen, device="cuda"),
+        random_tensor((num_blocks + 2 * spare, 5), torch.uint8, gen, device="cuda"),
+    ]
+    return kvcopy.PagedKV.from_planes([b[spare : spare + num_blocks] for b in bases]), bases
+
+
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
+@pytest.mark.parametrize("method", ["cuda", "triton"])
+def test_device_ids_outside_the_cache_are_skipped(method, direction):
+    """Documented: the kernels skip device-resident ids out of range; valid pairs in the same call are copied."""
+    gen, spare = _gen(50), 3
+    kv, bases = _guarded_kv(DEVICE_BLOCKS, spare, gen)
+    guards = list(bases)
+    if direction == "d2d":
+        other, other_bases = _guarded_kv(DEVICE_BLOCKS, spare, gen)
+        src, dst = kv, other
+        guards += other_bases
+    else:
+        pool = kvcopy.HostKVPool(kv, HOST_BLOCKS, pin_memory=True)
+        fill_random_(pool, gen)
+        src, dst = (kv, pool) if direction == "d2h" else (pool, kv)
+    n_src, n_dst = paged(src).num_blocks, paged(dst).num_blocks
+    pairs = [(-1, 2), (1, n_dst), (4, 5), (n_src, 0), (-(2**40), 1), (2, 2**40), (0, 3), (3, -1), (2**62, 6)]
+    valid = [(s, d) for s, d in pairs if 0 <= s < n_src and 0 <= d < n_dst]
+    assert valid == [(4, 5), (0, 3)]
+    torch.cuda.synchronize()
+    expected = reference_copy(src, [s for s, _ in valid], dst, [d for _, d in valid])
+    src_before = snapshot(src)
+    guards_before = [byte_rows(b).clone() for b in guards]
+    kvcopy.copy_blocks(src, _cuda_ids([s for s, _ in pairs]), dst, _cuda_ids([d for _, d in pairs]), method=method)
+    torch.cuda.synchronize()
+    assert_same_bytes(dst_bytes(dst), expected)
+    assert_same_bytes(snapshot(src), src_before)
+    for b, before in zip(guards, guards_before):  # the spare blocks around every plane are untouched
+        rows = byte_rows(b)
+        assert torch.equal(rows[:spare], before[:spare]) and torch.equal(rows[-spare:], before[-spare:])
+
+
+# --------------------------------------------------------------------------- vector widths and chunks
+
+WIDTH_BLOCKS = 6
+WIDTH_IDS = ([5, 0, 1, 2, 2], [1, 2, 3, 4, 0])  # a run (0,1,2 -> 2,3,4), a repeated source
+
+
+def _width_case(case, gen):
+    """(device cache, host layout) whose blocks allow words of one width in the SM kernel."""
+    if case == "16B_vllm":  # 16 tokens x 8 heads x 128 dims bf16: 32 KiB plane-blocks
+        return make_vllm(2, WIDTH_BLOCKS, 16, 8, 128, torch.bfloat16, gen, device="cuda")[0], "page_first"
+    if case == "8B":  # 24-byte blocks: 8-byte words, never 16
+        planes = [random_tensor((WIDTH_BLOCKS, 3), torch.int64, gen, device="cuda") for _ in range(2)]
+        return kvcopy.PagedKV.from_planes(planes), "layer_first"
+    if case == "4B":  # 12-byte fp32 blocks
+        planes = [random_tensor((WIDTH_BLOCKS, 3), torch.float32, gen, device="cuda") for _ in range(2)]
+        return kvcopy.PagedKV.from_planes(planes), "layer_first"
+    if case == "mixed":  # page_first host blocks of 32 KiB + 6 B: host-side alignment varies per block
+        planes = [random_tensor((WIDTH_BLOCKS, 16384), torch.bfloat16, gen, device="cuda"),
+                  random_tensor((WIDTH_BLOCKS, 3), torch.bfloat16, gen, device="cuda")]
+        return kvcopy.PagedKV.from_planes(planes), "page_first"
+    raise ValueError(case)
+
+
+def _pair_for(kv, direction, num_blocks, host_layout, gen):
+    if direction == "d2d":
+        return kv, empty_like_kv(kv, num_blocks, gen)
+    pool = kvcopy.HostKVPool(kv, num_blocks, layout=host_layout, pin_memory=True)
+    fill_random_(pool, gen)
+    return (kv, pool) if direction == "d2h" else (pool, kv)
+
+
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
+@pytest.mark.parametrize("case", ["16B_vllm", "8B", "4B", "mixed"])
+@pytest.mark.parametrize("method", HOST_BOUND_METHODS)
+def test_vector_widths(method, case, direction):
+    gen = _gen(60)
+    kv, host_layout = _width_case(case, gen)
+    src, dst = _pair_for(kv, direction, WIDTH_BLOCKS, host_layout, gen)
+    torch.cuda.synchronize()
+    check_copy(src, WIDTH_IDS[0], dst, WIDTH_IDS[1], method=method)
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
+@pytest.mark.parametrize("method", HOST_BOUND_METHODS)
+def test_blocks_larger_than_one_chunk(method, direction, host_layout):
+    # The SM kernel splits plane-blocks into 32 KiB chunks: 100,000 B is 3 full chunks and 1,696 B;
+    # 100,003 B is odd (byte words, odd page_first offsets); 41 B has one partial chunk and skips the rest.
+    gen = _gen(61)
+    kv = kvcopy.PagedKV.from_planes([
+        random_tensor((5, 25_000), torch.float32, gen, device="cuda"),
+        random_tensor((5, 100_003), torch.uint8, gen, device="cuda"),
+        random_tensor((5, 41), torch.uint8, gen, device="cuda"),
+    ])
+    assert kv.block_nbytes == (100_000, 100_003, 41)
+    src, dst = _pair_for(kv, direction, 5, host_layout, gen)
+    torch.cuda.synchronize()
+    check_copy(src, [4, 0, 1, 3], dst, [0, 2, 3, 4], method=method)
+
+
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
+@pytest.mark.parametrize(("plane_bytes", "expected"), [(256 * 1024, "copy_engine"), (32 * 1024, "cuda")])
+def test_auto_choice_by_block_size(plane_bytes, expected, direction):
+    gen = _gen(62)
+    kv = kvcopy.PagedKV.from_planes(
+        [random_tensor((5, plane_bytes // 4), torch.float32, gen, device="cuda") for _ in range(3)]
+    )
+    src, dst = _pair_for(kv, direction, 5, "page_first", gen)
+    src_kv, dst_kv = paged(src), paged(dst)
+    available = kvcopy.methods.available_methods(src_kv, dst_kv)
+    assert kvcopy.methods.choose_method(src_kv, dst_kv, available, host_ids=True) == expected
+    assert kvcopy.methods.choose_method(src_kv, dst_kv, available, host_ids=False) == "cuda"  # device ids
+    torch.cuda.synchronize()
+    check_copy(src, [1, 2, 4], dst, [0, 1, 3], method="auto")
+
+
+# --------------------------------------------------------------------------- FlashInfer <-> page_first
+
+FLASHINFER_IDS = {
+    "runs": ([0, 1, 2, 3, 8, 9, 10, 5], [4, 5, 6, 7, 0, 1, 2, 9]),
+    "one_long_run": (list(range(2, 12)), list(range(1, 11))),
+    "reversed": ([11, 10, 9, 8], [0, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("ids", list(FLASHINFER_IDS) + ["random"])
+@pytest.mark.parametrize("method", HOST_BOUND_METHODS)
+def test_flashinfer_page_first_on_gpu(method, ids, num_layers):
+    # K and V of a FlashInfer layer are adjacent in both layouts: the DMA planner merges them (and,
+    # with one layer, whole runs of adjacent ids) into single ranges.
+    gen = _gen(70)
+    kv = make_flashinfer(num_layers, 12, 16, 2, 64, torch.bfloat16, gen, device="cuda")[0]
+    pool = kvcopy.HostKVPool(kv, 12, layout="page_first", pin_memory=True)
+    fill_random_(pool, gen)
+    if ids == "random":
+        src_ids = torch.randperm(12, generator=gen)[:9].tolist()
+        dst_ids = torch.randperm(12, generator=gen)[:9].tolist()
+    else:
+        src_ids, dst_ids = FLASHINFER_IDS[ids]
+    torch.cuda.synchronize()
+    check_copy(kv, src_ids, pool, dst_ids, method=method)
+    fill_random_(kv, gen)
+    check_copy(pool, dst_ids, kv, src_ids, method=method)
+
+
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
+def test_copy_engine_single_range(direction):
+    # One MLA layer: a single id, or a run of adjacent ids on a plane dense on both sides, is one
+    # range, submitted with a plain cudaMemcpyAsync rather than a batch.
+    gen = _gen(71)
+    kv = make_layout("mla", 8, torch.float16, gen, device="cuda", num_layers=1)
+    src, dst = _pair_for(kv, direction, 8, "page_first", gen)
+    torch.cuda.synchronize()
+    check_copy(src, [3], dst, [1], method="copy_engine")
+    check_copy(src, [2, 3, 4, 5], dst, [0, 1, 2, 3], method="copy_engine")
+
+
+# --------------------------------------------------------------------------- one cache, zero-byte planes
+
+
+@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+def test_same_cache_on_gpu(method):
+    gen = _gen(80)
+    kv = make_layout("flashinfer", DEVICE_BLOCKS, torch.bfloat16, gen, device="cuda")
+    torch.cuda.synchronize()
+    check_copy(kv, [0, 1, 2], kv, [5, 6, 7], method=method)
+    check_copy(kv, [9, 9, 3], kv, [0, 1, 2], method=method)
+    before = snapshot(kv)
+    for src_ids, dst_ids in (([0, 1], [1, 2]), ([4], [4]), ([2, 8], [8, 2])):
+        for convert in (list, _cpu_ids):
+            with pytest.raises(ValueError, match="dst_ids"):
+                kvcopy.copy_blocks(kv, convert(src_ids), kv, convert(dst_ids), method=method)
+    torch.cuda.synchronize()
+    assert_same_bytes(snapshot(kv), before)
+
+
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
+@pytest.mark.parametrize("method", GPU_METHODS)
+def test_zero_byte_plane_on_gpu(method, direction):
+    gen = _gen(90)
+    kv = kvcopy.PagedKV.from_planes([
+        random_tensor((6, 3, 8), torch.bfloat16, gen, device="cuda"),
+        torch.empty(6, 0, dtype=torch.bfloat16, device="cuda"),
+        random_tensor((6, 6), torch.uint8, gen, device="cuda"),
+    ])
+    src, dst = _pair_for(kv, direction, 6, "page_first", gen)
+    torch.cuda.synchronize()
+    check_copy(src, [5, 0, 1, 1], dst, [4, 0, 1, 2], method=method)

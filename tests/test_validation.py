@@ -7,7 +7,15 @@ import pytest
 import torch
 
 import kvcopy
-from conftest import CPU_METHODS, assert_same_bytes, fill_random_, make_layout, random_tensor, snapshot
+from conftest import (
+    CPU_METHODS,
+    assert_same_bytes,
+    check_copy,
+    fill_random_,
+    make_layout,
+    random_tensor,
+    snapshot,
+)
 
 METHODS = CPU_METHODS + ("auto",)
 NUM_BLOCKS = 6
@@ -154,6 +162,55 @@ def test_repeated_destination_ids_among_many(method, gen):
     dst_ids[150] = dst_ids[7]  # ... then one repeat far apart
     _expect_no_copy(ValueError, "dst_ids", src, list(range(200)), dst, dst_ids, method)
     _expect_no_copy(ValueError, "dst_ids", src, torch.arange(200), dst, torch.tensor(dst_ids), method)
+
+
+# --------------------------------------------------------------------------- one cache on both sides
+
+
+SAME_CACHE_OVERLAPS = {
+    "shifted_run": ([0, 1], [1, 2]),
+    "block_onto_itself": ([3], [3]),
+    "swap": ([2, 4], [4, 2]),
+    "last_pair_only": ([0, 1, 2], [3, 4, 0]),
+    "repeated_src_read_and_written": ([5, 5], [0, 5]),
+}
+ID_CONVERTERS = {
+    "list": list,
+    "int64": lambda v: torch.tensor(v, dtype=torch.int64),
+    "int32": lambda v: torch.tensor(v, dtype=torch.int32),
+    "numpy": lambda v: np.array(v, dtype=np.int64),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("overlap", list(SAME_CACHE_OVERLAPS))
+@pytest.mark.parametrize("kind", list(ID_CONVERTERS))
+def test_same_cache_overlap_is_rejected(pair, method, overlap, kind):
+    """A block both read and written in one cache: the result would depend on copy order."""
+    kv, pool = pair
+    convert = ID_CONVERTERS[kind]
+    src_ids, dst_ids = SAME_CACHE_OVERLAPS[overlap]
+    for cache in (kv, pool):
+        _expect_no_copy(ValueError, "dst_ids", cache, convert(src_ids), cache, convert(dst_ids), method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_same_cache_overlap_among_many_ids(method, gen):
+    kv = make_layout("mla", 300, torch.float16, gen)
+    src_ids = list(range(0, 200))
+    dst_ids = list(range(299, 199, -1)) + list(range(100))  # 100 unread blocks, then 100 that are also read
+    _expect_no_copy(ValueError, "dst_ids", kv, src_ids, kv, dst_ids, method)
+    _expect_no_copy(ValueError, "dst_ids", kv, torch.tensor(src_ids), kv, torch.tensor(dst_ids), method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", list(ID_CONVERTERS))
+def test_same_cache_disjoint_copies_work(pair, method, kind):
+    kv, pool = pair
+    convert = ID_CONVERTERS[kind]
+    check_copy(kv, convert([0, 1, 1]), kv, convert([3, 4, 5]), method=method)
+    check_copy(pool, convert([5, 4, 0]), pool, convert([1, 2, 3]), method=method)
+    check_copy(kv, convert([]), kv, convert([]), method=method)
 
 
 # --------------------------------------------------------------------------- src/dst mismatch

@@ -6,9 +6,10 @@
 namespace kvcopy {
 
 // kvcopy::check_block_ids: full checks of host ids (range, distinct
-// destinations): IndexError / ValueError in Python, nothing written.
+// destinations, and with same_cache no block both read and written):
+// IndexError / ValueError in Python, nothing written.
 void check_block_ids_op(const at::Tensor& src_ids, const at::Tensor& dst_ids, int64_t src_num_blocks,
-                        int64_t dst_num_blocks);
+                        int64_t dst_num_blocks, bool same_cache);
 // The same against the block counts of the planes; run by every op that reads host ids.
 void check_host_ids(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
                     const at::Tensor& dst_ids);
