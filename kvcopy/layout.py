@@ -71,6 +71,7 @@ class PagedKV:
             )
         self._planes = planes
         self.planes_per_layer = planes_per_layer
+        self._device = planes[0].device
         # Derived once: the hot path and torch.compile read plain attributes.
         self._block_nbytes = tuple(_block_numel(p) * p.element_size() for p in planes)
         self._dtypes = tuple(p.dtype for p in planes)
@@ -160,7 +161,7 @@ class PagedKV:
 
     @property
     def device(self) -> torch.device:
-        return self._planes[0].device
+        return self._device
 
     @property
     def block_nbytes(self) -> tuple[int, ...]:

@@ -18,6 +18,9 @@ METHODS: tuple[Method, ...] = ("torch", "cpu", "triton", "cuda", "copy_engine")
 # half-peak size (100-350 KB, shared/REFERENCE.md) the SM kernel wins.
 DMA_MIN_BLOCK_BYTES = 256 * 1024
 
+# Read once, like triton itself, which decides at import whether kernels are interpreted.
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def _pair_problem(src: PagedKV, dst: PagedKV) -> str | None:
     """Why no compiled GPU method can run for this pair, or None when they can."""
@@ -36,7 +39,7 @@ def available_methods(src: PagedKV, dst: PagedKV) -> list[Method]:
     """The methods that can copy from ``src`` to ``dst`` in this process, "torch" first."""
     methods: list[Method] = ["torch"]
     both_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = _TRITON_INTERPRET
     if both_cpu:
         if _ext.has_cpu_kernels():
             methods.append("cpu")
@@ -62,7 +65,7 @@ def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
         if not _ext.triton_available():
             return "triton is not installed"
         if src.device.type == "cpu" and dst.device.type == "cpu":
-            return "'triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+            return "'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kvcopy and triton are imported"
         return _pair_problem(src, dst) or "TRITON_INTERPRET=1 is set, and the interpreter cannot reach GPU memory"
     problem = _pair_problem(src, dst)
     if problem:
