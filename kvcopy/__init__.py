@@ -11,15 +11,23 @@ from __future__ import annotations
 
 from ._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from ._version import __version__
+from .block_allocator import BlockAllocator
+from .engine import TransferConflictError, TransferEngine
 from .host import HostKVPool
 from .layout import PagedKV
-from .methods import METHODS
+from .methods import CAPTURABLE_METHODS, METHODS
 from .ops import available_methods, copy_blocks, gather, scatter
+from .transfer import Transfer
 
 __all__ = [
+    "CAPTURABLE_METHODS",
     "METHODS",
+    "BlockAllocator",
     "HostKVPool",
     "PagedKV",
+    "Transfer",
+    "TransferConflictError",
+    "TransferEngine",
     "__version__",
     "available_methods",
     "build_info",

@@ -7,6 +7,9 @@ from typing import Literal
 
 import torch
 
+from ._host_memory import HostRegion, gpu_numa_node
+from ._ids import BlockIds
+from .block_allocator import BlockAllocator
 from .layout import PagedKV
 
 __all__ = ["HostKVPool", "HostLayout"]
@@ -23,8 +26,17 @@ class HostKVPool:
     one region to spill or send. ``layer_first``: plane p holds all blocks of
     that plane contiguously, mirroring the device.
 
-    ``pin_memory=None`` pins when CUDA is available; ``pin_memory=True`` without
-    CUDA raises RuntimeError. The buffer is not zeroed.
+    Memory (kvcopy._host_memory): one anonymous mapping of exactly the pool's
+    bytes (fresh pages, which read as zero), never rounded
+    up. ``pin_memory=None`` pins when CUDA is available, registering with CUDA
+    in chunks of at most 64 GiB; ``pin_memory=True`` without CUDA raises
+    RuntimeError. ``numa_node``: bind the pages to that node; None binds them
+    to the GPU's node when ``like`` is on a GPU whose node the system reports.
+    A pool that would leave less than 2 GiB of available memory is a
+    MemoryError before anything is allocated. :attr:`alloc_seconds` says how
+    long allocation and pinning took. :meth:`close` (or ``with``) unpins.
+
+    A block allocator comes with it: :meth:`allocate`, :meth:`free`, :attr:`num_free`.
     """
 
     def __init__(
@@ -34,6 +46,7 @@ class HostKVPool:
         *,
         layout: HostLayout = "page_first",
         pin_memory: bool | None = None,
+        numa_node: int | None = None,
     ) -> None:
         if not isinstance(like, PagedKV):
             raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
@@ -41,13 +54,14 @@ class HostKVPool:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         if layout not in _LAYOUTS:
             raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
-        cuda = torch.cuda.is_available()
-        pin = cuda if pin_memory is None else bool(pin_memory)
-        if pin and not cuda:
-            raise RuntimeError("pin_memory=True: pinning host memory needs a CUDA device, and none is available")
+        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
+            raise ValueError(f"numa_node: expected a NUMA node number or None, got {numa_node!r}")
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        node = gpu_numa_node(like.device) if numa_node is None else numa_node
         self.layout: HostLayout = layout
-        self.pinned: bool = pin
-        self.buffer: torch.Tensor = torch.empty(num_blocks * like.nbytes_per_block, dtype=torch.uint8, pin_memory=pin)
+        self._region = HostRegion(num_blocks * like.nbytes_per_block, pin=pin, numa_node=node)
+        self.buffer: torch.Tensor = self._region.tensor
+        self.allocator = BlockAllocator(num_blocks)
         planes = _page_first_planes(self.buffer, like, num_blocks) if layout == "page_first" else (
             _layer_first_planes(self.buffer, like, num_blocks)
         )
@@ -57,8 +71,50 @@ class HostKVPool:
             self.paged.plane_table_on(like.device)
 
     @property
+    def pinned(self) -> bool:
+        """Whether the pool is registered with CUDA (False after :meth:`close`)."""
+        return self._region.pinned
+
+    @property
+    def numa_node(self) -> int | None:
+        """The NUMA node the pages are bound to, or None."""
+        return self._region.numa_node
+
+    @property
+    def alloc_seconds(self) -> float:
+        """Seconds that allocating (and pinning) the pool took."""
+        return self._region.alloc_seconds
+
+    @property
     def num_blocks(self) -> int:
         return self.paged.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks the allocator has not handed out."""
+        return self.allocator.num_free
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """``n`` free host block ids (int64, lowest first); ValueError if fewer are free."""
+        return self.allocator.allocate(n)
+
+    def free(self, ids: BlockIds) -> None:
+        """Returns allocated ids; ValueError for a double free or an id not of this pool."""
+        self.allocator.free(ids)
+
+    def close(self) -> None:
+        """Unpins the pool. Wait for transfers that use it first (TransferEngine.close does).
+
+        The memory itself is released when no tensor over it is left.
+        """
+        self._region.close()
+        self.paged._pinned = False
+
+    def __enter__(self) -> HostKVPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def nbytes_per_block(self) -> int:

@@ -87,6 +87,7 @@ class PagedKV:
             low_bits |= value
         self._alignment = low_bits & -low_bits
         self._pinned: bool | None = None
+        self._layers: list[PagedKV] | None = None
 
     @classmethod
     def from_planes(cls, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1) -> PagedKV:
@@ -154,6 +155,20 @@ class PagedKV:
     def num_layers(self) -> int:
         """Engine layers: ``num_planes // planes_per_layer``."""
         return len(self._planes) // self.planes_per_layer
+
+    def layer(self, index: int) -> PagedKV:
+        """The planes of engine layer ``index`` as their own PagedKV (made once, then cached)."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer: expected a layer in [0, {self.num_layers}), got {index}")
+        if self._layers is None:
+            ppl = self.planes_per_layer
+            self._layers = [
+                PagedKV(self._planes[i * ppl : (i + 1) * ppl], planes_per_layer=ppl) for i in range(self.num_layers)
+            ]
+            for i, layer in enumerate(self._layers):  # share what the whole cache already knows
+                layer._pinned = self._pinned
+                layer._plane_tables_on.update({d: t[i * ppl : (i + 1) * ppl] for d, t in self._plane_tables_on.items()})
+        return self._layers[index]
 
     @property
     def num_blocks(self) -> int:

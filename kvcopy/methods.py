@@ -8,10 +8,14 @@ from typing import Literal
 from . import _ext
 from .layout import PagedKV
 
-__all__ = ["METHODS", "Method", "available_methods", "choose_method", "DMA_MIN_BLOCK_BYTES"]
+__all__ = ["CAPTURABLE_METHODS", "DMA_MIN_BLOCK_BYTES", "METHODS", "Method", "available_methods", "choose_method"]
 
 Method = Literal["torch", "cpu", "triton", "cuda", "copy_engine"]
 METHODS: tuple[Method, ...] = ("torch", "cpu", "triton", "cuda", "copy_engine")
+# Methods whose submission can be captured in a CUDA graph: one kernel launch
+# each. Not "copy_engine" (cudaMemcpyBatchAsync is not capturable) nor "torch"
+# (its cross-device copies synchronise the host).
+CAPTURABLE_METHODS: tuple[Method, ...] = ("cuda", "triton")
 
 # Without a calibrated profile, "auto" sends plane-blocks of at least this many
 # bytes to the copy engines: per-copy DMA cost is 2-7 us, so below the
@@ -73,13 +77,22 @@ def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
     return "kvcopy was built without CUDA kernels"
 
 
-def choose_method(src: PagedKV, dst: PagedKV, available: list[Method], *, host_ids: bool) -> Method:
+def choose_method(
+    src: PagedKV, dst: PagedKV, available: list[Method], *, host_ids: bool, capturing: bool = False
+) -> Method:
     """The documented default for ``method="auto"`` (a calibrated profile replaces it later).
 
     Host to host: "cpu" when compiled, else "torch". With a GPU: "copy_engine"
     for plane-blocks of at least DMA_MIN_BLOCK_BYTES (host ids only), else the
-    SM kernel "cuda", else "triton", else "torch".
+    SM kernel "cuda", else "triton", else "torch". While the current stream is
+    being captured into a CUDA graph: "cuda", else "triton" (ValueError if
+    neither can run).
     """
+    if capturing:
+        for method in CAPTURABLE_METHODS:
+            if method in available:
+                return method
+        raise ValueError(f"method: 'auto' found no method that can be captured in a CUDA graph among {available}")
     if "cpu" in available:
         return "cpu"
     if "copy_engine" in available and host_ids and min(src.block_nbytes) >= DMA_MIN_BLOCK_BYTES:

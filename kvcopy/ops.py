@@ -57,10 +57,21 @@ def available_methods(src: KVLike, dst: KVLike) -> list[str]:
     return list(_methods.available_methods(_as_paged(src, "src"), _as_paged(dst, "dst")))
 
 
-def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool) -> str:
+def _capturing(src: PagedKV, dst: PagedKV) -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
+    return uses_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool, capturing: bool = False) -> str:
     available = _methods.available_methods(src, dst)
+    if capturing and host_ids:
+        raise ValueError(
+            "src_ids/dst_ids: under CUDA graph capture pass ids as CUDA tensors (static buffers you update "
+            "before each replay); host ids would be staged once and frozen into the graph"
+        )
     if method == "auto":
-        return _methods.choose_method(src, dst, available, host_ids=host_ids)
+        return _methods.choose_method(src, dst, available, host_ids=host_ids, capturing=capturing)
     if method not in _methods.METHODS:
         raise ValueError(f"method: expected 'auto' or a method that can run for this pair {available}, got {method!r}")
     if method not in available:
@@ -68,6 +79,10 @@ def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool) -> str:
         raise ValueError(f"method: {method!r} cannot run for this pair ({reason}); methods that can: {available}")
     if method in ("cpu", "copy_engine") and not host_ids:
         raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
+    if capturing and method not in _methods.CAPTURABLE_METHODS:
+        raise ValueError(
+            f"method: {method!r} cannot be captured in a CUDA graph; capturable: {list(_methods.CAPTURABLE_METHODS)}"
+        )
     return method
 
 
@@ -205,7 +220,7 @@ def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, meth
     host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
     if src is dst and host_ids:
         check_disjoint(src_t, dst_t)
-    chosen = _resolve(method, src, dst, host_ids=host_ids)
+    chosen = _resolve(method, src, dst, host_ids=host_ids, capturing=_capturing(src, dst))
     if src_t.numel() == 0:
         return
     _run(chosen, src, src_t, dst, dst_t)

@@ -1,0 +1,155 @@
+"""One contiguous host region for a HostKVPool: exact size, optionally NUMA-bound, pinned in chunks.
+
+Why not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator
+rounds requests up to a power of two (a 65 GiB pool would take 128 GiB) and
+pins in one call, and one ``cudaHostRegister`` of 512 GiB or more fails
+(shared/REFERENCE.md). Here the region is an anonymous mapping of exactly the
+bytes asked for (rounded to a page), bound to a NUMA node before any page is
+touched, and registered with CUDA in chunks of at most MAX_REGISTER_BYTES.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import time
+
+import torch
+
+__all__ = [
+    "HOST_RESERVE_BYTES",
+    "MAX_REGISTER_BYTES",
+    "HostRegion",
+    "available_host_bytes",
+    "gpu_numa_node",
+]
+
+# No single cudaHostRegister above this: registrations of 512 GiB and more fail.
+MAX_REGISTER_BYTES = 64 << 30
+# Host memory left to the OS and the process: a pool that would eat into it is
+# refused before anything is allocated (pinned pages cannot be swapped out).
+HOST_RESERVE_BYTES = 2 << 30
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # usable from every CUDA context
+_CUDA_HOST_REGISTER_MAPPED = 2  # mapped into the device address space (read by the SM kernels)
+_MPOL_BIND = 2
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235}
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gpu_numa_node(device: torch.device) -> int | None:
+    """The NUMA node of a GPU's PCI slot where sysfs tells it, else None."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    try:
+        address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{address}/numa_node") as f:
+            node = int(f.read().strip())
+    except (AttributeError, OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def _numa_nodes() -> list[int]:
+    try:
+        names = os.listdir("/sys/devices/system/node")
+    except OSError:
+        return []
+    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+
+
+def _bind_to_node(address: int, length: int, node: int) -> None:
+    """mbind(MPOL_BIND) the (untouched) pages of [address, address + length) to ``node``."""
+    nodes = _numa_nodes()
+    if node not in nodes:
+        raise ValueError(f"numa_node: expected one of this machine's NUMA nodes {nodes}, got {node}")
+    syscall = _SYS_MBIND.get(platform.machine())
+    if syscall is None:
+        raise ValueError(f"numa_node: binding memory is not supported on {platform.machine()}")
+    mask_bits = 64 * (node // 64 + 1)
+    mask = (ctypes.c_ulong * (mask_bits // 64))()
+    mask[node // 64] = 1 << (node % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(syscall, ctypes.c_void_p(address), ctypes.c_ulong(length), _MPOL_BIND, mask,
+                          ctypes.c_ulong(mask_bits + 1), 0)
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mbind to NUMA node {node} failed: {os.strerror(err)}")
+
+
+class HostRegion:
+    """``nbytes`` of host memory as one uint8 tensor (:attr:`tensor`).
+
+    ``pin``: register with CUDA in chunks (RuntimeError without CUDA).
+    ``numa_node``: bind the pages to that node first (None: leave to the OS).
+    Raises MemoryError before allocating when ``nbytes`` would leave less than
+    HOST_RESERVE_BYTES of the machine's available memory.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool, numa_node: int | None) -> None:
+        available = available_host_bytes()
+        if available is not None and nbytes > available - HOST_RESERVE_BYTES:
+            raise MemoryError(
+                f"host pool: {nbytes / 2**30:.2f} GiB asked for, {available / 2**30:.2f} GiB available and "
+                f"{HOST_RESERVE_BYTES / 2**30:.0f} GiB kept in reserve; use fewer blocks"
+            )
+        if pin and not torch.cuda.is_available():
+            raise RuntimeError("pin_memory=True: pinning host memory needs a CUDA device, and none is available")
+        started = time.perf_counter()
+        self.nbytes = nbytes
+        self.numa_node = numa_node
+        self._registered: list[int] = []
+        self._mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = ctypes.c_char.from_buffer(self._mapping)
+        self.address = ctypes.addressof(view)
+        del view  # a live ctypes view would keep the mapping from ever being released
+        if numa_node is not None:
+            _bind_to_node(self.address, len(self._mapping), numa_node)
+        if pin:
+            self._register()
+        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes) if nbytes else (
+            torch.empty(0, dtype=torch.uint8)
+        )
+        self.pinned = pin
+        self.alloc_seconds = time.perf_counter() - started
+
+    def _register(self) -> None:
+        cudart = torch.cuda.cudart()
+        flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+        for start in range(0, self.nbytes, MAX_REGISTER_BYTES):
+            length = min(MAX_REGISTER_BYTES, self.nbytes - start)
+            code = int(cudart.cudaHostRegister(self.address + start, length, flags))
+            if code != 0:
+                self._unregister()
+                raise RuntimeError(
+                    f"host pool: cudaHostRegister of {length / 2**30:.2f} GiB at offset {start} failed with CUDA "
+                    f"error {code} (a memlock limit, or not enough memory that can be pinned)"
+                )
+            self._registered.append(self.address + start)
+
+    def _unregister(self) -> None:
+        if not self._registered:
+            return
+        cudart = torch.cuda.cudart()
+        for address in self._registered:
+            cudart.cudaHostUnregister(address)
+        self._registered.clear()
+
+    def close(self) -> None:
+        """Unpins now; the mapping itself is released once no tensor over it is left."""
+        self._unregister()
+        self.pinned = False

@@ -1,0 +1,140 @@
+"""Transfer: the handle of one asynchronous offload or reload.
+
+A transfer completes through *signals*: one for the whole transfer and, for a
+layer-wise reload, one per layer. On CUDA a signal is an event recorded on the
+engine's copy stream; on CPU it is set by the worker thread that did the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+__all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal"]
+
+# How often a host wait on a CUDA event with a timeout polls it.
+_POLL_SECONDS = 50e-6
+
+
+class TransferSignal(Protocol):
+    """What a Transfer needs of a completion signal."""
+
+    def query(self) -> bool: ...
+
+    def wait(self, timeout: float | None) -> None: ...
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None: ...
+
+
+class CudaSignal:
+    """An event recorded on a copy stream after the work it signals."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def wait(self, timeout: float | None) -> None:
+        if timeout is None:
+            self.event.synchronize()  # raises what the device reported, if anything
+            return
+        deadline = time.monotonic() + timeout
+        while not self.event.query():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"transfer not done after {timeout} s")
+            time.sleep(_POLL_SECONDS)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        (stream or torch.cuda.current_stream(self.event.device)).wait_event(self.event)
+
+
+class ThreadSignal:
+    """Set by a CPU worker when its copy (or one layer of it) is done, with the error if it failed."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"transfer not done after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        del stream  # no device: the calling thread itself waits
+        self.wait(None)
+
+
+class Transfer:
+    """One offload (device pages -> host) or reload (host -> device pages), in flight or done.
+
+    ``done()`` never blocks; ``wait()`` blocks the host and re-raises an error
+    of the transfer; ``wait_stream()`` / ``wait_layer()`` make a CUDA stream
+    wait on the device without blocking the host (on CPU they block the caller).
+    """
+
+    def __init__(
+        self,
+        direction: str,
+        num_blocks: int,
+        nbytes: int,
+        done: TransferSignal,
+        layers: list[TransferSignal] | None = None,
+        timer: tuple[torch.cuda.Event, torch.cuda.Event] | list[float] | None = None,
+    ) -> None:
+        self.direction = direction
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self._done = done
+        self._layers = layers
+        self._timer = timer  # (start, end) CUDA events, or the [start, end] perf_counter stamps a CPU worker fills
+
+    @property
+    def layerwise(self) -> bool:
+        return self._layers is not None
+
+    def done(self) -> bool:
+        """True once every byte has landed (or the transfer failed; ``wait()`` says which)."""
+        return self._done.query()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until done; re-raises the transfer's error; TimeoutError after ``timeout`` seconds."""
+        self._done.wait(timeout)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Work queued on ``stream`` (default: current) after this call runs after the transfer."""
+        self._done.wait_stream(stream)
+
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Like :meth:`wait_stream`, for one layer of a layer-wise reload."""
+        if self._layers is None:
+            raise ValueError("wait_layer: this transfer is not a layer-wise reload (use reload(..., layerwise=True))")
+        if not 0 <= layer < len(self._layers):
+            raise IndexError(f"layer: expected a layer in [0, {len(self._layers)}), got {layer}")
+        self._layers[layer].wait_stream(stream)
+
+    @property
+    def elapsed(self) -> float | None:
+        """Seconds from the copy's start to its end on the copy stream / worker; None until done."""
+        if self._timer is None or not self.done():
+            return None
+        if isinstance(self._timer, tuple):
+            start, end = self._timer
+            return start.elapsed_time(end) / 1e3
+        return self._timer[1] - self._timer[0] if len(self._timer) == 2 else None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"Transfer({self.direction}, num_blocks={self.num_blocks}, nbytes={self.nbytes}, {state})"
