@@ -46,10 +46,12 @@ date -u +%Y-%m-%dT%H:%M:%SZ >"$out/date.txt"
 step build env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace
 step info "$python" -m kvcopy info --json
 if [ "$dry_run" = 1 ]; then
-  step gpu_tests_collect "$python" -m pytest -q --collect-only -m gpu tests/test_gpu.py
+  step gpu_tests_collect "$python" -m pytest -q --collect-only -m gpu tests/test_gpu.py tests/test_engine_gpu.py
   step bench_copy "$python" benchmarks/bench_copy.py --blocks 16 --repeats 2 --csv "$out/bench_copy.csv"
+  step bench_overlap "$python" benchmarks/bench_overlap.py --blocks 16 --rounds 1 --csv "$out/bench_overlap.csv"
 else
-  step gpu_tests "$python" -m pytest -q -m gpu tests/test_gpu.py tests/test_ops.py
+  step gpu_tests "$python" -m pytest -q -m gpu tests/test_gpu.py tests/test_engine_gpu.py
   step bench_copy "$python" benchmarks/bench_copy.py --csv "$out/bench_copy.csv"
+  step bench_overlap "$python" benchmarks/bench_overlap.py --csv "$out/bench_overlap.csv"
 fi
 echo "device_check: done; results in $out"
