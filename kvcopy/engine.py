@@ -221,15 +221,17 @@ class TransferEngine:
         host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing)
-        use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker else None
+        # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
+        use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker and not capturing else None
         num_blocks = src_t.numel()
         nbytes = num_blocks * self.kv.nbytes_per_block
         if self._cuda:
             transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
         else:
             transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
-        self._in_flight = [t for t in self._in_flight if not t.done()]
-        self._in_flight.append(transfer)
+        if not capturing:
+            self._in_flight = [t for t in self._in_flight if not t.done()]
+            self._in_flight.append(transfer)
         if use is not None:
             use.transfer = transfer
             self._tracker.add(use)  # type: ignore[union-attr]
