@@ -34,6 +34,7 @@ from . import ops as _ops
 from ._ids import BlockIds, prepare_ids
 from .host import HostKVPool
 from .layout import PagedKV
+from .profile import Profile
 from .transfer import CudaSignal, ThreadSignal, Transfer
 
 __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
@@ -103,8 +104,8 @@ class TransferEngine:
     """Asynchronous offloads (device pages -> host pool) and reloads (host pool -> device pages).
 
     ``method``: the copy method for both directions ("auto" by default, see
-    kvcopy.copy_blocks). ``profile``: a calibrated profile for "auto" (kept for
-    the calibrator; unused until then). ``debug`` (or ``KVCOPY_DEBUG=1``):
+    kvcopy.copy_blocks). ``profile``: the calibrated Profile "auto" consults
+    (default: kvcopy's default profile, see kvcopy.profile.default_profile). ``debug`` (or ``KVCOPY_DEBUG=1``):
     track blocks in flight and raise TransferConflictError when a new transfer
     would write a block an unfinished transfer reads or writes, or read one it
     writes, on either side; ids must then be host-resident. A context manager:
@@ -117,7 +118,7 @@ class TransferEngine:
         host: HostKVPool,
         *,
         method: str = "auto",
-        profile: object | None = None,
+        profile: Profile | None = None,
         debug: bool | None = None,
     ) -> None:
         if not isinstance(kv, PagedKV):
@@ -220,7 +221,8 @@ class TransferEngine:
             raise ValueError(f"{dst_name}: expected as many ids as {src_name} ({src_t.numel()}), got {dst_t.numel()}")
         host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing)
+        method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
+                               num_blocks=src_t.numel(), profile=self.profile)
         # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
         use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker and not capturing else None
         num_blocks = src_t.numel()

@@ -7,6 +7,7 @@ from typing import Literal
 
 from . import _ext
 from .layout import PagedKV
+from .profile import Profile, direction_of
 
 __all__ = ["CAPTURABLE_METHODS", "DMA_MIN_BLOCK_BYTES", "METHODS", "Method", "available_methods", "choose_method"]
 
@@ -16,6 +17,8 @@ METHODS: tuple[Method, ...] = ("torch", "cpu", "triton", "cuda", "copy_engine")
 # each. Not "copy_engine" (cudaMemcpyBatchAsync is not capturable) nor "torch"
 # (its cross-device copies synchronise the host).
 CAPTURABLE_METHODS: tuple[Method, ...] = ("cuda", "triton")
+# Methods that read block ids on the host.
+HOST_ID_METHODS: tuple[Method, ...] = ("cpu", "copy_engine")
 
 # Without a calibrated profile, "auto" sends plane-blocks of at least this many
 # bytes to the copy engines: per-copy DMA cost is 2-7 us, so below the
@@ -59,6 +62,22 @@ def available_methods(src: PagedKV, dst: PagedKV) -> list[Method]:
     return methods
 
 
+def _measured_choice(
+    src: PagedKV, dst: PagedKV, available: list[Method], host_ids: bool, capturing: bool, num_blocks: int,
+    profile: Profile,
+) -> Method | None:
+    methods = profile.links.get(direction_of(src.device.type, dst.device.type), {})
+    candidates = [
+        m for m in methods
+        if m in available and (host_ids or m not in HOST_ID_METHODS) and (not capturing or m in CAPTURABLE_METHODS)
+    ]
+    if not candidates:
+        return None
+    plane_block = src.nbytes_per_block / src.num_planes
+    nbytes = src.nbytes_per_block * max(num_blocks, 1)
+    return min(candidates, key=lambda m: methods[m].predict(nbytes, plane_block))  # type: ignore[return-value]
+
+
 def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
     """A sentence on why ``method`` cannot run for this pair."""
     if method == "cpu":
@@ -78,16 +97,30 @@ def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
 
 
 def choose_method(
-    src: PagedKV, dst: PagedKV, available: list[Method], *, host_ids: bool, capturing: bool = False
+    src: PagedKV,
+    dst: PagedKV,
+    available: list[Method],
+    *,
+    host_ids: bool,
+    capturing: bool = False,
+    num_blocks: int = 1,
+    profile: Profile | None = None,
 ) -> Method:
-    """The documented default for ``method="auto"`` (a calibrated profile replaces it later).
+    """What ``method="auto"`` runs.
 
-    Host to host: "cpu" when compiled, else "torch". With a GPU: "copy_engine"
-    for plane-blocks of at least DMA_MIN_BLOCK_BYTES (host ids only), else the
-    SM kernel "cuda", else "triton", else "torch". While the current stream is
-    being captured into a CUDA graph: "cuda", else "triton" (ValueError if
-    neither can run).
+    With a calibrated ``profile`` that measured this direction: the measured
+    method predicted fastest for ``num_blocks`` blocks at this cache's
+    plane-block size (among those that can run here, and are capturable while
+    capturing). Without one, the documented defaults: host to host "cpu" when
+    compiled, else "torch"; with a GPU "copy_engine" for plane-blocks of at
+    least DMA_MIN_BLOCK_BYTES (host ids only), else the SM kernel "cuda", else
+    "triton", else "torch". While the current stream is being captured into a
+    CUDA graph: "cuda", else "triton" (ValueError if neither can run).
     """
+    if profile is not None:
+        measured = _measured_choice(src, dst, available, host_ids, capturing, num_blocks, profile)
+        if measured is not None:
+            return measured
     if capturing:
         for method in CAPTURABLE_METHODS:
             if method in available:

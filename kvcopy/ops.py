@@ -18,6 +18,7 @@ from ._ids import BlockIds, check_disjoint, prepare_ids
 from ._torch_copy import copy_blocks_torch
 from .host import HostKVPool
 from .layout import PagedKV
+from .profile import Profile, default_profile
 
 __all__ = ["copy_blocks", "gather", "scatter", "available_methods", "HOST_LINK_CTA_BUDGET"]
 
@@ -63,7 +64,17 @@ def _capturing(src: PagedKV, dst: PagedKV) -> bool:
     return uses_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool, capturing: bool = False) -> str:
+def _resolve(
+    method: str,
+    src: PagedKV,
+    dst: PagedKV,
+    *,
+    host_ids: bool,
+    capturing: bool = False,
+    num_blocks: int = 1,
+    profile: Profile | None = None,
+) -> str:
+    """The method to run; "auto" consults ``profile``, else the default profile (kvcopy.profile)."""
     available = _methods.available_methods(src, dst)
     if capturing and host_ids:
         raise ValueError(
@@ -71,13 +82,16 @@ def _resolve(method: str, src: PagedKV, dst: PagedKV, *, host_ids: bool, capturi
             "before each replay); host ids would be staged once and frozen into the graph"
         )
     if method == "auto":
-        return _methods.choose_method(src, dst, available, host_ids=host_ids, capturing=capturing)
+        return _methods.choose_method(
+            src, dst, available, host_ids=host_ids, capturing=capturing, num_blocks=num_blocks,
+            profile=profile if profile is not None else default_profile(),
+        )
     if method not in _methods.METHODS:
         raise ValueError(f"method: expected 'auto' or a method that can run for this pair {available}, got {method!r}")
     if method not in available:
         reason = _methods.unavailable_reason(method, src, dst)
         raise ValueError(f"method: {method!r} cannot run for this pair ({reason}); methods that can: {available}")
-    if method in ("cpu", "copy_engine") and not host_ids:
+    if method in _methods.HOST_ID_METHODS and not host_ids:
         raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
     if capturing and method not in _methods.CAPTURABLE_METHODS:
         raise ValueError(
@@ -220,7 +234,7 @@ def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, meth
     host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
     if src is dst and host_ids:
         check_disjoint(src_t, dst_t)
-    chosen = _resolve(method, src, dst, host_ids=host_ids, capturing=_capturing(src, dst))
+    chosen = _resolve(method, src, dst, host_ids=host_ids, capturing=_capturing(src, dst), num_blocks=src_t.numel())
     if src_t.numel() == 0:
         return
     _run(chosen, src, src_t, dst, dst_t)

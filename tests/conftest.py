@@ -13,6 +13,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# "auto" must follow its documented defaults here, whatever a developer's own calibration left in ~/.cache.
+os.environ["KVCOPY_PROFILE"] = "none"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

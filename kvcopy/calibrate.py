@@ -1,0 +1,272 @@
+"""The calibrator: measures this machine's copy costs and prefill throughput into a Profile.
+
+For each direction (device->host and host->device on a GPU, host->host on the
+CPU) and each method that can run, it times block copies over a sweep of
+shapes — plane-block sizes x block counts, from one small block to hundreds of
+MB — with kvcopy.timing (CUDA events on a GPU, perf_counter on the CPU;
+warm-up, repeats, median and spread), and fits ``t = alpha + bytes / beta``
+robustly (kvcopy.fit), overall and per block size. It also measures the
+contiguous-copy peak of the link, and the sustained throughput of a real
+prefill-shaped layer (projections, causal attention, gated MLP) of a model,
+timed over several token counts and fitted the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _ext
+from ._version import __version__
+from .fit import LinearFit, fit_alpha_beta
+from .host import HostKVPool
+from .layout import PagedKV
+from .ops import available_methods, copy_blocks
+from .profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from .timing import measure
+
+__all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
+
+# Planes of the synthetic cache: enough that per-plane costs show, as in a real
+# cache (a llama8b cache has 64), while keeping the largest shapes small.
+CALIBRATION_PLANES = 16
+# The model whose layer shape times prefill unless another is given.
+DEFAULT_MODEL = "llama-3.1-8b"
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """Shapes to time: plane-block sizes x block counts, capped in total bytes."""
+
+    block_nbytes: tuple[int, ...]
+    num_blocks: tuple[int, ...]
+    max_total_bytes: int
+    repeats: int
+    prefill_tokens: tuple[int, ...]
+
+
+# Full: 4 KiB (a 16-token fp8 head slice) to 256 KiB plane-blocks, 1 to 1024 blocks, up to 512 MiB per call.
+_FULL_GPU = _Sweep((4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 << 20, 10, (512, 1024, 2048, 4096))
+_FULL_CPU = _Sweep((4096, 32768, 262144), (1, 4, 16, 64, 256), 256 << 20, 7, (32, 64, 128, 256))
+# Quick: a few shapes, about ten seconds on a 2-core CPU.
+_QUICK_GPU = _Sweep((4096, 32768, 262144), (1, 16, 256), 256 << 20, 5, (512, 2048))
+_QUICK_CPU = _Sweep((4096, 32768, 262144), (1, 8, 64), 64 << 20, 5, (16, 32, 64))
+
+
+def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - a tqdm bar or a stand-in
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(total=total, desc=desc, unit="shape", leave=False)
+        except ImportError:
+            pass
+
+    class _Silent:
+        def update(self, n: int = 1) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return _Silent()
+
+
+def _hardware(device: torch.device) -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info: dict[str, object] = {
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+        "host_cpu": cpu,
+        "host_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "kvcopy": __version__,
+        "extension": _ext.build_info()["extension_loaded"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "calibration_planes": CALIBRATION_PLANES,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["capability"] = f"{props.major}.{props.minor}"
+        info["driver"] = getattr(torch._C, "_cuda_getDriverVersion", lambda: None)()
+    return info
+
+
+def _link_fit(fit: LinearFit) -> LinkFit:
+    return LinkFit(alpha_s=fit.alpha, beta_bytes_per_s=fit.beta, r2=fit.r2, max_abs_residual=fit.max_abs_residual)
+
+
+def _pairs(device: torch.device, block_nbytes: int, num_blocks: int) -> dict[str, tuple[PagedKV, PagedKV]]:
+    """Source and destination caches per direction for one plane-block size."""
+    planes = [torch.empty(num_blocks, block_nbytes, dtype=torch.uint8, device=device) for _ in range(CALIBRATION_PLANES)]
+    for plane in planes:
+        plane.random_()
+    kv = PagedKV.from_planes(planes)
+    host = HostKVPool(kv, num_blocks).paged
+    if device.type == "cuda":
+        return {"d2h": (kv, host), "h2d": (host, kv)}
+    return {"h2h": (kv, host)}
+
+
+def _methods_to_time(src: PagedKV, dst: PagedKV, wanted: Sequence[str] | None) -> list[str]:
+    methods = available_methods(src, dst)
+    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in methods:
+        methods.remove("triton")  # the interpreter is a test mode, not a copy method worth timing
+    return [m for m in methods if wanted is None or m in wanted]
+
+
+def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | None, progress: bool) -> dict:
+    points: dict[str, dict[str, list[list[float]]]] = {}
+    shapes = [(b, n) for b in sweep.block_nbytes for n in sweep.num_blocks
+              if b * n * CALIBRATION_PLANES <= sweep.max_total_bytes]
+    bar = _progress(len(shapes) * (2 if device.type == "cuda" else 1), progress, "calibrating copies")
+    generator = torch.Generator().manual_seed(0)
+    for block_nbytes in sweep.block_nbytes:
+        counts = [n for b, n in shapes if b == block_nbytes]
+        if not counts:
+            continue
+        pool_blocks = 2 * max(counts)
+        for direction, (src, dst) in _pairs(device, block_nbytes, pool_blocks).items():
+            for num_blocks in counts:
+                # Random ids without adjacent runs on one side: the common, uncoalesced case.
+                src_ids = torch.randperm(src.num_blocks, generator=generator)[:num_blocks]
+                dst_ids = torch.randperm(dst.num_blocks, generator=generator)[:num_blocks]
+                nbytes = num_blocks * block_nbytes * CALIBRATION_PLANES
+                for method in _methods_to_time(src, dst, methods):
+                    timing = measure(
+                        lambda m=method: copy_blocks(src, src_ids, dst, dst_ids, method=m),
+                        warmup=2, repeats=sweep.repeats, device=device,
+                        inner=max(1, min(50, (1 << 20) // max(nbytes, 1))),
+                    )
+                    points.setdefault(direction, {}).setdefault(method, []).append(
+                        [nbytes, num_blocks, block_nbytes, timing.median, timing.p20, timing.p80]
+                    )
+                bar.update()
+    bar.close()
+    return points
+
+
+def _fit_links(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
+    links: dict[str, dict[str, MethodProfile]] = {}
+    for direction, methods in points.items():
+        for method, rows in methods.items():
+            overall = _link_fit(fit_alpha_beta([r[0] for r in rows], [r[3] for r in rows]))
+            by_block: dict[int, LinkFit] = {}
+            for block_nbytes in sorted({int(r[2]) for r in rows}):
+                mine = [r for r in rows if int(r[2]) == block_nbytes]
+                if len({r[0] for r in mine}) >= 2:
+                    by_block[block_nbytes] = _link_fit(fit_alpha_beta([r[0] for r in mine], [r[3] for r in mine]))
+            links.setdefault(direction, {})[method] = MethodProfile(overall, by_block, rows)
+    return links
+
+
+def _contiguous_peaks(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """Bytes/s of one contiguous copy of ``nbytes`` per direction: the link's reference."""
+    if device.type != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
+        return {"h2h": measure(lambda: dst.copy_(src), repeats=repeats).gbps(nbytes) * 1e9}
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = HostKVPool(PagedKV.from_planes([torch.empty(1, nbytes, dtype=torch.uint8)]), 1).buffer
+    return {
+        "d2h": measure(lambda: host.copy_(gpu, non_blocking=True), repeats=repeats, device=device).gbps(nbytes) * 1e9,
+        "h2d": measure(lambda: gpu.copy_(host, non_blocking=True), repeats=repeats, device=device).gbps(nbytes) * 1e9,
+    }
+
+
+def _layer_forward(spec: object, device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
+    """One decoder layer shaped like ``spec``: q/k/v/o projections, causal SDPA, gated MLP.
+
+    MLA models are timed as a layer with their hidden size and query heads,
+    KV heads equal to query heads (the decompressed attention of prefill).
+    """
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden, heads, head_dim = spec.hidden_size, spec.num_attention_heads, spec.head_dim
+    kv_heads = heads if spec.attention == "mla" else spec.num_kv_heads
+    inter = spec.intermediate_size
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, device=device, dtype=dtype) / cols**0.5
+
+    wq, wk, wv = weight(hidden, heads * head_dim), weight(hidden, kv_heads * head_dim), weight(hidden, kv_heads * head_dim)
+    wo = weight(heads * head_dim, hidden)
+    w_gate, w_up, w_down = weight(hidden, inter), weight(hidden, inter), weight(inter, hidden)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = (x @ wq).view(n, heads, head_dim).transpose(0, 1)
+        k = (x @ wk).view(n, kv_heads, head_dim).transpose(0, 1)
+        v = (x @ wv).view(n, kv_heads, head_dim).transpose(0, 1)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=kv_heads != heads
+        )
+        x = x + attn.transpose(0, 1).reshape(n, heads * head_dim) @ wo
+        return x + (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+    return forward, dtype
+
+
+def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: bool) -> PrefillProfile:
+    forward, dtype = _layer_forward(spec, device)
+    bar = _progress(len(sweep.prefill_tokens), progress, "calibrating prefill")
+    flops, seconds = [], []
+    for tokens in sweep.prefill_tokens:
+        x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)
+        timing = measure(lambda x=x: forward(x), warmup=1, repeats=max(3, sweep.repeats // 2), device=device)
+        flops.append(spec.prefill_flops(tokens) / spec.num_layers)
+        seconds.append(timing.median)
+        bar.update()
+    bar.close()
+    fit = fit_alpha_beta(flops, seconds)
+    return PrefillProfile(
+        model=spec.name,
+        alpha_s=fit.alpha * spec.num_layers,  # every layer pays its launch overhead once per prefill
+        flops_per_s=fit.beta,
+        r2=fit.r2,
+        points=tuple(zip(flops, seconds)),
+    )
+
+
+def calibrate(
+    device: torch.device | str | None = None,
+    *,
+    methods: Sequence[str] | None = None,
+    quick: bool = False,
+    progress: bool = True,
+    model: object | None = None,
+) -> Profile:
+    """Measures copies and prefill on ``device`` (default: the GPU if any, else the CPU).
+
+    ``methods``: limit to these (default: every method that can run, except
+    Triton under its interpreter). ``quick``: fewer shapes and repeats (about
+    10 s on a 2-core CPU). ``model``: a ModelSpec (or preset name) whose
+    layer shape times prefill (default: DEFAULT_MODEL).
+    """
+    from .model import ModelSpec
+
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} asked for, but no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected a cpu or cuda device, got {device}")
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.preset(model or DEFAULT_MODEL)
+    sweep = (_QUICK_GPU if quick else _FULL_GPU) if device.type == "cuda" else (_QUICK_CPU if quick else _FULL_CPU)
+    points = _time_links(device, sweep, methods, progress)
+    if not points:
+        raise ValueError(f"methods: none of {list(methods or [])} can run on {device}")
+    profile = Profile(hardware=_hardware(device), links=_fit_links(points))
+    profile.peaks = _contiguous_peaks(device, sweep.max_total_bytes // 2, sweep.repeats)
+    profile.prefill = _time_prefill(spec, device, sweep, progress)
+    return profile

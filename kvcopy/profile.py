@@ -1,0 +1,187 @@
+"""Profile: what the calibrator measured on one machine, as JSON on disk.
+
+Per direction ("d2h", "h2d", "h2h", "d2d") and method: the fit
+``t = alpha + bytes / beta`` over all of that method's points, fits per
+plane-block size (small pages move slower, so predictions use the fit of the
+nearest measured block size), the raw points, and the contiguous-copy peak of
+the link. Plus the machine's prefill throughput and the hardware identity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_PROFILE_PATH", "LinkFit", "MethodProfile", "PrefillProfile", "Profile", "default_profile",
+           "set_default_profile", "direction_of"]
+
+PROFILE_FORMAT = 1
+DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcopy" / "profile.json"
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``t = alpha_s + nbytes / beta_bytes_per_s`` with its quality."""
+
+    alpha_s: float
+    beta_bytes_per_s: float
+    r2: float
+    max_abs_residual: float  # largest |measured - predicted| / predicted over the fitted points
+
+    def predict(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.beta_bytes_per_s
+
+
+@dataclass
+class MethodProfile:
+    """One method in one direction."""
+
+    fit: LinkFit
+    by_block_nbytes: dict[int, LinkFit] = field(default_factory=dict)
+    # [total bytes, num_blocks, plane-block bytes, median s, p20 s, p80 s] per measured shape
+    points: list[list[float]] = field(default_factory=list)
+
+    def predict(self, nbytes: float, block_nbytes: float | None = None) -> float:
+        if not self.by_block_nbytes or not block_nbytes:
+            return self.fit.predict(nbytes)
+        nearest = min(self.by_block_nbytes, key=lambda b: abs(math.log(b) - math.log(block_nbytes)))
+        return self.by_block_nbytes[nearest].predict(nbytes)
+
+
+@dataclass(frozen=True)
+class PrefillProfile:
+    """``t = alpha_s + flops / flops_per_s`` for prefill-shaped work of ``model``."""
+
+    model: str
+    alpha_s: float
+    flops_per_s: float
+    r2: float
+    points: tuple[tuple[float, float], ...] = ()  # (flops, seconds)
+
+
+@dataclass
+class Profile:
+    """Calibration results; see the module docstring. Save with :meth:`save`, read with :meth:`load`."""
+
+    hardware: dict[str, Any]
+    links: dict[str, dict[str, MethodProfile]] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)  # direction -> contiguous-copy bytes/s
+    prefill: PrefillProfile | None = None
+
+    def methods(self, direction: str) -> list[str]:
+        return sorted(self.links.get(direction, {}))
+
+    def predict(self, direction: str, nbytes: float, *, num_blocks: int = 1, method: str | None = None) -> float:
+        """Predicted seconds to move ``nbytes`` in ``num_blocks`` blocks; ``method=None``: the best measured one.
+
+        A block's bytes are split over the planes the calibration used
+        (``hardware["calibration_planes"]``) to pick the nearest block-size fit.
+        """
+        measured = self.links.get(direction)
+        if not measured:
+            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.links)}")
+        if method is not None and method not in measured:
+            raise ValueError(f"method: {method!r} was not measured for {direction}; measured: {sorted(measured)}")
+        plane_block = nbytes / max(num_blocks, 1) / self.hardware.get("calibration_planes", 1)
+        candidates = [method] if method else list(measured)
+        return min(measured[m].predict(nbytes, plane_block) for m in candidates)
+
+    def best_method(self, direction: str, block_nbytes: int, num_blocks: int) -> str:
+        """The measured method predicted fastest for ``num_blocks`` blocks of ``block_nbytes`` (all planes)."""
+        measured = self.links.get(direction)
+        if not measured:
+            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.links)}")
+        nbytes = block_nbytes * num_blocks
+        return min(measured, key=lambda m: self.predict(direction, nbytes, num_blocks=num_blocks, method=m))
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "hardware": self.hardware,
+            "peaks": self.peaks,
+            "links": {
+                direction: {
+                    method: {
+                        "fit": asdict(mp.fit),
+                        "by_block_nbytes": {str(b): asdict(f) for b, f in mp.by_block_nbytes.items()},
+                        "points": mp.points,
+                    }
+                    for method, mp in methods.items()
+                }
+                for direction, methods in self.links.items()
+            },
+            "prefill": None if self.prefill is None else asdict(self.prefill),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"profile: expected format {PROFILE_FORMAT}, got {data.get('format')!r}")
+        links = {
+            direction: {
+                method: MethodProfile(
+                    fit=LinkFit(**mp["fit"]),
+                    by_block_nbytes={int(b): LinkFit(**f) for b, f in mp.get("by_block_nbytes", {}).items()},
+                    points=[list(p) for p in mp.get("points", [])],
+                )
+                for method, mp in methods.items()
+            }
+            for direction, methods in data.get("links", {}).items()
+        }
+        prefill = data.get("prefill")
+        if prefill is not None:
+            prefill = PrefillProfile(**{**prefill, "points": tuple(tuple(p) for p in prefill.get("points", ()))})
+        return cls(hardware=dict(data["hardware"]), links=links, peaks=dict(data.get("peaks", {})), prefill=prefill)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"profile: no file at {path} (run `kvcopy calibrate --out {path}`)") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"profile: {path} is not valid JSON ({err})") from None
+        return cls.from_dict(data)
+
+
+def direction_of(src_device_type: str, dst_device_type: str) -> str:
+    """"d2h", "h2d", "h2h" or "d2d" for a pair of device types."""
+    side = {"cpu": "h"}
+    return f"{side.get(src_device_type, 'd')}2{side.get(dst_device_type, 'd')}"
+
+
+_default: dict[str, Profile | None] = {}
+
+
+def set_default_profile(profile: Profile | None) -> None:
+    """The profile ``method="auto"`` consults when no engine-specific one is given (None: none)."""
+    _default["profile"] = profile
+
+
+def default_profile() -> Profile | None:
+    """The default profile: set_default_profile's, else KVCOPY_PROFILE (a path, or "none"), else
+    DEFAULT_PROFILE_PATH if it exists. Read once."""
+    if "profile" not in _default:
+        where = os.environ.get("KVCOPY_PROFILE")
+        if where == "none":
+            _default["profile"] = None
+        else:
+            path = Path(where) if where else DEFAULT_PROFILE_PATH
+            try:
+                _default["profile"] = Profile.load(path) if path.exists() else None
+            except (ValueError, KeyError, TypeError) as err:  # unreadable or old: the documented defaults apply
+                warnings.warn(f"kvcopy: ignoring the profile at {path}: {err}", stacklevel=2)
+                _default["profile"] = None
+    return _default["profile"]
