@@ -12,26 +12,39 @@ from __future__ import annotations
 from ._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from ._version import __version__
 from .block_allocator import BlockAllocator
+from .cachekey import BlockIndex, CacheKey
+from .calibrator import calibrate
 from .engine import TransferConflictError, TransferEngine
 from .host import HostKVPool
 from .layout import PagedKV
 from .methods import CAPTURABLE_METHODS, METHODS
+from .model import ModelSpec
 from .ops import available_methods, copy_blocks, gather, scatter
+from .planner import Decision, Planner
+from .profile import Profile, set_default_profile
 from .transfer import Transfer
 
 __all__ = [
     "CAPTURABLE_METHODS",
     "METHODS",
     "BlockAllocator",
+    "BlockIndex",
+    "CacheKey",
+    "Decision",
     "HostKVPool",
+    "ModelSpec",
     "PagedKV",
+    "Planner",
+    "Profile",
     "Transfer",
     "TransferConflictError",
     "TransferEngine",
     "__version__",
     "available_methods",
     "build_info",
+    "calibrate",
     "copy_blocks",
     "gather",
     "scatter",
+    "set_default_profile",
 ]

@@ -1,4 +1,4 @@
-"""The ``kvcopy`` command line: ``kvcopy info``."""
+"""The ``kvcopy`` command line: ``calibrate``, ``plan`` and ``info``."""
 
 from __future__ import annotations
 
@@ -6,20 +6,119 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ._ext import build_info
 
 __all__ = ["main"]
+
+# The model whose small-prefix threshold `kvcopy calibrate` prints.
+DEFAULT_PLAN_MODEL = "llama-3.1-8b"
+
+
+class CliError(Exception):
+    """A user error: printed without a traceback, exit status 2."""
+
+
+def _load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
+    from .model import ModelSpec
+
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists() or "/" in name_or_path:
+        if not path.exists():
+            raise CliError(f"--model: no such file: {name_or_path}")
+        try:
+            return ModelSpec.from_hf_config(path)
+        except (ValueError, FileNotFoundError) as err:
+            raise CliError(f"--model: {err}") from None
+    try:
+        return ModelSpec.preset(name_or_path)
+    except ValueError as err:
+        raise CliError(f"--model: {err}") from None
+
+
+def _load_profile(path: str | None):  # noqa: ANN202 - a Profile
+    from .profile import DEFAULT_PROFILE_PATH, Profile
+
+    where = Path(path) if path else DEFAULT_PROFILE_PATH
+    if not where.exists():
+        raise CliError(f"--profile: no profile at {where}; run `kvcopy calibrate` first (or pass --profile)")
+    try:
+        return Profile.load(where)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CliError(f"--profile: cannot read {where}: {err}") from None
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .calibrator import calibrate
+    from .planner import Planner
+    from .profile import DEFAULT_PROFILE_PATH
+
+    spec = _load_model(args.model)
+    methods = args.methods.split(",") if args.methods else None
+    try:
+        profile = calibrate(args.device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    hw = profile.hardware
+    print(f"kvcopy calibrate on {hw['device_name']} (torch {hw['torch']}, {hw['torch_threads']} threads), {hw['date']}")
+    header = f"{'direction':<9} {'method':<12} {'alpha us':>9} {'beta GB/s':>10} {'% of peak':>9} {'R^2':>7} {'max resid':>9}"
+    print(header)
+    print("-" * len(header))
+    for direction in sorted(profile.links):
+        peak = profile.peaks.get(direction)
+        for method, mp in sorted(profile.links[direction].items()):
+            fit = mp.fit
+            share = f"{fit.beta_bytes_per_s / peak:9.0%}" if peak else f"{'':>9}"
+            print(f"{direction:<9} {method:<12} {fit.alpha_s * 1e6:9.1f} {fit.beta_bytes_per_s / 1e9:10.2f} {share} "
+                  f"{fit.r2:7.3f} {fit.max_abs_residual:9.0%}")
+        if peak:
+            print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
+    prefill = profile.prefill
+    print(f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s sustained, "
+          f"{prefill.alpha_s * 1e3:.2f} ms fixed per prefill (R^2 {prefill.r2:.3f})")
+    threshold = Planner.from_profile(profile, spec).threshold_tokens()
+    reason = "reloading never wins" if threshold is None else f"reload a cached prefix from {threshold} tokens on"
+    print(f"small-prefix threshold for {spec.name}: {reason}")
+    out = Path(args.out) if args.out else DEFAULT_PROFILE_PATH
+    profile.save(out)
+    print(f"profile saved to {out}")
+    if args.plot:
+        from .plots import plot_calibration
+
+        plot_calibration(profile, args.plot)
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import Planner
+
+    spec = _load_model(args.model)
+    profile = _load_profile(args.profile)
+    try:
+        planner = Planner.from_profile(profile, spec, decode_share=args.decode_share)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    decision = planner.decide(args.prefix, args.new)
+    threshold = planner.threshold_tokens()
+    print(f"{spec.name} on {profile.hardware.get('device_name')}: {decision.explanation}")
+    print(f"  reload {decision.t_reload * 1e3:.3f} ms, recompute {decision.t_recompute * 1e3:.3f} ms"
+          + (f", split {decision.t_split * 1e3:.3f} ms ({decision.split_tokens} computed)" if decision.t_split else ""))
+    print(f"  threshold: {'reloading never wins' if threshold is None else f'reload from {threshold} tokens'}")
+    if args.plot:
+        from .plots import plot_plan
+
+        plot_plan(planner, args.plot, max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024), new_tokens=args.new)
+        print(f"plot saved to {args.plot}")
+    return 0
 
 
 def _info(args: argparse.Namespace) -> int:
     import torch
 
     info = build_info()
-    if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name()
-    else:
-        info["device"] = "cpu (no CUDA device visible)"
+    info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device visible)"
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -29,14 +128,43 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcopy", description="Paged KV-cache block copies between GPU and host.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    calibrate = commands.add_parser("calibrate", help="measure copy costs and prefill throughput; save a profile")
+    calibrate.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about 10 s on a CPU)")
+    calibrate.add_argument("--out", help="profile path (default: ~/.cache/kvcopy/profile.json)")
+    calibrate.add_argument("--plot", help="also draw time against bytes with the fitted lines to this PNG")
+    calibrate.add_argument("--model", default=DEFAULT_PLAN_MODEL, help="preset name or config.json for the "
+                                                                       "prefill shape and threshold")
+    calibrate.add_argument("--methods", help="comma-separated methods to time (default: all that can run)")
+    calibrate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    calibrate.set_defaults(run=_calibrate)
+
+    plan = commands.add_parser("plan", help="reload, recompute or split for a model and prefix, from a profile")
+    plan.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
+    plan.add_argument("--profile", help="profile path (default: ~/.cache/kvcopy/profile.json)")
+    plan.add_argument("--prefix", type=int, default=1024, help="cached prefix tokens (default 1024)")
+    plan.add_argument("--new", type=int, default=0, help="new tokens after the prefix (default 0)")
+    plan.add_argument("--decode-share", type=float, default=0.0, help="fraction of the link decode needs")
+    plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
+    plan.set_defaults(run=_plan)
+
     info = commands.add_parser("info", help="what was built (CPU/CUDA kernels, archs, Triton) and the device")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=_info)
-    args = parser.parse_args(argv)
-    return int(args.run(args))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except CliError as err:
+        print(f"kvcopy {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,5 +17,5 @@ torch_spec=${KVCOPY_TORCH:-torch==2.14.1}
 export PATH="$PWD/.venv/bin:$PATH"   # so the build finds the venv's ninja
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "$torch_spec" numpy ninja "setuptools>=77" wheel
-MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install --quiet --no-build-isolation -e ".[test]"
+MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install --quiet --no-build-isolation -e ".[test,plot]"
 python -m kvcopy info
