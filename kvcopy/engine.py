@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -94,7 +95,10 @@ class _EventPool:
         self._free: list[torch.cuda.Event] = []
 
     def get(self) -> torch.cuda.Event:
-        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=self._enable_timing)
+        try:
+            return self._free.pop()  # atomic under the GIL: safe from several submitting threads
+        except IndexError:
+            return torch.cuda.Event(enable_timing=self._enable_timing)
 
     def put(self, events: list[torch.cuda.Event]) -> None:
         self._free.extend(events)
@@ -133,6 +137,7 @@ class TransferEngine:
         self._method = method
         self._tracker = _ConflictTracker() if self.debug else None
         self._in_flight: list[Transfer] = []
+        self._lock = threading.Lock()  # guards _in_flight and the tracker: transfers may come from many threads
         self._closed = False
         self._cuda = kv.device.type == "cuda"
         # Resolve once, so that bad methods fail here and not on the first transfer.
@@ -175,18 +180,19 @@ class TransferEngine:
 
     def close(self) -> None:
         """Waits for every transfer in flight (their errors stay with their handles), then frees the streams or workers."""
-        if self._closed:
-            return
-        for transfer in self._in_flight:
+        with self._lock:  # from here on, new transfers are refused
+            if self._closed:
+                return
+            self._closed = True
+            in_flight, self._in_flight = self._in_flight, []
+        for transfer in in_flight:
             with contextlib.suppress(Exception):
                 transfer.wait()
-        self._in_flight.clear()
         if not self._cuda:
             for worker in self._workers.values():
                 worker.shutdown(wait=True)
         else:
             self._streams.clear()
-        self._closed = True
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -197,8 +203,9 @@ class TransferEngine:
     @property
     def num_in_flight(self) -> int:
         """Transfers submitted and not yet seen done."""
-        self._in_flight = [t for t in self._in_flight if not t.done()]
-        return len(self._in_flight)
+        with self._lock:
+            self._in_flight = [t for t in self._in_flight if not t.done()]
+            return len(self._in_flight)
 
     # ----------------------------------------------------------------- submission
 
@@ -224,19 +231,22 @@ class TransferEngine:
         method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
                                num_blocks=src_t.numel(), profile=self.profile)
         # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
-        use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker and not capturing else None
         num_blocks = src_t.numel()
         nbytes = num_blocks * self.kv.nbytes_per_block
-        if self._cuda:
-            transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
-        else:
-            transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
-        if not capturing:
-            self._in_flight = [t for t in self._in_flight if not t.done()]
-            self._in_flight.append(transfer)
-        if use is not None:
-            use.transfer = transfer
-            self._tracker.add(use)  # type: ignore[union-attr]
+        with self._lock:  # check, submit and record as one step, so two threads cannot both pass the check
+            if self._closed:
+                raise RuntimeError(f"{direction}: this TransferEngine is closed")
+            use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker and not capturing else None
+            if self._cuda:
+                transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
+            else:
+                transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
+            if not capturing:
+                self._in_flight = [t for t in self._in_flight if not t.done()]
+                self._in_flight.append(transfer)
+            if use is not None:
+                use.transfer = transfer
+                self._tracker.add(use)  # type: ignore[union-attr]
         return transfer
 
     def _block_use(self, direction: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, host_ids: bool) -> _BlockUse:
