@@ -118,6 +118,31 @@ PyObject* py_copy_blocks_dma(PyObject*, PyObject* args) {
   if (err != cudaSuccess) return raise_cuda(err, "copy-engine submission");
   Py_RETURN_NONE;
 }
+
+// create_copy_stream(device) -> handle: a stream of the device's least
+// priority, non-blocking (no implicit sync with the legacy default stream:
+// the engine orders it with events). Owned by the caller: destroy_stream.
+PyObject* py_create_copy_stream(PyObject*, PyObject* args) {
+  int device;
+  if (!PyArg_ParseTuple(args, "i", &device)) return nullptr;
+  if (!device_is_current(device)) return nullptr;
+  int least = 0, greatest = 0;
+  cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (err != cudaSuccess) return raise_cuda(err, "cudaDeviceGetStreamPriorityRange");
+  cudaStream_t stream = nullptr;
+  err = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, least);
+  if (err != cudaSuccess) return raise_cuda(err, "cudaStreamCreateWithPriority");
+  return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(stream));
+}
+
+// destroy_stream(handle): after the caller has waited for its work.
+PyObject* py_destroy_stream(PyObject*, PyObject* args) {
+  unsigned long long stream;
+  if (!PyArg_ParseTuple(args, "K", &stream)) return nullptr;
+  const cudaError_t err = cudaStreamDestroy(as_ptr<CUstream_st>(stream));
+  if (err != cudaSuccess) return raise_cuda(err, "cudaStreamDestroy");
+  Py_RETURN_NONE;
+}
 #endif
 
 }  // namespace
@@ -127,6 +152,8 @@ PyMethodDef kFastPathMethods[] = {
 #ifdef KVCOPY_WITH_CUDA
     {"copy_blocks_cuda", py_copy_blocks_cuda, METH_VARARGS, "SM-kernel block copy from plane-table addresses."},
     {"copy_blocks_dma", py_copy_blocks_dma, METH_VARARGS, "Copy-engine block copy from plane-table addresses."},
+    {"create_copy_stream", py_create_copy_stream, METH_VARARGS, "A new least-priority non-blocking stream."},
+    {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif
     {nullptr, nullptr, 0, nullptr},
 };

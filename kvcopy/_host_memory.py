@@ -15,6 +15,7 @@ import mmap
 import os
 import platform
 import time
+import weakref
 
 import torch
 
@@ -91,6 +92,15 @@ def _bind_to_node(address: int, length: int, node: int) -> None:
         raise OSError(err, f"mbind to NUMA node {node} failed: {os.strerror(err)}")
 
 
+def _unregister(registered: list[int]) -> None:
+    """cudaHostUnregister every chunk start in ``registered`` and forget them."""
+    if registered:
+        cudart = torch.cuda.cudart()
+        for address in registered:
+            cudart.cudaHostUnregister(address)
+        registered.clear()
+
+
 class HostRegion:
     """``nbytes`` of host memory as one uint8 tensor (:attr:`tensor`).
 
@@ -113,6 +123,8 @@ class HostRegion:
         self.nbytes = nbytes
         self.numa_node = numa_node
         self._registered: list[int] = []
+        # Unpins when the region is collected without close(): a registration must not outlive its pages.
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
         self._mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = ctypes.c_char.from_buffer(self._mapping)
         self.address = ctypes.addressof(view)
@@ -134,22 +146,14 @@ class HostRegion:
             length = min(MAX_REGISTER_BYTES, self.nbytes - start)
             code = int(cudart.cudaHostRegister(self.address + start, length, flags))
             if code != 0:
-                self._unregister()
+                _unregister(self._registered)
                 raise RuntimeError(
                     f"host pool: cudaHostRegister of {length / 2**30:.2f} GiB at offset {start} failed with CUDA "
                     f"error {code} (a memlock limit, or not enough memory that can be pinned)"
                 )
             self._registered.append(self.address + start)
 
-    def _unregister(self) -> None:
-        if not self._registered:
-            return
-        cudart = torch.cuda.cudart()
-        for address in self._registered:
-            cudart.cudaHostUnregister(address)
-        self._registered.clear()
-
     def close(self) -> None:
         """Unpins now; the mapping itself is released once no tensor over it is left."""
-        self._unregister()
+        _unregister(self._registered)
         self.pinned = False

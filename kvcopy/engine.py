@@ -29,8 +29,10 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from . import _ext
 from . import ops as _ops
 from ._ids import BlockIds, prepare_ids
 from .host import HostKVPool
@@ -40,8 +42,9 @@ from .transfer import CudaSignal, ThreadSignal, Transfer
 
 __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
 
-# torch stream priorities: lower numbers run first, 0 is the lowest (and the
-# default). Copy streams take the lowest so that decode kernels win the SMs.
+# torch stream priorities: lower numbers run first, 0 is the least (and the
+# default stream's). Copy streams take the least, so decode on a stream of
+# higher priority wins the SMs; only used when kvcopy's own streams cannot be made.
 COPY_STREAM_PRIORITY = 0
 
 
@@ -85,6 +88,18 @@ class _ConflictTracker:
 
     def add(self, use: _BlockUse) -> None:
         self._live.append(use)
+
+
+def _destroy_streams(handles: list[int]) -> None:
+    module = _ext.extension()
+    for handle in handles:
+        module.destroy_stream(handle)
+    handles.clear()
+
+
+def _own(ids: torch.Tensor, given: BlockIds) -> torch.Tensor:
+    """``ids`` unless it may share memory with what the caller passed (a tensor or numpy array), then a copy."""
+    return ids.clone() if isinstance(given, (torch.Tensor, np.ndarray)) else ids
 
 
 class _EventPool:
@@ -146,10 +161,11 @@ class TransferEngine:
         for i in range(kv.num_layers):  # layer views (and their plane tables) made now, off the hot path
             kv.layer(i), host.paged.layer(i)
         if self._cuda:
-            self._streams = {
-                "offload": torch.cuda.Stream(kv.device, priority=COPY_STREAM_PRIORITY),
-                "reload": torch.cuda.Stream(kv.device, priority=COPY_STREAM_PRIORITY),
-            }
+            self._streams = {direction: self._new_copy_stream() for direction in ("offload", "reload")}
+            owned = [s.cuda_stream for s in self._streams.values() if isinstance(s, torch.cuda.ExternalStream)]
+            # Destroyed at close(), or when the engine is collected without one (CUDA frees a
+            # destroyed stream's resources once its queued work is done).
+            self._stream_finalizer = weakref.finalize(self, _destroy_streams, owned)
             self._signal_events = _EventPool(enable_timing=False)
             self._timing_events = _EventPool(enable_timing=True)
         else:
@@ -157,6 +173,17 @@ class TransferEngine:
                 direction: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-{direction}")
                 for direction in ("offload", "reload")
             }
+
+    def _new_copy_stream(self) -> torch.cuda.Stream:
+        """A dedicated stream of the device's least priority (decode on any higher-priority
+        stream wins the SMs), non-blocking. torch.cuda.Stream() would hand out one of torch's
+        shared pool streams, which other code may be using."""
+        module = _ext.extension()
+        if module is None or not hasattr(module, "create_copy_stream"):
+            return torch.cuda.Stream(self.kv.device, priority=COPY_STREAM_PRIORITY)  # no CUDA kernels built
+        with torch.cuda.device(self.kv.device):
+            handle = module.create_copy_stream(self.kv.device.index)
+        return torch.cuda.ExternalStream(handle, device=self.kv.device)
 
     # ----------------------------------------------------------------- public API
 
@@ -191,8 +218,11 @@ class TransferEngine:
         if not self._cuda:
             for worker in self._workers.values():
                 worker.shutdown(wait=True)
-        else:
-            self._streams.clear()
+            return
+        for stream in self._streams.values():
+            stream.synchronize()  # every transfer was waited for above; this also covers captured ones' replays
+        self._streams.clear()
+        self._stream_finalizer()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -227,6 +257,8 @@ class TransferEngine:
         if src_t.numel() != dst_t.numel():
             raise ValueError(f"{dst_name}: expected as many ids as {src_name} ({src_t.numel()}), got {dst_t.numel()}")
         host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
+        if host_ids:  # taken now: the caller may reuse its id buffers as soon as this returns
+            src_t, dst_t = _own(src_t, src_ids), _own(dst_t, dst_ids)
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
                                num_blocks=src_t.numel(), profile=self.profile)
