@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU machine (see shared/DESIGN.md §5):
-#   bash benchmarks/device_check.sh OUT_DIR     build for this GPU's arch, run the GPU tests,
-#                                               the copy benchmark and `kvcopy info` into OUT_DIR
+#   bash benchmarks/device_check.sh OUT_DIR     build for this GPU's arch, run the GPU tests, the copy
+#                                               and overlap benchmarks, a calibration and a plan into OUT_DIR
 #   bash benchmarks/device_check.sh --dry-run [OUT_DIR]   walk every step that needs no GPU
 #
 # The GPU machine has no network: it uses the python3 and torch already there,
@@ -49,9 +49,12 @@ if [ "$dry_run" = 1 ]; then
   step gpu_tests_collect "$python" -m pytest -q --collect-only -m gpu tests/test_gpu.py tests/test_engine_gpu.py
   step bench_copy "$python" benchmarks/bench_copy.py --blocks 16 --repeats 2 --csv "$out/bench_copy.csv"
   step bench_overlap "$python" benchmarks/bench_overlap.py --blocks 16 --rounds 1 --csv "$out/bench_overlap.csv"
+  step calibrate "$python" -m kvcopy calibrate --quick --no-progress --out "$out/profile.json" --plot "$out/calib.png"
 else
   step gpu_tests "$python" -m pytest -q -m gpu tests/test_gpu.py tests/test_engine_gpu.py
   step bench_copy "$python" benchmarks/bench_copy.py --csv "$out/bench_copy.csv"
   step bench_overlap "$python" benchmarks/bench_overlap.py --csv "$out/bench_overlap.csv"
+  step calibrate "$python" -m kvcopy calibrate --no-progress --out "$out/profile.json" --plot "$out/calib.png"
+  step plan "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" --plot "$out/plan.png"
 fi
 echo "device_check: done; results in $out"
