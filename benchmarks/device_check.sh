@@ -42,6 +42,11 @@ elif [ "$dry_run" = 0 ]; then
   exit 1
 fi
 date -u +%Y-%m-%dT%H:%M:%SZ >"$out/date.txt"
+# Plots need matplotlib, which the GPU machine may lack (it has no network to install it).
+calib_plot=() plan_plot=()
+if "$python" -c 'import matplotlib' 2>/dev/null; then
+  calib_plot=(--plot "$out/calib.png") plan_plot=(--plot "$out/plan.png")
+fi
 
 step build env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace
 step info "$python" -m kvcopy info --json
@@ -49,12 +54,12 @@ if [ "$dry_run" = 1 ]; then
   step gpu_tests_collect "$python" -m pytest -q --collect-only -m gpu tests/test_gpu.py tests/test_engine_gpu.py
   step bench_copy "$python" benchmarks/bench_copy.py --blocks 16 --repeats 2 --csv "$out/bench_copy.csv"
   step bench_overlap "$python" benchmarks/bench_overlap.py --blocks 16 --rounds 1 --csv "$out/bench_overlap.csv"
-  step calibrate "$python" -m kvcopy calibrate --quick --no-progress --out "$out/profile.json" --plot "$out/calib.png"
+  step calibrate "$python" -m kvcopy calibrate --quick --no-progress --out "$out/profile.json" "${calib_plot[@]}"
 else
   step gpu_tests "$python" -m pytest -q -m gpu tests/test_gpu.py tests/test_engine_gpu.py
   step bench_copy "$python" benchmarks/bench_copy.py --csv "$out/bench_copy.csv"
   step bench_overlap "$python" benchmarks/bench_overlap.py --csv "$out/bench_overlap.csv"
-  step calibrate "$python" -m kvcopy calibrate --no-progress --out "$out/profile.json" --plot "$out/calib.png"
-  step plan "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" --plot "$out/plan.png"
+  step calibrate "$python" -m kvcopy calibrate --no-progress --out "$out/profile.json" "${calib_plot[@]}"
+  step plan "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" "${plan_plot[@]}"
 fi
 echo "device_check: done; results in $out"
