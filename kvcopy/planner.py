@@ -19,7 +19,6 @@ that share away from more valuable decode work.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,11 +100,10 @@ class Planner:
             raise ValueError("profile: no prefill measurement")
         planes = spec.num_layers * (1 if spec.attention == "mla" else 2)
         plane_block = spec.block_nbytes(block_tokens) / planes
-        blocks = 64  # a 1024-token prefix: where the choice usually matters
-        method = profile.best_method(direction, int(spec.block_nbytes(block_tokens)), blocks)
-        fit = profile.links[direction][method]
-        link = fit.by_block_nbytes[min(fit.by_block_nbytes, key=lambda b: abs(math.log(b / plane_block)))] if (
-            fit.by_block_nbytes) else fit.fit
+        nbytes = 64 * spec.block_nbytes(block_tokens)  # a 1024-token prefix: where the choice usually matters
+        methods = profile.links[direction]
+        method = min(methods, key=lambda m: methods[m].predict(nbytes, plane_block))
+        link = methods[method].link_at(plane_block)
         return cls(
             spec,
             load_alpha_s=link.alpha_s,

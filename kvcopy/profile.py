@@ -10,7 +10,6 @@ the link. Plus the machine's prefill throughput and the hardware identity.
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -46,11 +45,42 @@ class MethodProfile:
     # [total bytes, num_blocks, plane-block bytes, median s, p20 s, p80 s] per measured shape
     points: list[list[float]] = field(default_factory=list)
 
-    def predict(self, nbytes: float, block_nbytes: float | None = None) -> float:
+    def link_at(self, block_nbytes: float | None) -> LinkFit:
+        """The fit for plane-blocks of ``block_nbytes``, interpolated from the per-size fits.
+
+        Each measured size gives a fixed cost alpha and a per-plane-block cost
+        ``c = size / beta``. Both are made non-decreasing in the size (a bigger
+        block never copies faster or cheaper than a smaller one; noise aside)
+        and interpolated linearly between measured sizes; beyond them alpha is
+        the nearest size's and c scales with the bytes. At a measured size this
+        is that size's fit (when already monotone), and predictions grow with
+        the bytes at any block count.
+        """
         if not self.by_block_nbytes or not block_nbytes:
-            return self.fit.predict(nbytes)
-        nearest = min(self.by_block_nbytes, key=lambda b: abs(math.log(b) - math.log(block_nbytes)))
-        return self.by_block_nbytes[nearest].predict(nbytes)
+            return self.fit
+        sizes = sorted(self.by_block_nbytes)
+        alphas, costs, max_alpha, max_cost = [], [], 0.0, 0.0
+        for size in sizes:
+            fit = self.by_block_nbytes[size]
+            max_alpha, max_cost = max(max_alpha, fit.alpha_s), max(max_cost, size / fit.beta_bytes_per_s)
+            alphas.append(max_alpha)
+            costs.append(max_cost)
+        if block_nbytes <= sizes[0]:
+            alpha, cost = alphas[0], block_nbytes / sizes[0] * costs[0]
+        elif block_nbytes >= sizes[-1]:
+            alpha, cost = alphas[-1], block_nbytes / sizes[-1] * costs[-1]
+        else:
+            hi = next(i for i, size in enumerate(sizes) if size >= block_nbytes)
+            w = (block_nbytes - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
+            alpha = alphas[hi - 1] + w * (alphas[hi] - alphas[hi - 1])
+            cost = costs[hi - 1] + w * (costs[hi] - costs[hi - 1])
+        nearest = self.by_block_nbytes[min(sizes, key=lambda size: abs(size - block_nbytes))]
+        return LinkFit(alpha_s=alpha, beta_bytes_per_s=block_nbytes / cost, r2=nearest.r2,
+                       max_abs_residual=nearest.max_abs_residual)
+
+    def predict(self, nbytes: float, block_nbytes: float | None = None) -> float:
+        """Seconds for ``nbytes`` moved as plane-blocks of ``block_nbytes`` (None: the overall fit)."""
+        return self.link_at(block_nbytes).predict(nbytes)
 
 
 @dataclass(frozen=True)
@@ -122,6 +152,8 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if not isinstance(data, dict):
+            raise ValueError(f"profile: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"profile: expected format {PROFILE_FORMAT}, got {data.get('format')!r}")
         links = {

@@ -24,7 +24,16 @@ import torch
 import kvcopy
 import kvcopy.calibrator as calibrator
 import kvcopy.profile as profile_mod
-from conftest import HAS_CUDA, fill_random_, make_layout, reference_copy, assert_same_bytes, dst_bytes, snapshot
+from conftest import (
+    HAS_CUDA,
+    assert_same_bytes,
+    byte_rows,
+    dst_bytes,
+    fill_random_,
+    make_layout,
+    reference_copy,
+    snapshot,
+)
 from kvcopy import _ext
 from kvcopy.methods import available_methods, choose_method
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
@@ -108,15 +117,39 @@ def test_predict_uses_the_method_fit_and_min_over_methods():
     assert p.methods("d2h") == []
 
 
-def test_predict_picks_the_nearest_block_size_fit():
+def alpha_at(mp, plane_block):
+    """The fixed cost interpolated linearly between the (here already increasing) per-size alphas."""
+    sizes = sorted(mp.by_block_nbytes)
+    alpha = {b: mp.by_block_nbytes[b].alpha_s for b in sizes}
+    if plane_block <= sizes[0]:
+        return alpha[sizes[0]]
+    if plane_block >= sizes[-1]:
+        return alpha[sizes[-1]]
+    hi = next(b for b in sizes if b >= plane_block)
+    lo = sizes[sizes.index(hi) - 1]
+    return alpha[lo] + (plane_block - lo) / (hi - lo) * (alpha[hi] - alpha[lo])
+
+
+def test_predict_interpolates_per_block_costs_between_measured_sizes():
     p = size_dependent_profile()
     mp = p.links["h2h"]["cpu"]
-    for plane_block, expected in ((2048, 4096), (4096, 4096), (10000, 4096), (20000, 32768), (32768, 32768),
-                                  (80000, 32768), (200000, 262144), (1 << 20, 262144)):
-        num_blocks = 8
+    sizes = sorted(mp.by_block_nbytes)
+    cost = {b: b / mp.by_block_nbytes[b].beta_bytes_per_s for b in sizes}  # seconds per plane-block
+    assert all(cost[x] <= cost[y] for x, y in zip(sizes, sizes[1:])), "fixture: costs must already be monotone"
+    assert all(alpha_at(mp, x) <= alpha_at(mp, y) for x, y in zip(sizes, sizes[1:])), "fixture: alphas too"
+    num_blocks = 8
+    for plane_block in (*sizes, 2048, 10000, 80000, 1 << 20):
         nbytes = plane_block * CAL_PLANES * num_blocks
-        assert p.predict("h2h", nbytes, num_blocks=num_blocks) == pytest.approx(
-            mp.by_block_nbytes[expected].predict(nbytes)), plane_block
+        if plane_block <= sizes[0]:
+            per_block = plane_block / sizes[0] * cost[sizes[0]]
+        elif plane_block >= sizes[-1]:
+            per_block = plane_block / sizes[-1] * cost[sizes[-1]]
+        else:
+            hi = next(b for b in sizes if b >= plane_block)
+            lo = sizes[sizes.index(hi) - 1]
+            per_block = cost[lo] + (plane_block - lo) / (hi - lo) * (cost[hi] - cost[lo])
+        expected = alpha_at(mp, plane_block) + CAL_PLANES * num_blocks * per_block
+        assert p.predict("h2h", nbytes, num_blocks=num_blocks) == pytest.approx(expected), plane_block
     # No block size given: the overall fit.
     assert mp.predict(1e6) == mp.fit.predict(1e6)
 
@@ -483,16 +516,36 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
 
     predicted = real_profile.predict("h2h", block * CAL_PLANES * count, num_blocks=count, method=method)
     assert predicted > 0
+
+    def close(t: float) -> bool:
+        return 1 / 3 < predicted / t < 3
+
     # Other processes on a small machine stall multi-threaded copies by whole scheduler slices
-    # (a few ms): take the faster samples, and measure again before concluding.
-    seen = []
-    for _ in range(3):
-        timing = measure(copy_next, warmup=2, repeats=15)
-        seen.append(f"p20 {timing.p20 * 1e6:.0f} us, median {timing.median * 1e6:.0f} us")
-        if any(1 / 3 < predicted / t < 3 for t in (timing.p20, timing.median)):
-            break
-    else:
-        pytest.fail(f"{method}: predicted {predicted * 1e6:.0f} us for 4 MiB in 8 blocks; measured {seen}")
+    # (all samples at 8 ms on 2 busy cores): take the faster samples, measure again, and last
+    # on one thread, which no straggler thread can hold up (and is at most ~2x slower here).
+    timings: list[tuple[int, Timing]] = []
+    threads = torch.get_num_threads()
+    try:
+        for attempt in range(4):
+            if attempt == 3:
+                torch.set_num_threads(1)
+            timing = measure(copy_next, warmup=2, repeats=15)
+            timings.append((torch.get_num_threads(), timing))
+            if close(timing.p20) or close(timing.median):
+                return
+    finally:
+        torch.set_num_threads(threads)
+    seen = [f"{n} threads: p20 {t.p20 * 1e6:.0f} us, median {t.median * 1e6:.0f} us" for n, t in timings]
+    # Still apart. Tell a calibration made noisy by load (or a machine whose load changed since)
+    # from a prediction that does not match what was measured.
+    mp = real_profile.links["h2h"][method]
+    used = mp.by_block_nbytes.get(block, mp.fit)
+    recorded = [row[3] for row in mp.points if row[1] == count and row[2] == block]
+    fresh = min(t.p20 for _, t in timings)
+    if used.max_abs_residual > 0.5 or (recorded and not 1 / 3 < recorded[0] / fresh < 3):
+        pytest.skip(f"timings too noisy to compare (load from other processes): calibration fit {used}, "
+                    f"calibrated median {recorded}, fresh {seen}")
+    pytest.fail(f"{method}: predicted {predicted * 1e6:.0f} us for 4 MiB in 8 blocks; measured {seen}")
 
 
 def test_real_profile_gives_a_planner(real_profile):
@@ -599,7 +652,7 @@ def test_engine_uses_its_profile(record_methods):
         assert_same_bytes(dst_bytes(kv), expected_dev)
     for src, dst in zip(block_ids, targets):  # bitwise round trip
         for p_i, plane in enumerate(kv.planes):
-            assert torch.equal(plane[dst].contiguous().view(torch.uint8).flatten(), original[p_i][src])
+            assert torch.equal(byte_rows(plane)[dst], original[p_i][src])
     assert record_methods and set(record_methods) == {"torch"}
 
 
