@@ -58,10 +58,13 @@ def available_methods(src: KVLike, dst: KVLike) -> list[str]:
     return list(_methods.available_methods(_as_paged(src, "src"), _as_paged(dst, "dst")))
 
 
+def _uses_cuda(src: PagedKV, dst: PagedKV) -> bool:
+    return src.device.type == "cuda" or dst.device.type == "cuda"
+
+
 def _capturing(src: PagedKV, dst: PagedKV) -> bool:
     """Whether the current CUDA stream is being captured into a graph."""
-    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
-    return uses_cuda and torch.cuda.is_current_stream_capturing()
+    return _uses_cuda(src, dst) and torch.cuda.is_current_stream_capturing()
 
 
 def _resolve(
@@ -122,8 +125,7 @@ def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids
     if method == "torch":
         copy_blocks_torch(src, src_ids, dst, dst_ids)
         return
-    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
-    device = _cuda_device(src, dst) if uses_cuda else src.device
+    device = _cuda_device(src, dst) if _uses_cuda(src, dst) else src.device
     if method == "triton":
         from .triton_copy import copy_blocks_triton
 
@@ -213,7 +215,7 @@ def copy_blocks(
 
 def _device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """Makes the copy's GPU current, and ``stream`` its current stream when given."""
-    if src.device.type != "cuda" and dst.device.type != "cuda":
+    if not _uses_cuda(src, dst):
         return contextlib.nullcontext()  # host-only copies run on the calling thread; `stream` is moot
     device = _cuda_device(src, dst)
     if stream is not None:
@@ -241,8 +243,7 @@ def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, meth
 
 
 def _check_id_devices(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
-    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
-    allowed = {torch.device("cpu"), _cuda_device(src, dst)} if uses_cuda else {torch.device("cpu")}
+    allowed = {torch.device("cpu"), _cuda_device(src, dst)} if _uses_cuda(src, dst) else {torch.device("cpu")}
     for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
         if ids.device not in allowed:
             where = " or ".join(str(d) for d in sorted(allowed, key=str))

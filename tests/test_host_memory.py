@@ -60,12 +60,7 @@ def _numa_policy_of(address: int) -> str:
     return best[1]
 
 
-def _numa_nodes() -> list[int]:
-    try:
-        names = os.listdir("/sys/devices/system/node")
-    except OSError:
-        return []
-    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+_numa_nodes = _host_memory._numa_nodes
 
 
 def _available() -> int:
