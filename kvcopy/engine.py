@@ -306,6 +306,9 @@ class TransferEngine:
         stream.wait_event(ready)  # the copy starts after the caller's queued work
         self._signal_events.put([ready])  # the wait is bound: the event may be recorded again
         layer_events: list[torch.cuda.Event] = []
+        for ids in (src_ids, dst_ids):
+            if ids.is_cuda:  # made or given on the caller's stream, read on the copy stream: keep them until then
+                ids.record_stream(stream)
         with torch.cuda.stream(stream):
             if method in ("cuda", "triton"):  # staged once on the copy stream, shared by every layer
                 src_ids, dst_ids = _ops._ids_on(src_ids, dst_ids, self.kv.device)
