@@ -41,8 +41,11 @@ DEFAULT_MODEL = "llama-3.1-8b"
 # timed calls copy different blocks: twice a 32 MiB L3, so a small copy is not
 # timed on data the previous repeat left in cache (real offloads touch cold blocks).
 _MIN_POOL_BYTES = 64 << 20
-# Distinct id sets cycled through by the timed calls of one shape.
-_ID_SETS = 16
+# Distinct id sets cycled through by the timed calls of one shape: at least this
+# many, and enough that together they cover _MIN_POOL_BYTES, so a small copy's
+# repeats do not find their blocks in cache.
+_MIN_ID_SETS = 16
+_MAX_ID_SETS = 4096
 # A prefill fit missing a point by more than this (relative) is timed again.
 PREFILL_REFIT_RESIDUAL = 0.1
 
@@ -122,7 +125,7 @@ def _pairs(device: torch.device, block_nbytes: int, num_blocks: int) -> dict[str
     for plane in planes:
         plane.random_()
     kv = PagedKV.from_planes(planes)
-    host = HostKVPool(kv, num_blocks).paged
+    host = HostKVPool(kv, num_blocks).paged  # keeps the pool's (pinned) memory alive
     if device.type == "cuda":
         return {"d2h": (kv, host), "h2d": (host, kv)}
     return {"h2h": (kv, host)}
@@ -149,21 +152,22 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
         for direction, (src, dst) in _pairs(device, block_nbytes, pool_blocks).items():
             for num_blocks in counts:
                 # Random ids (the common, uncoalesced case), a different set of blocks each call.
+                nbytes = num_blocks * block_nbytes * CALIBRATION_PLANES
+                num_sets = max(_MIN_ID_SETS, min(_MAX_ID_SETS, _MIN_POOL_BYTES // nbytes))
                 id_sets = [
                     (torch.randperm(src.num_blocks, generator=generator)[:num_blocks],
                      torch.randperm(dst.num_blocks, generator=generator)[:num_blocks])
-                    for _ in range(_ID_SETS)
+                    for _ in range(num_sets)
                 ]
-                nbytes = num_blocks * block_nbytes * CALIBRATION_PLANES
                 for method in _methods_to_time(src, dst, methods):
                     calls = iter(range(1 << 62))
 
                     def copy_next(m: str = method) -> None:
-                        src_ids, dst_ids = id_sets[next(calls) % _ID_SETS]
+                        src_ids, dst_ids = id_sets[next(calls) % num_sets]
                         copy_blocks(src, src_ids, dst, dst_ids, method=m)
 
                     timing = measure(copy_next, warmup=2, repeats=sweep.repeats, device=device,
-                                     inner=max(1, min(_ID_SETS, (1 << 20) // max(nbytes, 1))))
+                                     inner=max(1, min(_MIN_ID_SETS, (1 << 20) // max(nbytes, 1))))
                     points.setdefault(direction, {}).setdefault(method, []).append(
                         [nbytes, num_blocks, block_nbytes, timing.median, timing.p20, timing.p80]
                     )
@@ -197,18 +201,24 @@ def _contiguous_peaks(device: torch.device, nbytes: int, repeats: int) -> dict[s
         dst = torch.empty_like(src)
         return {"h2h": measure(lambda: dst.copy_(src), repeats=repeats).gbps(nbytes) * 1e9}
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = HostKVPool(PagedKV.from_planes([torch.empty(1, nbytes, dtype=torch.uint8)]), 1).buffer
+    host = HostKVPool(PagedKV.from_planes([torch.empty(1, nbytes, dtype=torch.uint8)]), 1).buffer  # keeps it pinned
     return {
         "d2h": measure(lambda: host.copy_(gpu, non_blocking=True), repeats=repeats, device=device).gbps(nbytes) * 1e9,
         "h2d": measure(lambda: gpu.copy_(host, non_blocking=True), repeats=repeats, device=device).gbps(nbytes) * 1e9,
     }
 
 
-def _layer_forward(spec: object, device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
+def _layer_forward(
+    spec: object, device: torch.device
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], float], torch.dtype]:
     """One decoder layer shaped like ``spec``: q/k/v/o projections, causal SDPA, gated MLP.
 
+    Returns the forward, the FLOPs it executes for n tokens (so the fitted
+    rate is a real rate, whatever the model's MoE routing or MLA projections;
+    the planner then divides the model's own FLOPs by it), and the dtype.
     MLA models are timed as a layer with their hidden size and query heads,
-    KV heads equal to query heads (the decompressed attention of prefill).
+    KV heads equal to query heads (the decompressed attention of prefill);
+    MoE models with one dense MLP of their intermediate size.
     """
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden, heads = spec.hidden_size, spec.num_attention_heads
@@ -236,7 +246,13 @@ def _layer_forward(spec: object, device: torch.device) -> tuple[Callable[[torch.
         x = x + attn.transpose(0, 1).reshape(n, heads * head_dim) @ wo
         return x + (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
-    return forward, dtype
+    weights = sum(w.numel() for w in (wq, wk, wv, wo, w_gate, w_up, w_down))
+
+    def executed_flops(n: int) -> float:
+        # 2 FLOPs per weight per token; causal QK^T and AV: n^2/2 pairs x head_dim x 2 FLOPs x 2 products per head
+        return 2.0 * n * weights + 2.0 * heads * head_dim * n * n
+
+    return forward, executed_flops, dtype
 
 
 def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: bool) -> PrefillProfile:
@@ -246,14 +262,15 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
     (another tenant slowed some sizes), every size is timed again and the
     faster of the two medians kept: a slowdown only ever adds time.
     """
-    flops = [spec.prefill_flops(tokens) / spec.num_layers for tokens in sweep.prefill_tokens]
-    seconds = _time_prefill_pass(spec, device, sweep, progress)
+    forward, executed_flops, dtype = _layer_forward(spec, device)
+    flops = [executed_flops(tokens) for tokens in sweep.prefill_tokens]
+    seconds = _time_prefill_pass(forward, dtype, spec, device, sweep, progress)
     try:
         fit = fit_alpha_beta(flops, seconds)
     except ValueError:
         fit = None
     if fit is None or fit.max_abs_residual > PREFILL_REFIT_RESIDUAL:
-        again = _time_prefill_pass(spec, device, sweep, progress)
+        again = _time_prefill_pass(forward, dtype, spec, device, sweep, progress)
         seconds = [min(a, b) for a, b in zip(seconds, again)]
         try:
             fit = fit_alpha_beta(flops, seconds)
@@ -269,9 +286,9 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
     )
 
 
-def _time_prefill_pass(spec: object, device: torch.device, sweep: _Sweep, progress: bool) -> list[float]:
+def _time_prefill_pass(forward: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, spec: object,
+                       device: torch.device, sweep: _Sweep, progress: bool) -> list[float]:
     """Median seconds of one layer forward at each of the sweep's token counts."""
-    forward, dtype = _layer_forward(spec, device)
     bar = _progress(len(sweep.prefill_tokens), progress, "calibrating prefill")
     seconds = []
     for tokens in sweep.prefill_tokens:

@@ -29,12 +29,11 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from . import _ext
 from . import ops as _ops
-from ._ids import BlockIds, prepare_ids
+from ._ids import BlockIds
 from .host import HostKVPool
 from .layout import PagedKV
 from .profile import Profile
@@ -95,11 +94,6 @@ def _destroy_streams(handles: list[int]) -> None:
     for handle in handles:
         module.destroy_stream(handle)
     handles.clear()
-
-
-def _own(ids: torch.Tensor, given: BlockIds) -> torch.Tensor:
-    """``ids`` unless it may share memory with what the caller passed (a tensor or numpy array), then a copy."""
-    return ids.clone() if isinstance(given, (torch.Tensor, np.ndarray)) else ids
 
 
 class _EventPool:
@@ -252,13 +246,7 @@ class TransferEngine:
     ) -> Transfer:
         if self._closed:
             raise RuntimeError(f"{direction}: this TransferEngine is closed")
-        src_t = prepare_ids(src_ids, src_name, src.num_blocks, unique=False)
-        dst_t = prepare_ids(dst_ids, dst_name, dst.num_blocks, unique=True)
-        if src_t.numel() != dst_t.numel():
-            raise ValueError(f"{dst_name}: expected as many ids as {src_name} ({src_t.numel()}), got {dst_t.numel()}")
-        host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
-        if host_ids:  # taken now: the caller may reuse its id buffers as soon as this returns
-            src_t, dst_t = _own(src_t, src_ids), _own(dst_t, dst_ids)
+        src_t, dst_t, host_ids = _ops._prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
                                num_blocks=src_t.numel(), profile=self.profile)
@@ -329,7 +317,8 @@ class TransferEngine:
                 done_event.record(stream)
                 layer_events.append(done_event)  # back to the signal pool with the layers
         layers = [CudaSignal(e) for e in layer_events[: self.kv.num_layers]] if layerwise else None
-        transfer = Transfer(direction, num_blocks, nbytes, CudaSignal(done_event), layers, timer)
+        transfer = Transfer(direction, num_blocks, nbytes, CudaSignal(done_event), layers, timer,
+                            keepalive=(src, dst, src_ids, dst_ids))
         weakref.finalize(transfer, self._signal_events.put, layer_events)
         if timer:
             weakref.finalize(transfer, self._timing_events.put, list(timer))
@@ -337,6 +326,8 @@ class TransferEngine:
 
     def _submit_cpu(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
                     dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int) -> Transfer:
+        # The worker reads the ids later, and the caller may reuse its id buffers as soon as this returns.
+        src_ids, dst_ids = src_ids.clone(), dst_ids.clone()
         done = ThreadSignal()
         layers = [ThreadSignal() for _ in range(self.kv.num_layers)] if layerwise else None
         stamps: list[float] = []

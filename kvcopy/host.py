@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -59,7 +60,15 @@ class HostKVPool:
         pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         node = gpu_numa_node(like.device) if numa_node is None else numa_node
         self.layout: HostLayout = layout
-        self._region = HostRegion(num_blocks * like.nbytes_per_block, pin=pin, numa_node=node)
+        nbytes = num_blocks * like.nbytes_per_block
+        try:
+            self._region = HostRegion(nbytes, pin=pin, numa_node=node)
+        except (OSError, ValueError) as err:  # binding refused (e.g. mbind without CAP_SYS_NICE in a container)
+            if numa_node is not None or node is None:
+                raise  # asked for explicitly: the caller should know
+            warnings.warn(f"HostKVPool: could not bind to the GPU's NUMA node {node} ({err}); left to the OS",
+                          stacklevel=2)
+            self._region = HostRegion(nbytes, pin=pin, numa_node=None)
         self.buffer: torch.Tensor = self._region.tensor
         self.allocator = BlockAllocator(num_blocks)
         planes = _page_first_planes(self.buffer, like, num_blocks) if layout == "page_first" else (
@@ -67,6 +76,10 @@ class HostKVPool:
         )
         self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer)
         self.paged._pinned = pin  # known here; spares a per-plane query
+        # Views keep the memory registered: dropping the pool but keeping .paged or .buffer must not unpin
+        # what a GPU copy may still read (the region unpins when its last holder goes).
+        self.paged._region = self._region
+        self.buffer._kvcopy_region = self._region
         if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
             self.paged.plane_table_on(like.device)
 

@@ -167,6 +167,7 @@ class PagedKV:
             ]
             for i, layer in enumerate(self._layers):  # share what the whole cache already knows
                 layer._pinned = self._pinned
+                layer._parent = self  # a layer view keeps the whole cache (and a pool's memory) alive
                 layer._plane_tables_on.update({d: t[i * ppl : (i + 1) * ppl] for d, t in self._plane_tables_on.items()})
         return self._layers[index]
 

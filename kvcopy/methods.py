@@ -66,16 +66,15 @@ def _measured_choice(
     src: PagedKV, dst: PagedKV, available: list[Method], host_ids: bool, capturing: bool, num_blocks: int,
     profile: Profile,
 ) -> Method | None:
-    methods = profile.links.get(direction_of(src.device.type, dst.device.type), {})
-    candidates = [
-        m for m in methods
-        if m in available and (host_ids or m not in HOST_ID_METHODS) and (not capturing or m in CAPTURABLE_METHODS)
-    ]
-    if not candidates:
+    direction = direction_of(src.device.type, dst.device.type)
+    if direction not in profile.links:
         return None
-    plane_block = src.nbytes_per_block / src.num_planes
+    candidates = [
+        m for m in available
+        if (host_ids or m not in HOST_ID_METHODS) and (not capturing or m in CAPTURABLE_METHODS)
+    ]
     nbytes = src.nbytes_per_block * max(num_blocks, 1)
-    return min(candidates, key=lambda m: methods[m].predict(nbytes, plane_block))  # type: ignore[return-value]
+    return profile.fastest_method(direction, nbytes, src.nbytes_per_block / src.num_planes, candidates)  # type: ignore[return-value]
 
 
 def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
@@ -126,7 +125,7 @@ def choose_method(
             if method in available:
                 return method
         raise ValueError(f"method: 'auto' found no method that can be captured in a CUDA graph among {available}")
-    if "cpu" in available:
+    if "cpu" in available and host_ids:
         return "cpu"
     if "copy_engine" in available and host_ids and min(src.block_nbytes) >= DMA_MIN_BLOCK_BYTES:
         return "copy_engine"

@@ -227,13 +227,21 @@ def _device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None
     return contextlib.nullcontext()
 
 
-def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str) -> None:
-    src_t = prepare_ids(src_ids, "src_ids", src.num_blocks, unique=False)
-    dst_t = prepare_ids(dst_ids, "dst_ids", dst.num_blocks, unique=True)
+def _prepare_pair(
+    src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, names: tuple[str, str] = ("src_ids", "dst_ids")
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Both id lists validated (kvcopy._ids), of one length, on an allowed device; and whether both are on the host."""
+    src_name, dst_name = names
+    src_t = prepare_ids(src_ids, src_name, src.num_blocks, unique=False)
+    dst_t = prepare_ids(dst_ids, dst_name, dst.num_blocks, unique=True)
     if src_t.numel() != dst_t.numel():
-        raise ValueError(f"dst_ids: expected as many ids as src_ids ({src_t.numel()}), got {dst_t.numel()}")
-    _check_id_devices(src, src_t, dst, dst_t)
-    host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
+        raise ValueError(f"{dst_name}: expected as many ids as {src_name} ({src_t.numel()}), got {dst_t.numel()}")
+    _check_id_devices(src, src_t, dst, dst_t, names)
+    return src_t, dst_t, src_t.device.type == "cpu" and dst_t.device.type == "cpu"
+
+
+def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str) -> None:
+    src_t, dst_t, host_ids = _prepare_pair(src, src_ids, dst, dst_ids)
     if src is dst and host_ids:
         check_disjoint(src_t, dst_t)
     chosen = _resolve(method, src, dst, host_ids=host_ids, capturing=_capturing(src, dst), num_blocks=src_t.numel())
@@ -242,9 +250,11 @@ def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, meth
     _run(chosen, src, src_t, dst, dst_t)
 
 
-def _check_id_devices(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
+def _check_id_devices(
+    src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, names: tuple[str, str]
+) -> None:
     allowed = {torch.device("cpu"), _cuda_device(src, dst)} if _uses_cuda(src, dst) else {torch.device("cpu")}
-    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+    for name, ids in zip(names, (src_ids, dst_ids)):
         if ids.device not in allowed:
             where = " or ".join(str(d) for d in sorted(allowed, key=str))
             raise ValueError(f"{name}: expected ids on {where}, got ids on {ids.device}")

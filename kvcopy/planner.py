@@ -101,9 +101,8 @@ class Planner:
         planes = spec.num_layers * (1 if spec.attention == "mla" else 2)
         plane_block = spec.block_nbytes(block_tokens) / planes
         nbytes = 64 * spec.block_nbytes(block_tokens)  # a 1024-token prefix: where the choice usually matters
-        methods = profile.links[direction]
-        method = min(methods, key=lambda m: methods[m].predict(nbytes, plane_block))
-        link = methods[method].link_at(plane_block)
+        method = profile.fastest_method(direction, nbytes, plane_block)
+        link = profile.links[direction][method].link_at(plane_block)
         return cls(
             spec,
             load_alpha_s=link.alpha_s,

@@ -106,28 +106,44 @@ class Profile:
     def methods(self, direction: str) -> list[str]:
         return sorted(self.links.get(direction, {}))
 
-    def predict(self, direction: str, nbytes: float, *, num_blocks: int = 1, method: str | None = None) -> float:
+    def _measured(self, direction: str) -> dict[str, MethodProfile]:
+        measured = self.links.get(direction)
+        if not measured:
+            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.links)}")
+        return measured
+
+    def _plane_block(self, nbytes: float, num_blocks: int, planes: int | None) -> float:
+        """Bytes of one plane-block: a block's bytes over its planes (default: the calibration's)."""
+        return nbytes / max(num_blocks, 1) / (planes or self.hardware.get("calibration_planes", 1))
+
+    def predict(
+        self, direction: str, nbytes: float, *, num_blocks: int = 1, method: str | None = None,
+        planes: int | None = None,
+    ) -> float:
         """Predicted seconds to move ``nbytes`` in ``num_blocks`` blocks; ``method=None``: the best measured one.
 
-        A block's bytes are split over the planes the calibration used
-        (``hardware["calibration_planes"]``) to pick the nearest block-size fit.
+        ``planes``: how many planes a block spans in your cache (default: the
+        calibration's), which sets the plane-block size whose fits apply.
         """
-        measured = self.links.get(direction)
-        if not measured:
-            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.links)}")
+        measured = self._measured(direction)
         if method is not None and method not in measured:
             raise ValueError(f"method: {method!r} was not measured for {direction}; measured: {sorted(measured)}")
-        plane_block = nbytes / max(num_blocks, 1) / self.hardware.get("calibration_planes", 1)
-        candidates = [method] if method else list(measured)
-        return min(measured[m].predict(nbytes, plane_block) for m in candidates)
+        plane_block = self._plane_block(nbytes, num_blocks, planes)
+        return min(measured[m].predict(nbytes, plane_block) for m in ([method] if method else measured))
 
-    def best_method(self, direction: str, block_nbytes: int, num_blocks: int) -> str:
+    def fastest_method(
+        self, direction: str, nbytes: float, plane_block_nbytes: float, candidates: list[str] | None = None
+    ) -> str | None:
+        """The measured method (among ``candidates``) predicted fastest for ``nbytes`` in plane-blocks of
+        ``plane_block_nbytes``; None when none of the candidates was measured."""
+        measured = self._measured(direction)
+        names = [m for m in measured if candidates is None or m in candidates]
+        return min(names, key=lambda m: measured[m].predict(nbytes, plane_block_nbytes)) if names else None
+
+    def best_method(self, direction: str, block_nbytes: int, num_blocks: int, *, planes: int | None = None) -> str:
         """The measured method predicted fastest for ``num_blocks`` blocks of ``block_nbytes`` (all planes)."""
-        measured = self.links.get(direction)
-        if not measured:
-            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.links)}")
         nbytes = block_nbytes * num_blocks
-        return min(measured, key=lambda m: self.predict(direction, nbytes, num_blocks=num_blocks, method=m))
+        return self.fastest_method(direction, nbytes, self._plane_block(nbytes, num_blocks, planes))  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ JSON
 

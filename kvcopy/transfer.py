@@ -93,6 +93,7 @@ class Transfer:
         done: TransferSignal,
         layers: list[TransferSignal] | None = None,
         timer: tuple[torch.cuda.Event, torch.cuda.Event] | list[float] | None = None,
+        keepalive: tuple[object, ...] = (),
     ) -> None:
         self.direction = direction
         self.num_blocks = num_blocks
@@ -100,6 +101,7 @@ class Transfer:
         self._done = done
         self._layers = layers
         self._timer = timer  # (start, end) CUDA events, or the [start, end] perf_counter stamps a CPU worker fills
+        self._keepalive = keepalive  # what the copy reads or writes must outlive it (caches, pinned pools, ids)
 
     @property
     def layerwise(self) -> bool:

@@ -299,7 +299,11 @@ def fake_timer(monkeypatch):
         def forward(x):
             state["last"] = ("prefill", x.shape[0], spec)
             return x
-        return forward, torch.float32
+
+        def executed_flops(tokens):  # the fake layer "executes" the model's per-layer FLOPs
+            return spec.prefill_flops(tokens) / spec.num_layers
+
+        return forward, executed_flops, torch.float32
 
     def fake_measure(fn, *, warmup=3, repeats=10, device=None, inner=1):
         state["last"] = None
@@ -698,3 +702,15 @@ def test_direction_of():
     assert profile_mod.direction_of("cuda", "cpu") == "d2h"
     assert profile_mod.direction_of("cpu", "cuda") == "h2d"
     assert profile_mod.direction_of("cuda", "cuda") == "d2d"
+
+
+def test_timed_layer_executes_the_dense_models_flops():
+    """The calibrator fits FLOP/s against the FLOPs its layer runs; for a dense model those are the spec's."""
+    spec = kvcopy.ModelSpec.from_hf_config({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000,
+    })
+    forward, executed, dtype = calibrator._layer_forward(spec, torch.device("cpu"))
+    assert forward(torch.randn(5, 256, dtype=dtype)).shape == (5, 256)
+    for n in (1, 17, 128):
+        assert executed(n) == pytest.approx(spec.prefill_flops(n) / spec.num_layers, rel=1e-9)
