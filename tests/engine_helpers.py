@@ -139,3 +139,13 @@ def run_in_thread(fn: Callable, *args) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, out
+
+
+def run_threads(worker: Callable[[int], None], num_threads: int, timeout: float = 60.0) -> None:
+    """Runs ``worker(i)`` for i in range(num_threads) on threads of its own and joins them all."""
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+        assert not t.is_alive(), "a worker thread did not finish in time"

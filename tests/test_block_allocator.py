@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvcopy
+from engine_helpers import run_threads
 
 NUM_BLOCKS = 16
 
@@ -251,12 +252,7 @@ def test_concurrent_allocate_and_free_are_consistent(make):
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive()
+    run_threads(worker, num_threads)
     assert not errors, errors[0]
     assert not owned
     assert a.num_free == num_blocks

@@ -32,7 +32,7 @@ from conftest import (
     reference_copy,
     snapshot,
 )
-from engine_helpers import Engines, run_in_thread, writes_into
+from engine_helpers import Engines, run_in_thread, run_threads, writes_into
 
 ENGINE_METHODS = ("auto",) + CPU_METHODS
 LAYOUTS = ("vllm", "flashinfer", "mla")
@@ -407,11 +407,7 @@ def test_many_transfers_in_flight_from_threads(engines, debug):
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    run_threads(worker, num_threads)
     assert not errors, errors[0]
     assert_same_bytes(dst_bytes(pool), expected_host)
     assert_same_bytes(dst_bytes(kv), expected_dev)

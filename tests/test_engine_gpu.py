@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kvcopy
+from engine_helpers import run_threads
 from conftest import (
     assert_same_bytes,
     byte_rows,
@@ -439,11 +440,7 @@ def test_many_transfers_in_flight_from_threads(res, method):
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    run_threads(worker, num_threads)
     assert not errors, repr(errors[0])
     assert_same_bytes(dst_bytes(pool), expected_host)
     assert_same_bytes(dst_bytes(kv), expected_dev)
