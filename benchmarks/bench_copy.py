@@ -46,6 +46,17 @@ def per_block_loop(src: kvcopy.PagedKV, src_ids: list[int], dst: kvcopy.PagedKV,
             d[j].copy_(s[i])
 
 
+def check_output(name: str, fn: Callable[[], object], src: kvcopy.PagedKV, src_ids: torch.Tensor,
+                 dst: kvcopy.PagedKV, dst_ids: torch.Tensor) -> None:
+    """Clears the destination blocks, runs ``fn`` once and compares them with plain indexing of the source."""
+    for plane in dst.planes:
+        plane[dst_ids] = 0
+    fn()
+    for p, (s, d) in enumerate(zip(src.planes, dst.planes)):
+        if not torch.equal(d[dst_ids], s[src_ids]):
+            raise AssertionError(f"{name}: plane {p} differs from the reference")
+
+
 def fixed_cost(repeats: int) -> tuple[float, float]:
     """alpha (s per call) of t = alpha + bytes / beta for "cpu" gathers of 1..16 blocks.
 
@@ -94,11 +105,15 @@ def main() -> None:
         "gather": (kv, block_ids, host.paged, host_ids),
         "scatter": (host.paged, host_ids, kv, block_ids),
     }.items():
-        run(direction, "kvcopy cpu", lambda a=(src, s_ids, dst, d_ids): kvcopy.copy_blocks(*a, method="cpu"))
-        run(direction, "kvcopy torch", lambda a=(src, s_ids, dst, d_ids): kvcopy.copy_blocks(*a, method="torch"))
-        run(direction, "per-layer index loop", lambda a=(src, s_ids, dst, d_ids): per_layer_loop(*a))
         lists = (src, s_ids.tolist(), dst, d_ids.tolist())
-        run(direction, "per-block copy_ loop", lambda a=lists: per_block_loop(*a))
+        for name, fn in {
+            "kvcopy cpu": lambda a=(src, s_ids, dst, d_ids): kvcopy.copy_blocks(*a, method="cpu"),
+            "kvcopy torch": lambda a=(src, s_ids, dst, d_ids): kvcopy.copy_blocks(*a, method="torch"),
+            "per-layer index loop": lambda a=(src, s_ids, dst, d_ids): per_layer_loop(*a),
+            "per-block copy_ loop": lambda a=lists: per_block_loop(*a),
+        }.items():
+            check_output(f"{direction} {name}", fn, src, s_ids, dst, d_ids)  # every row copies what it claims
+            run(direction, name, fn)
 
     limit = rows[0][2].gbps(nbytes)
     by_name = {(d, n): t for d, n, t in rows}
@@ -119,7 +134,8 @@ def main() -> None:
         table.append([direction, name, nbytes, t.median, t.p20, t.p80, gbps, *ratios])
 
     alpha, tiny_one_block = fixed_cost(args.repeats)
-    one_block = measure(lambda: kvcopy.gather(kv, [5], host, [7], method="cpu"), repeats=args.repeats, inner=50)
+    one_block = measure(lambda: kvcopy.gather(kv, [5], host, [args.blocks - 1], method="cpu"), repeats=args.repeats,
+                        inner=50)
     print(f"\nfixed cost per call (cpu, 64 planes, fit over 1-16 tiny blocks): alpha = {alpha * 1e6:.1f} us; "
           f"1-block call of 256 B plane-blocks = {tiny_one_block * 1e6:.1f} us; "
           f"1-block llama8b-16 call ({kv.nbytes_per_block // 1024} KiB) = {one_block.median * 1e6:.1f} us")
