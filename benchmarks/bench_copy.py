@@ -1,8 +1,12 @@
 """Paged block copies on the CPU, side by side with what a user would write instead.
 
-Workload llama8b-16 (shared/DESIGN.md §4): 32 layers x K/V = 64 planes, blocks
-of 16 tokens x 8 KV heads x 128 dims in bf16 = 32 KiB per plane-block, random
-block ids, into (gather) and out of (scatter) a page-first host pool.
+Workloads (--workload), each into (gather) and out of (scatter) a page-first
+host pool, with random or sequential block ids (--ids):
+- llama8b-16 (shared/DESIGN.md §4, the default): 32 layers x K/V = 64 planes,
+  16 tokens x 8 KV heads x 128 dims bf16 = 32 KiB per plane-block;
+- llama70b-tp4-16: 80 layers x K/V, 2 KV heads per rank = 8 KiB plane-blocks;
+- deepseek-v3-mla-64: 61 MLA layers, 64 tokens x 576 bf16 = 72 KiB;
+- llama8b-fp8-16: fp8 K/V (16 KiB) plus their per-block fp32 scale planes.
 
 Rows, all in one run: kvcopy's "cpu" and "torch" methods; a per-layer
 index_select / index_copy_ loop; a per-block copy_ loop (vLLM's old
@@ -10,7 +14,7 @@ swap_blocks shape); and one contiguous copy_ of the same bytes (the limit).
 Ratios are against those rows. A sweep of small calls gives the fixed cost
 per call (alpha of t = alpha + bytes / beta, least squares).
 
-    python benchmarks/bench_copy.py [--blocks 256] [--repeats 7] [--csv out.csv]
+    python benchmarks/bench_copy.py [--workload llama8b-16] [--ids random] [--blocks 256] [--repeats 7] [--csv out.csv]
 """
 
 from __future__ import annotations
@@ -26,34 +30,72 @@ import torch
 import kvcopy
 from kvcopy.timing import Timing, measure
 
-LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 32, 16, 8, 128  # llama8b-16
-DTYPE = torch.bfloat16
+HEAD_DIM = 128
+LLAMA8B_LAYERS, LLAMA70B_LAYERS, DEEPSEEK_LAYERS = 32, 80, 61
+MLA_WIDTH = 512 + 64  # DeepSeek-V3: kv_lora_rank + qk_rope_head_dim
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape).to(dtype)
+
+
+def _vllm(layers: int, num_blocks: int, tokens: int, heads: int, dtype: torch.dtype) -> kvcopy.PagedKV:
+    return kvcopy.PagedKV.from_vllm([_random((2, num_blocks, tokens, heads, HEAD_DIM), dtype) for _ in range(layers)])
+
+
+def _fp8_with_scales(num_blocks: int) -> kvcopy.PagedKV:
+    """Per layer: K and V in fp8, then a float32 scale per (token, head) for each: 4 planes."""
+    planes = []
+    for _ in range(LLAMA8B_LAYERS):
+        planes += [_random((num_blocks, 16, 8, HEAD_DIM), torch.float8_e4m3fn) for _ in range(2)]
+        planes += [torch.rand(num_blocks, 16, 8) for _ in range(2)]
+    return kvcopy.PagedKV.from_planes(planes, planes_per_layer=4)
+
+
+WORKLOADS: dict[str, Callable[[int], kvcopy.PagedKV]] = {
+    "llama8b-16": lambda n: _vllm(LLAMA8B_LAYERS, n, 16, 8, torch.bfloat16),
+    "llama70b-tp4-16": lambda n: _vllm(LLAMA70B_LAYERS, n, 16, 2, torch.bfloat16),
+    "deepseek-v3-mla-64": lambda n: kvcopy.PagedKV.from_mla(
+        [_random((n, 64, MLA_WIDTH), torch.bfloat16) for _ in range(DEEPSEEK_LAYERS)]
+    ),
+    "llama8b-fp8-16": _fp8_with_scales,
+}
 
 
 def make_cache(num_blocks: int) -> list[torch.Tensor]:
-    shape = (2, num_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
-    return [torch.randn(shape).to(DTYPE) for _ in range(LAYERS)]
+    """The llama8b-16 layers (vLLM layout), for callers that build their own PagedKV."""
+    return [_random((2, num_blocks, 16, 8, HEAD_DIM), torch.bfloat16) for _ in range(LLAMA8B_LAYERS)]
+
+
+def _words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer-word views of a plane pair: what a user copying fp8 (or any dtype) bitwise would index."""
+    from kvcopy._torch_copy import word_views
+
+    return word_views(src, dst)
 
 
 def per_layer_loop(src: kvcopy.PagedKV, src_ids: torch.Tensor, dst: kvcopy.PagedKV, dst_ids: torch.Tensor) -> None:
     for s, d in zip(src.planes, dst.planes):
-        d.index_copy_(0, dst_ids, s.index_select(0, src_ids))
+        s_words, d_words = _words(s, d)
+        d_words.index_copy_(0, dst_ids, s_words.index_select(0, src_ids))
 
 
 def per_block_loop(src: kvcopy.PagedKV, src_ids: list[int], dst: kvcopy.PagedKV, dst_ids: list[int]) -> None:
+    pairs = [_words(s, d) for s, d in zip(src.planes, dst.planes)]
     for i, j in zip(src_ids, dst_ids):
-        for s, d in zip(src.planes, dst.planes):
+        for s, d in pairs:
             d[j].copy_(s[i])
 
 
 def check_output(name: str, fn: Callable[[], object], src: kvcopy.PagedKV, src_ids: torch.Tensor,
                  dst: kvcopy.PagedKV, dst_ids: torch.Tensor) -> None:
-    """Clears the destination blocks, runs ``fn`` once and compares them with plain indexing of the source."""
-    for plane in dst.planes:
-        plane[dst_ids] = 0
+    """Clears the destination blocks, runs ``fn`` once and compares their bytes with plain indexing of the source."""
+    for s, d in zip(src.planes, dst.planes):
+        _words(s, d)[1][dst_ids] = 0
     fn()
     for p, (s, d) in enumerate(zip(src.planes, dst.planes)):
-        if not torch.equal(d[dst_ids], s[src_ids]):
+        s_words, d_words = _words(s, d)
+        if not torch.equal(d_words[dst_ids], s_words[src_ids]):
             raise AssertionError(f"{name}: plane {p} differs from the reference")
 
 
@@ -64,7 +106,8 @@ def fixed_cost(repeats: int) -> tuple[float, float]:
     plane-block (256 B), so bytes are negligible and the intercept is the call's
     fixed cost: validation, dispatch, planning of 64 x n copies.
     """
-    kv = kvcopy.PagedKV.from_vllm([torch.zeros(2, 64, 1, 1, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS)])
+    kv = kvcopy.PagedKV.from_vllm([torch.zeros(2, 64, 1, 1, HEAD_DIM, dtype=torch.bfloat16)
+                                   for _ in range(LLAMA8B_LAYERS)])
     host = kvcopy.HostKVPool(kv, 16)
     sizes, times = [], []
     for n in (1, 2, 4, 8, 16):
@@ -79,7 +122,10 @@ def fixed_cost(repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=256, help="blocks moved per call (default 256: 537 MB)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama8b-16")
+    parser.add_argument("--ids", choices=("random", "sequential"), default="random",
+                        help="random block ids, or one run of adjacent ids on both sides")
+    parser.add_argument("--blocks", type=int, default=256, help="blocks moved per call (default 256)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
@@ -87,11 +133,13 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     device_blocks = 4 * args.blocks
-    kv = kvcopy.PagedKV.from_vllm(make_cache(device_blocks))
+    kv = WORKLOADS[args.workload](device_blocks)
     host = kvcopy.HostKVPool(kv, args.blocks, layout="page_first")
     nbytes = args.blocks * kv.nbytes_per_block
-    block_ids = torch.randperm(device_blocks)[: args.blocks]
-    host_ids = torch.randperm(args.blocks)
+    if args.ids == "random":
+        block_ids, host_ids = torch.randperm(device_blocks)[: args.blocks], torch.randperm(args.blocks)
+    else:
+        block_ids, host_ids = torch.arange(args.blocks, 2 * args.blocks), torch.arange(args.blocks)
     contiguous_src = torch.empty(nbytes, dtype=torch.uint8).random_()
     contiguous_dst = torch.empty(nbytes, dtype=torch.uint8)
 
@@ -117,7 +165,7 @@ def main() -> None:
 
     limit = rows[0][2].gbps(nbytes)
     by_name = {(d, n): t for d, n, t in rows}
-    print(f"llama8b-16 on CPU: {args.blocks} random blocks x {kv.num_planes} planes = {nbytes / 1e6:.0f} MB per call, "
+    print(f"{args.workload} on CPU: {args.blocks} {args.ids} blocks x {kv.num_planes} planes = {nbytes / 1e6:.0f} MB per call, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     header = f"{'direction':<8} {'method':<26} {'GB/s':>7} {'p20-p80':>13} {'x limit':>8} {'x layer loop':>12} {'x block loop':>12}"
     print(header)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,9 +20,14 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_bench_copy_runs_and_checks_its_rows(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("workload", "ids"), [
+    ("llama8b-16", "random"), ("llama8b-16", "sequential"), ("llama70b-tp4-16", "random"),
+    ("deepseek-v3-mla-64", "random"), ("llama8b-fp8-16", "random"),
+])
+def test_bench_copy_runs_and_checks_its_rows(tmp_path: Path, workload: str, ids: str) -> None:
     out = tmp_path / "copy.csv"
-    result = _run("benchmarks/bench_copy.py", "--blocks", "4", "--repeats", "1", "--csv", str(out))
+    result = _run("benchmarks/bench_copy.py", "--workload", workload, "--ids", ids, "--blocks", "3", "--repeats", "1",
+                  "--csv", str(out))
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(out.open()))
     methods = {(r["direction"], r["method"]) for r in rows}
