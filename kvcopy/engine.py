@@ -258,7 +258,8 @@ class TransferEngine:
                 raise RuntimeError(f"{direction}: this TransferEngine is closed")
             use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker and not capturing else None
             if self._cuda:
-                transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
+                transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes,
+                                             capturing)
             else:
                 transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
             if not capturing:
@@ -286,9 +287,9 @@ class TransferEngine:
         _ops._run(method, src, src_ids, dst, dst_ids)
 
     def _submit_cuda(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                     dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int) -> Transfer:
+                     dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
+                     capturing: bool) -> Transfer:
         stream = self._streams[direction]
-        capturing = torch.cuda.is_current_stream_capturing()  # the caller's stream, before switching
         ready = self._signal_events.get()
         ready.record(torch.cuda.current_stream(self.kv.device))
         stream.wait_event(ready)  # the copy starts after the caller's queued work

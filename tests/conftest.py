@@ -193,3 +193,13 @@ def gen() -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(1234)
     return g
+
+
+@pytest.fixture
+def engines():
+    """Engines made by a test (engine_helpers.Engines), all closed when it ends."""
+    from engine_helpers import Engines
+
+    made = Engines()
+    yield made
+    made.close_all()

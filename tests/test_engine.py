@@ -52,13 +52,6 @@ def _setup(layout="vllm", dtype=torch.bfloat16, *, num_blocks=12, host_blocks=10
     return kv, pool
 
 
-@pytest.fixture
-def engines():
-    made = Engines()
-    yield made
-    made.close_all()
-
-
 def _block(kv, block: int) -> list[torch.Tensor]:
     """The bytes of one block of every plane (clones)."""
     return [byte_rows(p)[block].clone() for p in kv.planes]

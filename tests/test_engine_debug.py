@@ -16,7 +16,6 @@ import torch
 
 import kvcopy
 from conftest import assert_same_bytes, byte_rows, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
-from engine_helpers import Engines
 
 NUM_BLOCKS, HOST_BLOCKS = 12, 10
 
@@ -27,13 +26,6 @@ def _setup(seed=0, layout="vllm"):
     pool = kvcopy.HostKVPool(kv, HOST_BLOCKS, pin_memory=False)
     fill_random_(pool, gen)
     return kv, pool
-
-
-@pytest.fixture
-def engines():
-    made = Engines()
-    yield made
-    made.close_all()
 
 
 def _submit(eng, op):
