@@ -119,6 +119,33 @@ PyObject* py_copy_blocks_dma(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// copy_blocks_dma_baseline(src_table, dst_table, num_planes, src_ids, dst_ids, num_ids, stream, device,
+//                          baseline); ids on the host, validated by the caller. For benchmarks:
+// baseline 0 is one cudaMemcpyAsync per (block, plane), 1 one unmerged cudaMemcpyBatchAsync.
+PyObject* py_copy_blocks_dma_baseline(PyObject*, PyObject* args) {
+  unsigned long long src_table, dst_table, src_ids, dst_ids, stream;
+  long long num_planes, num_ids;
+  int device, baseline;
+  if (!PyArg_ParseTuple(args, "KKLKKLKii", &src_table, &dst_table, &num_planes, &src_ids, &dst_ids,
+                        &num_ids, &stream, &device, &baseline)) {
+    return nullptr;
+  }
+  if (baseline != static_cast<int>(DmaBaseline::kPerBlockMemcpy) &&
+      baseline != static_cast<int>(DmaBaseline::kUnmergedBatch)) {
+    PyErr_Format(PyExc_ValueError, "kvcopy: baseline: expected 0 (per-block memcpy) or 1 (unmerged batch), got %d",
+                 baseline);
+    return nullptr;
+  }
+  const std::vector<PlaneCopy> planes =
+      planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
+  if (!device_is_current(device)) return nullptr;
+  const cudaError_t err = submit_block_copy_dma_baseline(
+      planes.data(), num_planes, as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), num_ids,
+      static_cast<DmaBaseline>(baseline), as_ptr<CUstream_st>(stream));
+  if (err != cudaSuccess) return raise_cuda(err, "baseline copy-engine submission");
+  Py_RETURN_NONE;
+}
+
 // create_copy_stream(device) -> handle: a stream of the device's least
 // priority, non-blocking (no implicit sync with the legacy default stream:
 // the engine orders it with events). Owned by the caller: destroy_stream.
@@ -152,6 +179,8 @@ PyMethodDef kFastPathMethods[] = {
 #ifdef KVCOPY_WITH_CUDA
     {"copy_blocks_cuda", py_copy_blocks_cuda, METH_VARARGS, "SM-kernel block copy from plane-table addresses."},
     {"copy_blocks_dma", py_copy_blocks_dma, METH_VARARGS, "Copy-engine block copy from plane-table addresses."},
+    {"copy_blocks_dma_baseline", py_copy_blocks_dma_baseline, METH_VARARGS,
+     "Benchmark baselines: per-block cudaMemcpyAsync (0) or one unmerged cudaMemcpyBatchAsync (1)."},
     {"create_copy_stream", py_create_copy_stream, METH_VARARGS, "A new least-priority non-blocking stream."},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif

@@ -39,4 +39,13 @@ cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
                                   const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
                                   cudaStream_t stream);
 
+// Baselines for benchmarks: the same copies, one range per (block, plane) with
+// nothing merged, submitted either as one cudaMemcpyBatchAsync (the batched
+// call without kvcopy's coalescing) or as one cudaMemcpyAsync each (vLLM's
+// old swap_blocks). Same pointer contract as submit_block_copy_dma.
+enum class DmaBaseline : int { kPerBlockMemcpy = 0, kUnmergedBatch = 1 };
+cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes,
+                                           const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
+                                           DmaBaseline baseline, cudaStream_t stream);
+
 }  // namespace kvcopy

@@ -14,15 +14,33 @@ struct DmaCopies {
   std::vector<size_t> sizes;
 };
 
-DmaCopies plan_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
-                   int64_t num_ids) {
+DmaCopies plan_dma(const std::vector<CopyRange>& ranges) {
   DmaCopies copies;
-  for (const CopyRange& range : plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids)) {
+  copies.srcs.reserve(ranges.size());
+  copies.dsts.reserve(ranges.size());
+  copies.sizes.reserve(ranges.size());
+  for (const CopyRange& range : ranges) {
     copies.srcs.push_back(range.src);
     copies.dsts.push_back(range.dst);
     copies.sizes.push_back(static_cast<size_t>(range.nbytes));
   }
   return copies;
+}
+
+// One range per (block, plane), nothing merged: what a caller without
+// kvcopy's range planner submits. For the baselines only.
+std::vector<CopyRange> block_by_block_ranges(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                             const int64_t* dst_ids, int64_t num_ids) {
+  std::vector<CopyRange> ranges;
+  ranges.reserve(static_cast<size_t>(num_ids * num_planes));
+  for (int64_t i = 0; i < num_ids; ++i) {
+    for (int64_t p = 0; p < num_planes; ++p) {
+      const PlaneCopy& plane = planes[p];
+      ranges.push_back({plane.src + src_ids[i] * plane.src_stride, plane.dst + dst_ids[i] * plane.dst_stride,
+                        plane.nbytes});
+    }
+  }
+  return ranges;
 }
 
 cudaError_t submit_one_by_one(const DmaCopies& copies, cudaStream_t stream) {
@@ -92,18 +110,31 @@ cudaError_t submit_batch_via_side_stream(DmaCopies& copies, cudaStream_t stream)
 bool is_legacy_stream(cudaStream_t stream) { return stream == nullptr || stream == cudaStreamLegacy; }
 #endif
 
-}  // namespace
-
-cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
-  if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  DmaCopies copies = plan_dma(planes, num_planes, src_ids, dst_ids, num_ids);
+// All copies in one cudaMemcpyBatchAsync where the runtime has it (CUDA 12.8+), else one call each.
+cudaError_t submit_batched(DmaCopies& copies, cudaStream_t stream) {
 #if CUDART_VERSION >= 12080
   if (copies.sizes.size() > 1) {
     return is_legacy_stream(stream) ? submit_batch_via_side_stream(copies, stream) : submit_batch(copies, stream);
   }
 #endif
   return submit_one_by_one(copies, stream);
+}
+
+}  // namespace
+
+cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
+  if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
+  DmaCopies copies = plan_dma(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids));
+  return submit_batched(copies, stream);
+}
+
+cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                           const int64_t* dst_ids, int64_t num_ids, DmaBaseline baseline,
+                                           cudaStream_t stream) {
+  if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
+  DmaCopies copies = plan_dma(block_by_block_ranges(planes, num_planes, src_ids, dst_ids, num_ids));
+  return baseline == DmaBaseline::kUnmergedBatch ? submit_batched(copies, stream) : submit_one_by_one(copies, stream);
 }
 
 }  // namespace kvcopy
