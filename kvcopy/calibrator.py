@@ -13,19 +13,17 @@ timed over several token counts and fitted the same way.
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import _ext
-from ._version import __version__
+from ._progress import progress_bar
 from .fit import LinearFit, fit_alpha_beta
 from .host import HostKVPool
 from .layout import PagedKV
+from .machine import machine_identity
 from .ops import available_methods, copy_blocks
 from .profile import LinkFit, MethodProfile, PrefillProfile, Profile
 from .timing import measure
@@ -69,50 +67,8 @@ _QUICK_GPU = _Sweep((4096, 32768, 262144), (1, 16, 256), 256 << 20, 5, (512, 204
 _QUICK_CPU = _Sweep((4096, 32768, 262144), (1, 8, 64), 64 << 20, 5, (32, 96, 256))
 
 
-def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - a tqdm bar or a stand-in
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-
-            return tqdm(total=total, desc=desc, unit="shape", leave=False)
-        except ImportError:
-            pass
-
-    class _Silent:
-        def update(self, n: int = 1) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    return _Silent()
-
-
 def _hardware(device: torch.device) -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info: dict[str, object] = {
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
-        "host_cpu": cpu,
-        "host_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "kvcopy": __version__,
-        "extension": _ext.build_info()["extension_loaded"],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "calibration_planes": CALIBRATION_PLANES,
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info["capability"] = f"{props.major}.{props.minor}"
-        info["driver"] = getattr(torch._C, "_cuda_getDriverVersion", lambda: None)()
-    return info
+    return {**machine_identity(device), "calibration_planes": CALIBRATION_PLANES}
 
 
 def _link_fit(fit: LinearFit) -> LinkFit:
@@ -142,7 +98,7 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
     points: dict[str, dict[str, list[list[float]]]] = {}
     shapes = [(b, n) for b in sweep.block_nbytes for n in sweep.num_blocks
               if b * n * CALIBRATION_PLANES <= sweep.max_total_bytes]
-    bar = _progress(len(shapes) * (2 if device.type == "cuda" else 1), progress, "calibrating copies")
+    bar = progress_bar(len(shapes) * (2 if device.type == "cuda" else 1), progress, "calibrating copies", "shape")
     generator = torch.Generator().manual_seed(0)
     for block_nbytes in sweep.block_nbytes:
         counts = [n for b, n in shapes if b == block_nbytes]
@@ -289,7 +245,7 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
 def _time_prefill_pass(forward: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, spec: object,
                        device: torch.device, sweep: _Sweep, progress: bool) -> list[float]:
     """Median seconds of one layer forward at each of the sweep's token counts."""
-    bar = _progress(len(sweep.prefill_tokens), progress, "calibrating prefill")
+    bar = progress_bar(len(sweep.prefill_tokens), progress, "calibrating prefill", "size")
     seconds = []
     for tokens in sweep.prefill_tokens:
         x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)

@@ -1,4 +1,4 @@
-"""The ``kvcopy`` command line: ``calibrate``, ``plan`` and ``info``."""
+"""The ``kvcopy`` command line: ``calibrate``, ``plan``, ``bench`` and ``info``."""
 
 from __future__ import annotations
 
@@ -114,6 +114,53 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ._progress import progress_bar
+    from .bench import BenchConfig, format_tables, num_points, run_benchmarks, with_ratios, write_csv
+    from .machine import machine_identity
+
+    overrides: dict[str, object] = {"ids": args.ids}
+    for name in ("blocks", "counts", "block_tokens", "sweep_blocks", "repeats"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.workload:
+        overrides["workloads"] = tuple(args.workload)
+    if args.no_sweeps:
+        overrides.update(counts=(), block_tokens=())
+    try:
+        config = BenchConfig.default(args.device, quick=args.quick, **overrides)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    profile = _load_profile(args.profile) if args.profile else None
+    bar = progress_bar(num_points(config), not args.no_progress, "benchmarking", "point")
+    rows = run_benchmarks(config, profile=profile, on_point=lambda _: bar.update())
+    bar.close()
+    identity = machine_identity(config.device)
+    print(format_tables(rows, identity))
+    if args.csv:
+        write_csv(rows, identity, args.csv)
+        print(f"\ncsv saved to {args.csv}")
+    if args.plot:
+        from .plots import plot_bench
+
+        if not (config.counts or config.block_tokens):
+            raise CliError("--plot: draws the sweeps; drop --no-sweeps")
+        plot_bench(with_ratios(rows), args.plot,
+                   title=f"kvcopy bench: {identity['device_name']} ({identity['date']})")
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import torch
 
@@ -151,6 +198,26 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--decode-share", type=float, default=0.0, help="fraction of the link decode needs")
     plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
     plan.set_defaults(run=_plan)
+
+    bench = commands.add_parser("bench", help="time every method beside the copies you would write yourself, "
+                                               "as ratios to a contiguous copy")
+    bench.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
+    bench.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
+    bench.add_argument("--workload", action="append", help="a named workload (repeatable; default: all of "
+                                                           "kvcopy.bench.WORKLOADS)")
+    bench.add_argument("--ids", choices=("random", "sequential"), default="random",
+                       help="random block ids, or one run of adjacent ids on each side")
+    bench.add_argument("--blocks", type=int, help="blocks per call for the workloads (default 256)")
+    bench.add_argument("--counts", type=_int_list, help="block counts of the count sweep, e.g. 1,16,256")
+    bench.add_argument("--block-tokens", type=_int_list, help="tokens per block of the size sweep, e.g. 1,16,64")
+    bench.add_argument("--sweep-blocks", type=int, help="blocks per call in the size sweep")
+    bench.add_argument("--no-sweeps", action="store_true", help="only the workloads")
+    bench.add_argument("--repeats", type=int, help="timed calls per row")
+    bench.add_argument("--profile", help="also show this calibration profile's predictions for kvcopy's rows")
+    bench.add_argument("--csv", help="write every row, its ratios and the machine identity to this CSV")
+    bench.add_argument("--plot", help="draw GB/s against plane-block size and block count to this PNG")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_bench)
 
     info = commands.add_parser("info", help="what was built (CPU/CUDA kernels, archs, Triton) and the device")
     info.add_argument("--json", action="store_true", help="print JSON")

@@ -1,15 +1,23 @@
-"""Plots for the CLI: calibration fits and reload/recompute/split curves (matplotlib, Agg)."""
+"""Plots for the CLI: calibration fits, reload/recompute/split curves and benchmark sweeps (matplotlib, Agg)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .planner import Planner
 from .profile import Profile
 
-__all__ = ["plot_calibration", "plot_plan"]
+__all__ = ["plot_bench", "plot_calibration", "plot_plan"]
+
+# Sweeps drawn by plot_bench: suite -> (row field on the x axis, its scale to display units, axis label).
+_SWEEP_AXES = {
+    "size_sweep": ("plane_block_bytes", 1 / 1024, "KiB per plane-block"),
+    "count_sweep": ("num_blocks", 1, "blocks per call"),
+}
 
 
 def _pyplot():  # noqa: ANN202
@@ -63,6 +71,39 @@ def plot_plan(planner: Planner, path: str | os.PathLike[str], *, max_tokens: int
            title=f"{planner.spec.name}: reload vs recompute")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bench(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *, title: str = "kvcopy bench") -> None:
+    """GB/s against plane-block size and against block count, per method and direction, with the limit dashed.
+
+    ``rows``: kvcopy.bench.with_ratios or read_csv output; the size_sweep and
+    count_sweep suites are drawn, one column each. ValueError when neither is there.
+    """
+    suites = [s for s in _SWEEP_AXES if any(r["suite"] == s for r in rows)]
+    if not suites:
+        raise ValueError("rows: no size_sweep or count_sweep rows to plot (run the sweeps)")
+    directions = list(dict.fromkeys(r["direction"] for r in rows if r["suite"] in suites))
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(directions), len(suites), figsize=(6.5 * len(suites), 4.2 * len(directions)),
+                             squeeze=False)
+    for i, direction in enumerate(directions):
+        for j, suite in enumerate(suites):
+            field, scale, label = _SWEEP_AXES[suite]
+            ax = axes[i][j]
+            mine = [r for r in rows if r["suite"] == suite and r["direction"] == direction]
+            for method in dict.fromkeys(r["method"] for r in mine):
+                points = sorted((r[field] * scale, r["gbps"]) for r in mine if r["method"] == method)
+                xs, ys = zip(*points)
+                style = dict(color="black", ls="--", lw=1.5) if method.startswith("contiguous") else dict(marker="o", ms=3)
+                ax.plot(xs, ys, label=method, **style)
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel=label, ylabel="GB/s", title=f"{direction}: {suite.replace('_', ' ')}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,28 @@
+"""A tqdm progress bar when asked for and installed; otherwise a silent stand-in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["progress_bar"]
+
+
+class _Silent:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, enabled: bool, desc: str, unit: str) -> Any:
+    """An object with ``update(n=1)`` and ``close()``: tqdm's bar, or a no-op where tqdm is missing or not wanted
+    (the GPU check machine runs from a checkout without installing dependencies)."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(total=total, desc=desc, unit=unit, leave=False)
+        except ImportError:
+            pass
+    return _Silent()

@@ -1,0 +1,39 @@
+"""kvcopy's benchmark: every kvcopy method beside the copies a user would otherwise write, in one run.
+
+``kvcopy bench`` runs :meth:`BenchConfig.default`; from Python::
+
+    from kvcopy.bench import BenchConfig, run_benchmarks, format_tables, write_csv
+    config = BenchConfig.default("cuda")
+    rows = run_benchmarks(config)
+    identity = kvcopy.machine.machine_identity(config.device)
+    print(format_tables(rows, identity))
+    write_csv(rows, identity, "bench.csv")
+
+Rows report medians with p20/p80 (kvcopy.timing) and, as ratios, how each
+method compares with one contiguous copy of the same bytes (the limit) and
+with the baselines (kvcopy.bench.baselines). Each row's output is checked
+against plain indexing before it is timed.
+"""
+
+from .report import CSV_COLUMNS, IDENTITY_COLUMNS, fit_fixed_costs, format_tables, read_csv, with_ratios, write_csv
+from .runner import LIMIT, BenchConfig, BenchRow, check_output, num_points, run_benchmarks
+from .workloads import DEFAULT_WORKLOAD, WORKLOADS, Workload
+
+__all__ = [
+    "CSV_COLUMNS",
+    "DEFAULT_WORKLOAD",
+    "IDENTITY_COLUMNS",
+    "LIMIT",
+    "WORKLOADS",
+    "BenchConfig",
+    "BenchRow",
+    "Workload",
+    "check_output",
+    "fit_fixed_costs",
+    "format_tables",
+    "num_points",
+    "read_csv",
+    "run_benchmarks",
+    "with_ratios",
+    "write_csv",
+]

@@ -1,0 +1,294 @@
+"""Runs the benchmark: every kvcopy method beside the baselines, on the same blocks, in one run.
+
+Three suites, each a list of points (a cache, a block count, an id pattern),
+and at each point both directions (gather: cache -> host pool; scatter: host
+pool -> cache), each row checked against plain indexing and then timed with
+kvcopy.timing:
+- ``workloads``: each named workload (kvcopy.bench.workloads) at ``blocks`` blocks;
+- ``count_sweep``: llama8b-16 at each of ``counts`` blocks (1 to thousands);
+- ``size_sweep``: Llama-3.1-8B's cache at each of ``block_tokens`` tokens per
+  block (plane-blocks of 2 KiB per token), at ``sweep_blocks`` blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _ext
+from .._torch_copy import word_views
+from ..host import HostKVPool
+from ..layout import PagedKV
+from ..ops import available_methods, copy_blocks
+from ..profile import Profile, direction_of
+from ..timing import measure
+from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
+from .workloads import DEFAULT_WORKLOAD, WORKLOADS, llama8b_with_block_tokens
+
+__all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "check_output", "LIMIT", "PER_LAYER_LOOP", "PER_BLOCK_LOOP",
+           "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
+
+LIMIT = "contiguous copy (limit)"
+PER_LAYER_LOOP = "per-layer index loop"
+PER_BLOCK_LOOP = "per-block copy_ loop"
+PER_BLOCK_MEMCPY, UNMERGED_BATCH = DMA_BASELINES
+
+# The device-side cache holds this many blocks per block moved, so random ids
+# are scattered over it as in a busy cache rather than packed together.
+CACHE_BLOCKS_PER_MOVED_BLOCK = 2
+# The Python per-block loop issues one copy_ per (block, plane), a few
+# microseconds each: above this many per call one call takes ~0.3 s and the row
+# adds nothing the smaller points do not show, so it is left out.
+MAX_PYTHON_LOOP_COPIES = 1 << 16
+# Successive timed calls of a point cycle over id sets (and offsets of the
+# contiguous buffers) that together cover at least this many bytes, up to
+# MAX_ID_SETS sets: twice a 32 MiB L3, so a small call is not timed on data
+# the previous call left in cache (real offloads touch cold blocks). The same
+# rule as the calibrator's.
+MIN_COLD_BYTES = 64 << 20
+MAX_ID_SETS = 32
+# Each row's output is checked against plain indexing before it is timed when a
+# call moves at most this many bytes (the check moves them twice more); larger
+# points run the same code paths as the checked ones.
+MAX_CHECKED_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. :meth:`default` gives the set ``kvcopy bench`` runs."""
+
+    device: torch.device
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+    ids: str = "random"  # or "sequential": one run of adjacent ids on each side
+    blocks: int = 256
+    counts: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
+    block_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    sweep_blocks: int = 128
+    repeats: int = 7
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in self.workloads if w not in WORKLOADS]
+        if unknown:
+            raise ValueError(f"workloads: unknown {unknown}; known: {sorted(WORKLOADS)}")
+        if self.ids not in ("random", "sequential"):
+            raise ValueError(f"ids: expected 'random' or 'sequential', got {self.ids!r}")
+        for name in ("blocks", "sweep_blocks", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
+        if any(n < 1 for n in self.counts) or any(t < 1 for t in self.block_tokens):
+            raise ValueError(f"counts, block_tokens: expected positive ints, got {self.counts}, {self.block_tokens}")
+
+    @classmethod
+    def default(cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: object) -> BenchConfig:
+        """The default set for ``device`` (default: the GPU if any, else the CPU); ``quick``: a smoke-test size."""
+        device = _resolve_device(device)
+        if quick:
+            base: dict[str, object] = dict(blocks=16, counts=(1, 4, 16), block_tokens=(1, 16), sweep_blocks=8,
+                                           repeats=2, warmup=1)
+        elif device.type == "cuda":
+            base = dict(counts=(1, 4, 16, 64, 256, 1024, 4096), sweep_blocks=256, repeats=10, warmup=3)
+        else:
+            base = {}
+        return cls(device=device, **{**base, **overrides})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One timed method at one point. Bytes count every plane of every block moved."""
+
+    suite: str
+    workload: str
+    direction: str  # "gather" (cache -> host pool) or "scatter" (host pool -> cache)
+    ids: str
+    method: str
+    num_blocks: int
+    num_planes: int
+    block_bytes: int  # one block, all planes
+    median_s: float
+    p20_s: float
+    p80_s: float
+    predicted_s: float | None = field(default=None)
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def plane_block_bytes(self) -> int:
+        """A block's bytes over its planes (the mean plane-block)."""
+        return self.block_bytes // self.num_planes
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.median_s / 1e9
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device} asked for, but no CUDA device is available")
+        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cpu":
+        raise ValueError(f"device: expected a cpu or cuda device, got {device}")
+    return device
+
+
+def check_output(name: str, fn: Callable[[], object], src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
+                 dst_ids: torch.Tensor) -> None:
+    """Clears the destination blocks, runs ``fn`` once and compares their bytes with plain indexing of the source.
+
+    Raises AssertionError naming ``name`` and the first plane that differs.
+    """
+    for s, d in zip(src.planes, dst.planes):
+        word_views(s, d)[1][dst_ids.to(d.device)] = 0
+    fn()
+    for device in {src.device, dst.device}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    for p, (s, d) in enumerate(zip(src.planes, dst.planes)):
+        s_words, d_words = word_views(s, d)
+        if not torch.equal(d_words[dst_ids.to(d.device)].cpu(), s_words[src_ids.to(s.device)].cpu()):
+            raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
+
+
+def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
+             device: torch.device) -> dict[str, Callable[[], object]]:
+    """Every kvcopy method that can run here, then the baselines, as calls to time."""
+    calls: dict[str, Callable[[], object]] = {}
+    for method in available_methods(src, dst):
+        if method == "torch":
+            continue  # the per-layer index loop below is the same code
+        if method == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            continue  # the interpreter is a test mode, not a copy method worth timing
+        calls[f"kvcopy {method}"] = functools.partial(copy_blocks, src, src_ids, dst, dst_ids, method=method)
+    calls[PER_LAYER_LOOP] = functools.partial(per_layer_index_loop, src, src_ids.to(src.device), dst,
+                                              dst_ids.to(dst.device))
+    if src_ids.numel() * src.num_planes <= MAX_PYTHON_LOOP_COPIES:
+        calls[PER_BLOCK_LOOP] = functools.partial(per_block_copy_loop, src, src_ids.tolist(), dst, dst_ids.tolist())
+    if device.type == "cuda" and hasattr(_ext.extension(), "copy_blocks_dma_baseline"):
+        for name in DMA_BASELINES:
+            calls[name] = dma_baseline(name, src, src_ids, dst, dst_ids, device)
+    return calls
+
+
+def _id_sets(cache_blocks: int, host_blocks: int, n: int, num_sets: int, pattern: str,
+             generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num_sets`` pairs of (cache ids, host ids), CPU int64: random draws, or for "sequential" one run of
+    adjacent ids on each side, the sets' runs disjoint."""
+    if pattern == "random":
+        return [(torch.randperm(cache_blocks, generator=generator)[:n],
+                 torch.randperm(host_blocks, generator=generator)[:n]) for _ in range(num_sets)]
+    return [(torch.arange(cache_blocks - (k + 1) * n, cache_blocks - k * n), torch.arange(k * n, (k + 1) * n))
+            for k in range(num_sets)]
+
+
+def _cycling(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call of the next of ``calls`` each time."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+@dataclass
+class _Point:
+    suite: str
+    workload: str
+    kv: PagedKV
+    host: HostKVPool
+    num_blocks: int
+
+
+def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
+                profile: Profile | None) -> list[BenchRow]:
+    kv, host, n, device = point.kv, point.host, point.num_blocks, config.device
+    nbytes = n * kv.nbytes_per_block
+    num_sets = max(1, min(MAX_ID_SETS, -(-MIN_COLD_BYTES // nbytes), host.num_blocks // n,
+                          kv.num_blocks // (CACHE_BLOCKS_PER_MOVED_BLOCK * n)))
+    id_sets = _id_sets(kv.num_blocks, host.num_blocks, n, num_sets, config.ids, generator)
+    # Contiguous limit: num_sets slices of the same bytes, on the device and in the (pinned) host pool.
+    flat = torch.empty(num_sets * nbytes, dtype=torch.uint8, device=device).fill_(0x5A)  # touched: no zero pages
+    flats = [(flat[k * nbytes:][:nbytes], host.buffer[k * nbytes:][:nbytes]) for k in range(num_sets)]
+    rows = []
+    for direction in ("gather", "scatter"):
+        gather = direction == "gather"
+        src, dst = (kv, host.paged) if gather else (host.paged, kv)
+        pairs = [(c, h) if gather else (h, c) for c, h in id_sets]  # (src ids, dst ids) per set
+        calls = {LIMIT: [contiguous_copy(*(pair if gather else pair[::-1])) for pair in flats]}
+        for s_ids, d_ids in pairs:
+            for method, fn in _methods(src, s_ids, dst, d_ids, device).items():
+                calls.setdefault(method, []).append(fn)
+        link = direction_of(src.device.type, dst.device.type)
+        for method, fns in calls.items():
+            if method != LIMIT and nbytes <= MAX_CHECKED_BYTES:
+                check_output(f"{point.workload} {direction} {method}", fns[0], src, pairs[0][0], dst, pairs[0][1])
+            # Warm-up visits every set: first touches of fresh host pages are not the copy's cost.
+            timing = measure(_cycling(fns), warmup=max(config.warmup, len(fns)), repeats=config.repeats,
+                             device=device if device.type == "cuda" else None)
+            rows.append(BenchRow(
+                point.suite, point.workload, direction, config.ids, method, n, kv.num_planes, kv.nbytes_per_block,
+                timing.median, timing.p20, timing.p80, _predicted(profile, link, method, nbytes, n, kv.num_planes),
+            ))
+    return rows
+
+
+def _predicted(profile: Profile | None, link: str, method: str, nbytes: int, n: int, planes: int) -> float | None:
+    if profile is None or not method.startswith("kvcopy "):
+        return None
+    try:
+        return profile.predict(link, nbytes, num_blocks=n, method=method.removeprefix("kvcopy "), planes=planes)
+    except ValueError:  # not measured by that calibration
+        return None
+
+
+def _points(config: BenchConfig) -> Iterator[_Point]:
+    """The suites' points, building each cache once and dropping it before the next one is built."""
+    device = config.device
+
+    def pair(build: Callable[[int, torch.device], PagedKV], moved: int) -> tuple[PagedKV, HostKVPool]:
+        """A cache and a host pool with room for ``moved`` blocks per call, and for calls that cycle over
+        MIN_COLD_BYTES."""
+        room = max(moved, -(-MIN_COLD_BYTES // build(1, device).nbytes_per_block))
+        kv = build(CACHE_BLOCKS_PER_MOVED_BLOCK * room, device)
+        return kv, HostKVPool(kv, room)
+
+    for name in config.workloads:
+        kv, host = pair(WORKLOADS[name].build, config.blocks)
+        yield _Point("workloads", name, kv, host, config.blocks)
+        del kv, host
+    if config.counts:
+        kv, host = pair(WORKLOADS[DEFAULT_WORKLOAD].build, max(config.counts))
+        for n in sorted(config.counts):
+            yield _Point("count_sweep", DEFAULT_WORKLOAD, kv, host, n)
+        del kv, host
+    for tokens in sorted(config.block_tokens):
+        kv, host = pair(llama8b_with_block_tokens(tokens), config.sweep_blocks)
+        yield _Point("size_sweep", f"llama8b-{tokens}", kv, host, config.sweep_blocks)
+        del kv, host
+
+
+def num_points(config: BenchConfig) -> int:
+    """How many points :func:`run_benchmarks` times (for a progress bar)."""
+    return len(config.workloads) + len(config.counts) + len(config.block_tokens)
+
+
+def run_benchmarks(config: BenchConfig, *, profile: Profile | None = None,
+                   on_point: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
+    """Runs every point of ``config``; returns all rows. ``profile``: also record its predictions for kvcopy rows.
+
+    ``on_point`` is called with each point's rows as they are measured (progress, streaming output).
+    """
+    generator = torch.Generator().manual_seed(0)
+    rows: list[BenchRow] = []
+    for point in _points(config):
+        point_rows = _time_point(point, config, generator, profile)
+        rows += point_rows
+        del point  # before the next point's cache is built
+        if on_point is not None:
+            on_point(point_rows)
+    return rows
