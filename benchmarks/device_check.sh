@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# One prepared check for a lent GPU machine (see shared/DESIGN.md §5):
-#   bash benchmarks/device_check.sh OUT_DIR     build for this GPU's arch, run the GPU tests, the copy
-#                                               and overlap benchmarks, a calibration and a plan into OUT_DIR
-#   bash benchmarks/device_check.sh --dry-run [OUT_DIR]   walk every step that needs no GPU
+# One prepared check for a lent GPU machine (shared/DESIGN.md §5):
+#   bash benchmarks/device_check.sh OUT_DIR              on a GPU: build for its arch, run the GPU tests,
+#                                                        calibrate, plan, benchmark, and write it all to OUT_DIR
+#   bash benchmarks/device_check.sh --dry-run [OUT_DIR]  walk every step the CPU can, at smoke-test sizes
 #
-# The GPU machine has no network: it uses the python3 and torch already there,
-# builds the extension in place (setup.py build_ext --inplace) and runs from the
-# checkout. Each step fails fast with a message naming it; logs go to OUT_DIR.
+# The GPU machine (python3.12, torch with CUDA, nvcc, no network) may lack
+# pytest, numpy, matplotlib or setuptools: carry a wheelhouse made by
+# benchmarks/fetch_wheelhouse.sh (run(..., carry=["wheelhouse"])) and the
+# distributions missing there are unpacked into the stage. Everything runs
+# from a staged copy of the sources, built in place there, so the checkout's
+# own build (and a test suite that imported it) is never overwritten.
+# Each step logs to OUT_DIR/NAME.log and stops the check with its last lines
+# on failure. Budget: under 8 minutes on the GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,14 +22,21 @@ if [ "${1:-}" = "--dry-run" ]; then
 fi
 out=${1:-$(mktemp -d)}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # steps run in the stage
 python=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+wheelhouse=${KVCOPY_WHEELHOUSE:-wheelhouse}
+started=$SECONDS
 
-step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, stop with a clear message on failure
+fail() {
+  echo "device_check: $*" >&2
+  exit 1
+}
+
+step() {  # step NAME COMMAND...: run in the stage, log to OUT/NAME.log, stop with a clear message on failure
   local name=$1
   shift
-  echo "== $name"
-  if ! "$@" >"$out/$name.log" 2>&1; then
+  echo "== $name ($((SECONDS - started)) s)"
+  if ! (cd "$stage" && "$@") >"$out/$name.log" 2>&1; then
     echo "device_check: step '$name' failed; last lines of $out/$name.log:" >&2
     tail -n 30 "$out/$name.log" >&2
     exit 1
@@ -32,34 +44,59 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, stop with a clear me
   tail -n 3 "$out/$name.log"
 }
 
+# The sources, without this checkout's build outputs.
+stage=$(mktemp -d "${TMPDIR:-/tmp}/kvcopy-device-check.XXXXXX")
+trap 'rm -rf "$stage"' EXIT
+tar --exclude='*.so' --exclude='__pycache__' --exclude='kvcopy/_build_config.py' -cf - \
+  setup.py pyproject.toml README.md kvcopy csrc tests benchmarks | tar -xf - -C "$stage"
+if [ -d "$wheelhouse" ]; then
+  "$python" benchmarks/unpack_wheelhouse.py "$wheelhouse" "$stage/deps" >"$out/wheelhouse.log"
+fi
+export PYTHONPATH="$stage:$stage/deps${PYTHONPATH:+:$PYTHONPATH}"
+export KVCOPY_PROFILE=none   # no profile from this machine's cache steers "auto"
+
+missing=$("$python" - <<'PY'
+import importlib.util
+need = ["torch", "numpy", "setuptools", "pytest", "hypothesis"]
+print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
+PY
+)
+[ -z "$missing" ] || fail "missing Python packages: $missing; run benchmarks/fetch_wheelhouse.sh here and carry wheelhouse/"
+
 has_gpu=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))')
 if [ "$has_gpu" = 1 ]; then
   arch=$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
   "$python" -c 'import torch; print(torch.cuda.get_device_name())' >"$out/gpu_name.txt"
 elif [ "$dry_run" = 0 ]; then
-  echo "device_check: no CUDA device visible; use --dry-run to walk the steps without one" >&2
-  exit 1
+  fail "no CUDA device visible; use --dry-run to walk the steps without one"
+else
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # one arch, as on the GPU: half the compile time
 fi
 date -u +%Y-%m-%dT%H:%M:%SZ >"$out/date.txt"
-# Plots need matplotlib, which the GPU machine may lack (it has no network to install it).
-calib_plot=() plan_plot=()
+# Plots need matplotlib; without it (and no wheelhouse) the check runs without them.
+calib_plot=() plan_plot=() bench_plot=()
 if "$python" -c 'import matplotlib' 2>/dev/null; then
-  calib_plot=(--plot "$out/calib.png") plan_plot=(--plot "$out/plan.png")
+  calib_plot=(--plot "$out/calib.png") plan_plot=(--plot "$out/plan.png") bench_plot=(--plot "$out/bench.png")
 fi
 
 step build env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace
+step staged "$python" -c 'import kvcopy, sys; assert kvcopy.__file__.startswith(sys.argv[1]), f"kvcopy imported from \
+{kvcopy.__file__}, not the stage"; print(kvcopy.__file__)' "$stage"
 step info "$python" -m kvcopy info --json
 if [ "$dry_run" = 1 ]; then
-  step gpu_tests_collect "$python" -m pytest -q --collect-only -m gpu tests/test_gpu.py tests/test_engine_gpu.py
-  step bench_copy "$python" benchmarks/bench_copy.py --blocks 16 --repeats 2 --csv "$out/bench_copy.csv"
-  step bench_overlap "$python" benchmarks/bench_overlap.py --blocks 16 --rounds 1 --csv "$out/bench_overlap.csv"
-  step calibrate "$python" -m kvcopy calibrate --quick --no-progress --out "$out/profile.json" "${calib_plot[@]}"
+  step gpu_tests_collect "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_gpu.py \
+    tests/test_engine_gpu.py
+  quick=(--quick)
+  overlap=(--blocks 16 --rounds 1)
 else
-  step gpu_tests "$python" -m pytest -q -m gpu tests/test_gpu.py tests/test_engine_gpu.py
-  step bench_copy "$python" benchmarks/bench_copy.py --csv "$out/bench_copy.csv"
-  step bench_overlap "$python" benchmarks/bench_overlap.py --csv "$out/bench_overlap.csv"
-  step calibrate "$python" -m kvcopy calibrate --no-progress --out "$out/profile.json" "${calib_plot[@]}"
-  step plan "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" "${plan_plot[@]}"
+  step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine_gpu.py
+  quick=()
+  overlap=()
 fi
-echo "device_check: done; results in $out"
+step calibrate "$python" -m kvcopy calibrate "${quick[@]}" --no-progress --out "$out/profile.json" "${calib_plot[@]}"
+step plan "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" "${plan_plot[@]}"
+step bench "$python" -m kvcopy bench "${quick[@]}" --no-progress --profile "$out/profile.json" \
+  --csv "$out/bench.csv" "${bench_plot[@]}"
+step bench_overlap "$python" benchmarks/bench_overlap.py "${overlap[@]}" --csv "$out/bench_overlap.csv"
+echo "device_check: done in $((SECONDS - started)) s; results in $out"
