@@ -85,12 +85,12 @@ step staged "$python" -c 'import kvcopy, sys; assert kvcopy.__file__.startswith(
 {kvcopy.__file__}, not the stage"; print(kvcopy.__file__)' "$stage"
 step info "$python" -m kvcopy info --json
 if [ "$dry_run" = 1 ]; then
-  step gpu_tests_collect "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_gpu.py \
+  step gpu_tests_collect "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_gpu.py tests/test_bench_gpu.py \
     tests/test_engine_gpu.py
   quick=(--quick)
   overlap=(--blocks 16 --rounds 1)
 else
-  step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine_gpu.py
+  step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine_gpu.py tests/test_bench_gpu.py
   quick=()
   overlap=()
 fi
