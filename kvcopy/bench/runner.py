@@ -92,7 +92,7 @@ class BenchConfig:
             base: dict[str, object] = dict(blocks=16, counts=(1, 4, 16), block_tokens=(1, 16), sweep_blocks=8,
                                            repeats=2, warmup=1)
         elif device.type == "cuda":
-            base = dict(counts=(1, 4, 16, 64, 256, 1024, 4096), sweep_blocks=256, repeats=10, warmup=3)
+            base = dict(counts=(1, 4, 16, 64, 256, 1024, 2048), sweep_blocks=256, repeats=10, warmup=3)
         else:
             base = {}
         return cls(device=device, **{**base, **overrides})  # type: ignore[arg-type]
