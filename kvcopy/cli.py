@@ -136,7 +136,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.workload:
         overrides["workloads"] = tuple(args.workload)
     if args.no_sweeps:
-        overrides.update(counts=(), block_tokens=())
+        overrides.update(counts=(), block_tokens=(), fixed_cost=False)
     try:
         config = BenchConfig.default(args.device, quick=args.quick, **overrides)
     except ValueError as err:
@@ -211,7 +211,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--counts", type=_int_list, help="block counts of the count sweep, e.g. 1,16,256")
     bench.add_argument("--block-tokens", type=_int_list, help="tokens per block of the size sweep, e.g. 1,16,64")
     bench.add_argument("--sweep-blocks", type=int, help="blocks per call in the size sweep")
-    bench.add_argument("--no-sweeps", action="store_true", help="only the workloads")
+    bench.add_argument("--no-sweeps", action="store_true", help="only the workloads (no sweeps, no fixed cost)")
     bench.add_argument("--repeats", type=int, help="timed calls per row")
     bench.add_argument("--profile", help="also show this calibration profile's predictions for kvcopy's rows")
     bench.add_argument("--csv", help="write every row, its ratios and the machine identity to this CSV")

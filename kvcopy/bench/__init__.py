@@ -15,7 +15,7 @@ with the baselines (kvcopy.bench.baselines). Each row's output is checked
 against plain indexing before it is timed.
 """
 
-from .report import CSV_COLUMNS, IDENTITY_COLUMNS, fit_fixed_costs, format_tables, read_csv, with_ratios, write_csv
+from .report import CSV_COLUMNS, IDENTITY_COLUMNS, format_tables, read_csv, with_ratios, write_csv
 from .runner import LIMIT, BenchConfig, BenchRow, check_output, num_points, run_benchmarks
 from .workloads import DEFAULT_WORKLOAD, WORKLOADS, Workload
 
@@ -29,7 +29,6 @@ __all__ = [
     "BenchRow",
     "Workload",
     "check_output",
-    "fit_fixed_costs",
     "format_tables",
     "num_points",
     "read_csv",

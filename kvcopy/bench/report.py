@@ -9,11 +9,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ..fit import LinearFit, fit_alpha_beta
 from .runner import LIMIT, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, BenchRow
 
-__all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "with_ratios", "format_tables", "fit_fixed_costs", "write_csv",
-           "read_csv"]
+__all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "with_ratios", "format_tables", "write_csv", "read_csv"]
 
 IDENTITY_COLUMNS = ("device", "device_name", "capability", "host_cpu", "host_cores", "torch_threads", "torch",
                     "cuda", "driver", "kvcopy", "date")
@@ -59,21 +57,6 @@ def with_ratios(rows: Sequence[BenchRow]) -> list[dict[str, Any]]:
             "prediction_error": row.predicted_s / row.median_s - 1 if row.predicted_s is not None else math.nan,
         })
     return out
-
-
-def fit_fixed_costs(rows: Sequence[BenchRow]) -> dict[tuple[str, str], LinearFit]:
-    """``t = alpha + bytes / beta`` per (direction, method) over the count sweep (kvcopy.fit, robust)."""
-    points: dict[tuple[str, str], list[BenchRow]] = defaultdict(list)
-    for row in rows:
-        if row.suite == "count_sweep":
-            points[(row.direction, row.method)].append(row)
-    fits = {}
-    for key, mine in points.items():
-        try:
-            fits[key] = fit_alpha_beta([r.bytes for r in mine], [r.median_s for r in mine])
-        except ValueError:  # fewer than two sizes, or times that do not grow with bytes
-            continue
-    return fits
 
 
 def _ratio(value: float) -> str:
@@ -122,7 +105,7 @@ def _sweep_table(rows: list[dict[str, Any]], suite: str) -> list[str]:
 
 
 def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
-    """The terminal report: one table per workload, one per sweep, then fixed costs from the count sweep."""
+    """The terminal report: one table per workload, one per sweep, then the fixed cost of a call."""
     ratios = with_ratios(rows)
     has_memcpy = any(not math.isnan(r["x_per_block_memcpy"]) for r in ratios)
     has_prediction = any(not math.isnan(r["predicted_s"]) for r in ratios)
@@ -137,11 +120,13 @@ def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
         mine = [r for r in ratios if r["suite"] == suite]
         if mine:
             lines += _sweep_table(mine, suite)
-    fits = fit_fixed_costs(rows)
-    if fits:
-        lines += ["\nfixed cost per call and bandwidth, fitted over the count sweep (t = alpha + bytes / beta):"]
-        for (direction, method), fit in fits.items():
-            lines.append(f"  {direction:<8} {method:<27} alpha {fit.alpha * 1e6:8.1f} us   beta {fit.beta / 1e9:7.2f} GB/s")
+    fixed = [r for r in ratios if r["suite"] == "fixed_cost"]
+    if fixed:
+        lines += [f"\nfixed cost: microseconds per 1-block call of {fixed[0]['num_planes']} planes x "
+                  f"{fixed[0]['plane_block_bytes']} B (median, p20-p80)"]
+        for r in fixed:
+            lines.append(f"  {r['direction']:<8} {r['method']:<27} {r['median_s'] * 1e6:8.1f}   "
+                         f"{r['p20_s'] * 1e6:.1f}-{r['p80_s'] * 1e6:.1f}")
     return "\n".join(lines)
 
 

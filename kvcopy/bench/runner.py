@@ -7,7 +7,9 @@ kvcopy.timing:
 - ``workloads``: each named workload (kvcopy.bench.workloads) at ``blocks`` blocks;
 - ``count_sweep``: llama8b-16 at each of ``counts`` blocks (1 to thousands);
 - ``size_sweep``: Llama-3.1-8B's cache at each of ``block_tokens`` tokens per
-  block (plane-blocks of 2 KiB per token), at ``sweep_blocks`` blocks.
+  block (plane-blocks of 2 KiB per token), at ``sweep_blocks`` blocks;
+- ``fixed_cost``: one block of 64 planes of 256 B per call, whose time is the
+  fixed cost of a call (``fixed_cost=True``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..ops import available_methods, copy_blocks
 from ..profile import Profile, direction_of
 from ..timing import measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
-from .workloads import DEFAULT_WORKLOAD, WORKLOADS, llama8b_with_block_tokens
+from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, llama8b_with_block_tokens
 
 __all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "check_output", "LIMIT", "PER_LAYER_LOOP", "PER_BLOCK_LOOP",
            "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
@@ -69,6 +71,7 @@ class BenchConfig:
     counts: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
     block_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     sweep_blocks: int = 128
+    fixed_cost: bool = True
     repeats: int = 7
     warmup: int = 2
 
@@ -270,11 +273,14 @@ def _points(config: BenchConfig) -> Iterator[_Point]:
         kv, host = pair(llama8b_with_block_tokens(tokens), config.sweep_blocks)
         yield _Point("size_sweep", f"llama8b-{tokens}", kv, host, config.sweep_blocks)
         del kv, host
+    if config.fixed_cost:
+        kv, host = pair(TINY_PLANES.build, 1)
+        yield _Point("fixed_cost", TINY_PLANES.name, kv, host, 1)
 
 
 def num_points(config: BenchConfig) -> int:
     """How many points :func:`run_benchmarks` times (for a progress bar)."""
-    return len(config.workloads) + len(config.counts) + len(config.block_tokens)
+    return len(config.workloads) + len(config.counts) + len(config.block_tokens) + int(config.fixed_cost)
 
 
 def run_benchmarks(config: BenchConfig, *, profile: Profile | None = None,

@@ -9,7 +9,7 @@ import torch
 
 from ..layout import PagedKV
 
-__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "llama8b_with_block_tokens", "random_tensor"]
+__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "TINY_PLANES", "llama8b_with_block_tokens", "random_tensor"]
 
 HEAD_DIM = 128
 LLAMA8B_LAYERS, LLAMA8B_KV_HEADS = 32, 8
@@ -74,3 +74,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "16 KiB K/V and 512 B scale plane-blocks", _fp8_with_scales),
 )}
 DEFAULT_WORKLOAD = "llama8b-16"
+
+# Llama-3.1-8B's 64 planes with one 128-dim bf16 row per plane-block (256 B):
+# a 1-block call moves 16 KiB, so its time is the fixed cost of a call
+# (validation, dispatch, planning and launching 64 copies).
+TINY_PLANES = Workload("llama8b-256B", "Llama-3.1-8B's 64 planes, one 128-dim bf16 row (256 B) per plane-block",
+                       _vllm(LLAMA8B_LAYERS, 1, 1))
