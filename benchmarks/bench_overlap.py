@@ -24,6 +24,8 @@ import time
 import torch
 
 import kvcopy
+from kvcopy.bench import IDENTITY_COLUMNS
+from kvcopy.machine import machine_identity
 from kvcopy.timing import measure
 
 LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 32, 16, 8, 128  # llama8b-16
@@ -157,13 +159,16 @@ def main() -> None:
     parser.add_argument("--gemm-iters", type=int, default=50)
     parser.add_argument("--csv")
     args = parser.parse_args()
-    rows = run_gpu(args) if torch.cuda.is_available() else run_cpu(args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = run_gpu(args) if device == "cuda" else run_cpu(args)
     if args.csv:
+        identity = machine_identity(device)
+        machine = [identity.get(key, "") for key in IDENTITY_COLUMNS]
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["machine", "method", "compute_throughput", "x_solo", "copy_gbps", "peak_gbps",
-                             "x_peak"])
-            writer.writerows(rows)
+                             "x_peak", *IDENTITY_COLUMNS])
+            writer.writerows(row + machine for row in rows)
 
 
 if __name__ == "__main__":
