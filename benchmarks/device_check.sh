@@ -100,12 +100,16 @@ else
   quick=()
   overlap=()
 fi
-soft_step calibrate 150 "$python" -m kvcopy calibrate "${quick[@]}" --no-progress --out "$out/profile.json" "${calib_plot[@]}"
-soft_step plan 60 "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" "${plan_plot[@]}"
+rm -f "$out/profile.json"  # a reused OUT_DIR: never benchmark against an older run's profile
+soft_step calibrate 150 "$python" -m kvcopy calibrate ${quick[@]+"${quick[@]}"} --no-progress \
+  --out "$out/profile.json" ${calib_plot[@]+"${calib_plot[@]}"}
+soft_step plan 60 "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" \
+  ${plan_plot[@]+"${plan_plot[@]}"}
 predictions=()  # the bench reports the calibration's prediction errors when there is one
 [ -f "$out/profile.json" ] && predictions=(--profile "$out/profile.json")
-soft_step bench 240 "$python" -m kvcopy bench "${quick[@]}" --no-progress "${predictions[@]}" --csv "$out/bench.csv" \
-  "${bench_plot[@]}"
-soft_step bench_overlap 90 "$python" benchmarks/bench_overlap.py "${overlap[@]}" --csv "$out/bench_overlap.csv"
+soft_step bench 240 "$python" -m kvcopy bench ${quick[@]+"${quick[@]}"} --no-progress \
+  ${predictions[@]+"${predictions[@]}"} --csv "$out/bench.csv" ${bench_plot[@]+"${bench_plot[@]}"}
+soft_step bench_overlap 90 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
+  --csv "$out/bench_overlap.csv"
 [ ${#failed[@]} = 0 ] || fail "failed steps: ${failed[*]} (logs in $out)"
 echo "device_check: done in $((SECONDS - started)) s; results in $out"

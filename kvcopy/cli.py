@@ -49,12 +49,22 @@ def _load_profile(path: str | None):  # noqa: ANN202 - a Profile
         raise CliError(f"--profile: cannot read {where}: {err}") from None
 
 
+def _check_plot(path: str | None) -> None:
+    """Before any work: --plot needs matplotlib."""
+    if path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CliError("--plot: needs matplotlib (pip install 'kvcopy[plot]')") from None
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from .calibrator import calibrate
     from .planner import Planner
     from .profile import DEFAULT_PROFILE_PATH
 
     spec = _load_model(args.model)
+    _check_plot(args.plot)
     methods = args.methods.split(",") if args.methods else None
     try:
         profile = calibrate(args.device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec)
@@ -96,6 +106,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     spec = _load_model(args.model)
     profile = _load_profile(args.profile)
+    _check_plot(args.plot)
     try:
         planner = Planner.from_profile(profile, spec, decode_share=args.decode_share)
     except ValueError as err:
@@ -141,10 +152,15 @@ def _bench(args: argparse.Namespace) -> int:
         config = BenchConfig.default(args.device, quick=args.quick, **overrides)
     except ValueError as err:
         raise CliError(str(err)) from None
+    if args.plot and not (config.counts or config.block_tokens):
+        raise CliError("--plot: draws the sweeps; drop --no-sweeps")
+    _check_plot(args.plot)
     profile = _load_profile(args.profile) if args.profile else None
     bar = progress_bar(num_points(config), not args.no_progress, "benchmarking", "point")
-    rows = run_benchmarks(config, profile=profile, on_point=lambda _: bar.update())
-    bar.close()
+    try:
+        rows = run_benchmarks(config, profile=profile, on_point=lambda _: bar.update())
+    finally:
+        bar.close()
     identity = machine_identity(config.device)
     print(format_tables(rows, identity))
     if args.csv:
@@ -153,8 +169,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         from .plots import plot_bench
 
-        if not (config.counts or config.block_tokens):
-            raise CliError("--plot: draws the sweeps; drop --no-sweeps")
         plot_bench(with_ratios(rows), args.plot,
                    title=f"kvcopy bench: {identity['device_name']} ({identity['date']})")
         print(f"plot saved to {args.plot}")

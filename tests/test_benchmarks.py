@@ -1,23 +1,40 @@
 """The benchmark scripts run end to end on a small size, and check what they time.
 
-bench_copy verifies every timed row's output against plain indexing before
-timing it (an AssertionError fails the script); here it runs on 4 blocks.
+bench_copy.py is ``kvcopy bench`` run from a checkout: it verifies every timed
+row's output against plain indexing before timing it (an AssertionError fails
+the script); here it runs on 3 blocks. device_check.sh walks its steps on the
+CPU (--dry-run), and unpack_wheelhouse.py unpacks only what is missing.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import os
+import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from kvcopy.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
+
 ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+ROW_METHODS = {LIMIT, "kvcopy cpu", "per-layer index loop", "per-block copy_ loop"}
+# The smallest bench_copy run: workloads only, one repeat.
+SMALL = ("--device", "cpu", "--quick", "--no-sweeps", "--blocks", "3", "--repeats", "1", "--no-progress")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _describe(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
 
 
 @pytest.mark.parametrize(("workload", "ids"), [
@@ -26,20 +43,141 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 ])
 def test_bench_copy_runs_and_checks_its_rows(tmp_path: Path, workload: str, ids: str) -> None:
     out = tmp_path / "copy.csv"
-    result = _run("benchmarks/bench_copy.py", "--workload", workload, "--ids", ids, "--blocks", "3", "--repeats", "1",
-                  "--csv", str(out))
-    assert result.returncode == 0, result.stderr
-    rows = list(csv.DictReader(out.open()))
-    methods = {(r["direction"], r["method"]) for r in rows}
+    result = _run("benchmarks/bench_copy.py", *SMALL, "--workload", workload, "--ids", ids, "--csv", str(out))
+    assert result.returncode == 0, _describe(result)
+    assert f"{workload}: 3 {ids} blocks" in result.stdout
+    assert "fixed cost" not in result.stdout  # --no-sweeps
+    with out.open(newline="") as f:
+        assert next(csv.reader(f)) == list(CSV_COLUMNS)
+    rows = read_csv(out)
+    assert {(r["suite"], r["workload"], r["ids"], r["num_blocks"]) for r in rows} == {("workloads", workload, ids, 3)}
     for direction in ("gather", "scatter"):
-        assert {(direction, "kvcopy cpu"), (direction, "per-block copy_ loop")} <= methods
-    assert all(float(r["gbps"]) > 0 for r in rows if r["direction"] != "fixed_cost")
-    assert "fixed cost per call" in result.stdout
+        assert ROW_METHODS <= {r["method"] for r in rows if r["direction"] == direction}
+    assert all(r["gbps"] > 0 and r["p20_s"] <= r["median_s"] <= r["p80_s"] for r in rows)
+    assert all(r["device"] == "cpu" and r["kvcopy"] for r in rows)
+
+
+def test_bench_copy_sweeps_fixed_cost_and_plot(tmp_path: Path) -> None:
+    out, plot = tmp_path / "copy.csv", tmp_path / "copy.png"
+    result = _run("benchmarks/bench_copy.py", "--device", "cpu", "--quick", "--workload", "llama8b-16", "--blocks",
+                  "2", "--repeats", "1", "--counts", "1,2", "--block-tokens", "1", "--sweep-blocks", "2",
+                  "--no-progress", "--csv", str(out), *(("--plot", str(plot)) if HAS_MATPLOTLIB else ()))
+    assert result.returncode == 0, _describe(result)
+    assert "count_sweep:" in result.stdout and "size_sweep:" in result.stdout and "fixed cost" in result.stdout
+    rows = read_csv(out)
+    assert {r["suite"] for r in rows} == {"workloads", "count_sweep", "size_sweep", "fixed_cost"}
+    assert sorted({r["num_blocks"] for r in rows if r["suite"] == "count_sweep"}) == [1, 2]
+    if HAS_MATPLOTLIB:
+        assert f"plot saved to {plot}" in result.stdout
+        assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_copy_help_lists_the_options() -> None:
+    result = _run("benchmarks/bench_copy.py", "--help")
+    assert result.returncode == 0, _describe(result)
+    for option in ("--quick", "--no-sweeps", "--workload", "--ids", "--blocks", "--repeats", "--csv", "--plot"):
+        assert option in result.stdout
 
 
 def test_bench_overlap_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "overlap.csv"
     result = _run("benchmarks/bench_overlap.py", "--blocks", "4", "--rounds", "1", "--csv", str(out))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, _describe(result)
     rows = list(csv.DictReader(out.open()))
     assert [r["method"] for r in rows][:1] == ["solo"] and float(rows[0]["compute_throughput"]) > 0
+    assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
+
+
+# --------------------------------------------------------------------------- device_check.sh
+
+
+def test_device_check_dry_run(tmp_path: Path) -> None:
+    """Every step of the GPU check the CPU can walk: a staged build, collect the GPU tests, calibrate, plan, bench."""
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env.update(
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+        KVCOPY_WHEELHOUSE=str(tmp_path / "no-wheelhouse"),  # this Python has what the check needs
+        MPLCONFIGDIR=str(tmp_path / "mpl"),
+        TMPDIR=str(tmp_path),
+    )
+    env.pop("PYTHON", None)
+    result = subprocess.run(["bash", "benchmarks/device_check.sh", "--dry-run", str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, _describe(result)
+    assert "device_check: done" in result.stdout
+    steps = re.findall(r"^== (\S+) \(", result.stdout, re.M)
+    assert {"build", "staged", "calibrate", "plan", "bench", "bench_overlap"} <= set(steps), steps
+    for step in steps:
+        assert (out / f"{step}.log").is_file(), step
+    for name in ("profile.json", "bench.csv", "bench_overlap.csv", "date.txt"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    rows = read_csv(out / "bench.csv")
+    assert any(r["method"] == "kvcopy cpu" for r in rows)
+    assert any(r["method"] == "kvcopy cpu" and r["predicted_s"] > 0 for r in rows)  # --profile of the calibration
+    assert set(IDENTITY_COLUMNS) <= set(rows[0])
+    if HAS_MATPLOTLIB:
+        for plot in ("calib.png", "plan.png", "bench.png"):
+            assert (out / plot).read_bytes()[:8] == PNG_MAGIC, plot
+    assert not list(tmp_path.glob("kvcopy-device-check.*"))  # the stage is removed
+
+
+# --------------------------------------------------------------------------- unpack_wheelhouse.py
+
+
+def _wheel(path: Path, files: dict[str, str]) -> None:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+
+
+def test_unpack_wheelhouse_unpacks_only_missing_distributions(tmp_path: Path) -> None:
+    house, target = tmp_path / "wheelhouse", tmp_path / "deps"
+    house.mkdir()
+    dist_info = "fakepkg_kvcopy_test-1.0.dist-info"
+    _wheel(house / "fakepkg_kvcopy_test-1.0-py3-none-any.whl", {
+        "fakepkg_kvcopy_test/__init__.py": "VALUE = 42\n",
+        f"{dist_info}/METADATA": "Metadata-Version: 2.1\nName: fakepkg_kvcopy_test\nVersion: 1.0\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist_info}/RECORD": "",
+    })
+    _wheel(house / "numpy-0.0-py3-none-any.whl", {"numpy_marker.txt": "installed already\n"})
+    (house / "notes.txt").write_text("not a wheel\n")
+
+    result = _run("benchmarks/unpack_wheelhouse.py", str(house), str(target))
+    assert result.returncode == 0, _describe(result)
+    assert result.stdout.splitlines() == ["unpacked fakepkg_kvcopy_test-1.0-py3-none-any.whl"]
+    assert (target / "fakepkg_kvcopy_test" / "__init__.py").is_file()
+    assert not (target / "numpy_marker.txt").exists()
+    # Unpacked is installed: importable, with its metadata, from TARGET on the path.
+    check = _run("-c", "import importlib.metadata as m, fakepkg_kvcopy_test as p; "
+                       "print(p.VALUE, m.version('fakepkg_kvcopy_test'))",
+                 env={**os.environ, "PYTHONPATH": str(target)})
+    assert check.returncode == 0, _describe(check)
+    assert check.stdout.split() == ["42", "1.0"]
+
+
+def test_unpack_wheelhouse_usage_errors(tmp_path: Path) -> None:
+    no_args = _run("benchmarks/unpack_wheelhouse.py")
+    assert no_args.returncode == 2 and "WHEELHOUSE" in no_args.stderr
+    missing = _run("benchmarks/unpack_wheelhouse.py", str(tmp_path / "nope"), str(tmp_path / "deps"))
+    assert missing.returncode == 2 and "no wheelhouse" in missing.stderr
+    assert not (tmp_path / "deps").exists()
+
+
+def test_unpack_wheelhouse_skips_other_pythons_and_moves_data_folders(tmp_path: Path) -> None:
+    house, target = tmp_path / "wheelhouse", tmp_path / "deps"
+    house.mkdir()
+    other = "cp27" if sys.version_info.major == 3 else "cp312"
+    _wheel(house / f"kvcopy_other_python-1.0-{other}-{other}-manylinux2014_x86_64.whl",
+           {"kvcopy_other_python/__init__.py": ""})
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    _wheel(house / f"kvcopy_data_test-1.0-{here}-{here}-manylinux2014_x86_64.whl", {
+        "kvcopy_data_test-1.0.data/platlib/kvcopy_data_test/__init__.py": "VALUE = 7\n",
+        "kvcopy_data_test-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: kvcopy_data_test\nVersion: 1.0\n",
+    })
+    result = _run("benchmarks/unpack_wheelhouse.py", str(house), str(target))
+    assert result.returncode == 0, _describe(result)
+    assert result.stdout.splitlines() == [f"unpacked kvcopy_data_test-1.0-{here}-{here}-manylinux2014_x86_64.whl"]
+    assert (target / "kvcopy_data_test" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert not (target / "kvcopy_data_test-1.0.data").exists() and not (target / "kvcopy_other_python").exists()

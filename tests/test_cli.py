@@ -1,4 +1,4 @@
-"""The ``kvcopy`` command line, end to end in subprocesses: calibrate, plan, info.
+"""The ``kvcopy`` command line: calibrate, plan and info end to end in subprocesses; bench in-process (main).
 
 One quick calibration (``calibrate --quick``) runs for the module and its
 profile serves every ``plan`` test. HOME and XDG_CACHE_HOME point into a
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 import kvcopy
+from kvcopy.bench import CSV_COLUMNS, read_csv
+from kvcopy.cli import main
 from kvcopy.profile import Profile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -252,3 +254,59 @@ def test_info_text_and_json(env):
     # No command: argparse's usage error.
     assert results["none"].returncode == 2
     assert "usage" in results["none"].stderr
+
+
+# --------------------------------------------------------------------------- bench (in-process)
+
+# The smallest bench: one workload at 2 blocks, one repeat, no sweeps.
+SMALL_BENCH = ("bench", "--device", "cpu", "--quick", "--no-sweeps", "--workload", "llama8b-16", "--blocks", "2",
+               "--repeats", "1", "--no-progress")
+
+
+def test_bench_prints_tables_and_writes_the_csv(tmp_path, capsys):
+    out = tmp_path / "bench.csv"
+    assert main([*SMALL_BENCH, "--csv", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("kvcopy bench on ")
+    assert "llama8b-16:" in captured.out and "kvcopy cpu" in captured.out
+    assert "fixed cost" not in captured.out  # --no-sweeps: workloads only
+    assert f"csv saved to {out}" in captured.out
+    with out.open() as f:
+        assert f.readline().strip().split(",") == list(CSV_COLUMNS)
+    rows = read_csv(out)
+    assert {(r["suite"], r["workload"], r["num_blocks"]) for r in rows} == {("workloads", "llama8b-16", 2)}
+    for direction in ("gather", "scatter"):
+        assert {"contiguous copy (limit)", "kvcopy cpu", "per-layer index loop", "per-block copy_ loop"} <= {
+            r["method"] for r in rows if r["direction"] == direction}
+    assert all(r["gbps"] > 0 and r["device"] == "cpu" for r in rows)
+
+
+@pytest.mark.parametrize("counts", ["0", "x", "4,-1", ""])
+def test_bench_bad_counts_is_a_usage_error(counts, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--counts", counts])
+    assert exit_info.value.code == 2
+    assert "--counts" in capsys.readouterr().err
+
+
+def test_bench_plot_without_sweeps_is_a_user_error(tmp_path, capsys):
+    plot = tmp_path / "p.png"
+    assert main([*SMALL_BENCH, "--plot", str(plot)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcopy bench: --plot") and "--no-sweeps" in err
+    assert not plot.exists()
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (("--workload", "nope"), ("workloads", "nope", "llama8b-16")),
+    (("--blocks", "0"), ("blocks",)),
+    (("--repeats", "0"), ("repeats",)),
+    (("--device", "meta"), ("device",)),
+])
+def test_bench_bad_config_is_a_user_error(args, fragments, capsys):
+    assert main(["bench", "--no-progress", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvcopy bench: ")
+    for fragment in fragments:
+        assert fragment in captured.err
+    assert captured.out == ""  # nothing ran

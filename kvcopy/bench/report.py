@@ -14,7 +14,7 @@ from .runner import LIMIT, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, Ben
 __all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "with_ratios", "format_tables", "write_csv", "read_csv"]
 
 IDENTITY_COLUMNS = ("device", "device_name", "capability", "host_cpu", "host_cores", "torch_threads", "torch",
-                    "cuda", "driver", "kvcopy", "date")
+                    "cuda", "driver", "kvcopy", "extension", "date")
 MEASURED_COLUMNS = ("suite", "workload", "direction", "ids", "method", "num_blocks", "num_planes", "block_bytes",
                     "plane_block_bytes", "bytes", "median_s", "p20_s", "p80_s", "gbps", "x_limit",
                     "x_per_block_memcpy", "x_per_block_loop", "x_layer_loop", "predicted_s", "prediction_error")
@@ -110,7 +110,8 @@ def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
     has_memcpy = any(not math.isnan(r["x_per_block_memcpy"]) for r in ratios)
     has_prediction = any(not math.isnan(r["predicted_s"]) for r in ratios)
     lines = [f"kvcopy bench on {identity.get('device_name')} ({identity.get('device')}; host {identity.get('host_cpu')}, "
-             f"{identity.get('torch_threads')} threads; torch {identity.get('torch')}, CUDA {identity.get('cuda')}), "
+             f"{identity.get('torch_threads')} threads; torch {identity.get('torch')}, "
+             f"{'CUDA ' + str(identity['cuda']) if identity.get('cuda') else 'no CUDA'}), "
              f"{identity.get('date')}",
              "x limit: GB/s over one contiguous copy of the same bytes; x ... loop: times faster than that baseline"]
     workloads = [r for r in ratios if r["suite"] == "workloads"]

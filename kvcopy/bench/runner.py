@@ -56,8 +56,11 @@ MIN_COLD_BYTES = 64 << 20
 MAX_ID_SETS = 32
 # Each row's output is checked against plain indexing before it is timed when a
 # call moves at most this many bytes (the check moves them twice more); larger
-# points run the same code paths as the checked ones.
+# points run the same code paths as the checked ones. Where the device cache
+# is at most MAX_WHOLE_CHECKED_BYTES, the check also keeps a copy of both
+# sides and finds writes outside the named blocks.
 MAX_CHECKED_BYTES = 1 << 30
+MAX_WHOLE_CHECKED_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,12 @@ class BenchConfig:
         for name in ("blocks", "sweep_blocks", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
-        if any(n < 1 for n in self.counts) or any(t < 1 for t in self.block_tokens):
-            raise ValueError(f"counts, block_tokens: expected positive ints, got {self.counts}, {self.block_tokens}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0, got {self.warmup}")
+        for name in ("counts", "block_tokens"):
+            values = getattr(self, name)
+            if any(v < 1 for v in values) or len(set(values)) != len(values):
+                raise ValueError(f"{name}: expected distinct positive ints, got {values}")
 
     @classmethod
     def default(cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: object) -> BenchConfig:
@@ -144,21 +151,31 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def check_output(name: str, fn: Callable[[], object], src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                 dst_ids: torch.Tensor) -> None:
+                 dst_ids: torch.Tensor, *, whole: bool = True) -> None:
     """Clears the destination blocks, runs ``fn`` once and compares their bytes with plain indexing of the source.
 
-    Raises AssertionError naming ``name`` and the first plane that differs.
+    ``whole``: also check that the source and every other destination block
+    are unchanged (keeps a copy of both caches meanwhile). Raises
+    AssertionError naming ``name`` and the first plane that differs.
     """
-    for s, d in zip(src.planes, dst.planes):
-        word_views(s, d)[1][dst_ids.to(d.device)] = 0
+    pairs = [word_views(s, d) for s, d in zip(src.planes, dst.planes)]
+    src_ids, dst_ids = src_ids.to(src.device), dst_ids.to(dst.device)
+    for _, d_words in pairs:
+        d_words[dst_ids] = 0
+    before = [(s_words.clone(), d_words.clone()) for s_words, d_words in pairs] if whole else []
     fn()
     for device in {src.device, dst.device}:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    for p, (s, d) in enumerate(zip(src.planes, dst.planes)):
-        s_words, d_words = word_views(s, d)
-        if not torch.equal(d_words[dst_ids.to(d.device)].cpu(), s_words[src_ids.to(s.device)].cpu()):
+    for p, (s_words, d_words) in enumerate(pairs):
+        if not torch.equal(d_words[dst_ids].cpu(), s_words[src_ids].cpu()):
             raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
+    for p, ((s_words, d_words), (s_before, d_before)) in enumerate(zip(pairs, before)):
+        d_before[dst_ids] = d_words[dst_ids]  # the copied blocks were checked above
+        if not torch.equal(d_words, d_before):
+            raise AssertionError(f"{name}: plane {p} has destination blocks written that dst_ids does not name")
+        if s_words.data_ptr() != d_words.data_ptr() and not torch.equal(s_words, s_before):
+            raise AssertionError(f"{name}: plane {p} of the source was written")
 
 
 def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
@@ -229,7 +246,8 @@ def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
         link = direction_of(src.device.type, dst.device.type)
         for method, fns in calls.items():
             if method != LIMIT and nbytes <= MAX_CHECKED_BYTES:
-                check_output(f"{point.workload} {direction} {method}", fns[0], src, pairs[0][0], dst, pairs[0][1])
+                check_output(f"{point.workload} {direction} {method}", fns[0], src, pairs[0][0], dst, pairs[0][1],
+                             whole=kv.num_blocks * kv.nbytes_per_block <= MAX_WHOLE_CHECKED_BYTES)
             # Warm-up visits every set: first touches of fresh host pages are not the copy's cost.
             timing = measure(_cycling(fns), warmup=max(config.warmup, len(fns)), repeats=config.repeats,
                              device=device if device.type == "cuda" else None)
