@@ -14,7 +14,9 @@
 # check at once with its last lines; a failed test, calibration or benchmark
 # step is reported the same way but the later steps still run (a lent GPU is
 # scarce), and the check exits 1 at the end. Each step has a time limit, so
-# a hang cannot eat the device time. Budget: under 8 minutes on the GPU machine.
+# a hang cannot eat the device time. Budget: under 8 minutes on the GPU machine
+# (an estimate: build ~1.5, tests ~2, calibrate ~1, bench ~2, the rest ~1.5);
+# the bench writes each point to its CSV as it ends, so a cut-short run keeps them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -86,30 +88,46 @@ if "$python" -c 'import matplotlib' 2>/dev/null; then
   calib_plot=(--plot "$out/calib.png") plan_plot=(--plot "$out/plan.png") bench_plot=(--plot "$out/bench.png")
 fi
 
-step build 300 env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace
-step staged 60 "$python" -c 'import kvcopy, sys; assert kvcopy.__file__.startswith(sys.argv[1]), f"kvcopy imported from \
-{kvcopy.__file__}, not the stage"; print(kvcopy.__file__)' "$stage"
+gpu_test_files=(tests/test_gpu.py tests/test_engine_gpu.py tests/test_bench_gpu.py)
+step build 240 env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace
+step staged 60 "$python" - "$stage" "$has_gpu" <<'PY'
+import sys, kvcopy
+stage, has_gpu = sys.argv[1], sys.argv[2] == "1"
+assert kvcopy.__file__.startswith(stage), f"kvcopy imported from {kvcopy.__file__}, not the stage {stage}"
+info = kvcopy.build_info()
+assert not has_gpu or info["cuda_kernels"], f"a GPU is here but the CUDA kernels were not built: {info}"
+print(kvcopy.__file__, "cuda_kernels:", info["cuda_kernels"], "archs:", info["cuda_archs"])
+PY
 step info 60 "$python" -m kvcopy info --json
+# The default GPU bench set, trimmed to fit the check's minutes: 4 sizes, 5 counts, 5 repeats.
+gpu_bench=(--repeats 5 --counts 1,16,256,1024,2048 --block-tokens 1,4,16,64)
 if [ "$dry_run" = 1 ]; then
-  step gpu_tests_collect 120 "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_gpu.py tests/test_bench_gpu.py \
-    tests/test_engine_gpu.py
-  quick=(--quick)
-  overlap=(--blocks 16 --rounds 1)
+  step gpu_tests_collect 120 "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${gpu_test_files[@]}"
+  step gpu_bench_points 30 "$python" -m kvcopy bench "${gpu_bench[@]}" --list
+  calibrate=(--quick) bench=(--quick) sequential=(--quick) overlap=(--blocks 16 --rounds 1)
 else
-  soft_step gpu_tests 240 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine_gpu.py tests/test_bench_gpu.py
-  quick=()
-  overlap=()
+  # torch.compile tests last: inductor compiles take most of their time.
+  soft_step gpu_tests 150 "$python" -m pytest -q -p no:cacheprovider -m gpu -k "not torch_compile" \
+    "${gpu_test_files[@]}"
+  calibrate=() sequential=() bench=("${gpu_bench[@]}") overlap=()
 fi
 rm -f "$out/profile.json"  # a reused OUT_DIR: never benchmark against an older run's profile
-soft_step calibrate 150 "$python" -m kvcopy calibrate ${quick[@]+"${quick[@]}"} --no-progress \
+soft_step calibrate 120 "$python" -m kvcopy calibrate ${calibrate[@]+"${calibrate[@]}"} --no-progress \
   --out "$out/profile.json" ${calib_plot[@]+"${calib_plot[@]}"}
-soft_step plan 60 "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" \
+soft_step plan 30 "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" \
   ${plan_plot[@]+"${plan_plot[@]}"}
 predictions=()  # the bench reports the calibration's prediction errors when there is one
 [ -f "$out/profile.json" ] && predictions=(--profile "$out/profile.json")
-soft_step bench 240 "$python" -m kvcopy bench ${quick[@]+"${quick[@]}"} --no-progress \
-  ${predictions[@]+"${predictions[@]}"} --csv "$out/bench.csv" ${bench_plot[@]+"${bench_plot[@]}"}
-soft_step bench_overlap 90 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
+soft_step bench 180 "$python" -m kvcopy bench "${bench[@]}" --no-progress ${predictions[@]+"${predictions[@]}"} \
+  --csv "$out/bench.csv" ${bench_plot[@]+"${bench_plot[@]}"}
+# Adjacent ids: what merging runs into ranges buys over the unmerged batch.
+soft_step bench_sequential 60 "$python" -m kvcopy bench ${sequential[@]+"${sequential[@]}"} --ids sequential \
+  --no-sweeps --workload llama8b-16 --workload llama70b-tp4-16 --no-progress --csv "$out/bench_sequential.csv"
+soft_step bench_overlap 60 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
   --csv "$out/bench_overlap.csv"
+if [ "$dry_run" = 0 ]; then
+  soft_step gpu_compile_tests 120 "$python" -m pytest -q -p no:cacheprovider -m gpu -k torch_compile \
+    "${gpu_test_files[@]}"
+fi
 [ ${#failed[@]} = 0 ] || fail "failed steps: ${failed[*]} (logs in $out)"
 echo "device_check: done in $((SECONDS - started)) s; results in $out"

@@ -7,8 +7,9 @@ on PYTHONPATH).
 A wheel is a zip of what belongs in site-packages, plus an optional
 ``<name>.data/`` folder whose ``purelib``/``platlib`` parts belong there too;
 unpacking is installing it, short of console scripts. Distributions already
-installed are left alone, whatever their version: the lent GPU machine's own
-torch stack stays in charge. Wheels for another Python (by their ``cpXY``
+installed are left alone, whatever their version, so the lent GPU machine's
+own torch stack stays in charge, except those older than MIN_VERSIONS, which
+the unpacked wheel shadows (TARGET comes first on PYTHONPATH). Wheels for another Python (by their ``cpXY``
 tag) are skipped; of several usable wheels of one distribution, the first by
 name is taken (fetch_wheelhouse.sh downloads one of each).
 """
@@ -16,6 +17,7 @@ name is taken (fetch_wheelhouse.sh downloads one of each).
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shutil
 import sys
 import zipfile
@@ -23,6 +25,15 @@ from pathlib import Path
 
 # Parts of a wheel's .data folder that are importable code.
 _LIB_SCHEMES = ("purelib", "platlib")
+# The oldest installed versions that will do: pyproject.toml's SPDX `license`
+# string needs setuptools 77.
+MIN_VERSIONS = {"setuptools": (77,)}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric parts of a version: "77.0.3" -> (77, 0, 3), "2.1rc1" -> (2, 1)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
 
 
 def usable(wheel: Path) -> bool:
@@ -33,15 +44,19 @@ def usable(wheel: Path) -> bool:
 
 
 def missing_wheels(wheelhouse: Path) -> list[Path]:
-    """One usable wheel per distribution not installed here (a file name starts with its distribution)."""
+    """One usable wheel per distribution not installed here, or installed older than MIN_VERSIONS
+    (a file name starts with its distribution)."""
     chosen: dict[str, Path] = {}
     for wheel in sorted(wheelhouse.glob("*.whl")):
         name = wheel.name.split("-")[0].lower()
         if name in chosen or not usable(wheel):
             continue
         try:
-            importlib.metadata.version(name)
+            installed = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
+            chosen[name] = wheel
+            continue
+        if _release(installed) < MIN_VERSIONS.get(name, ()):
             chosen[name] = wheel
     return list(chosen.values())
 

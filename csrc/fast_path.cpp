@@ -59,6 +59,7 @@ PyObject* py_copy_blocks_cpu(PyObject*, PyObject* args) {
 
 #ifdef KVCOPY_WITH_CUDA
 PyObject* raise_cuda(cudaError_t err, const char* what) {
+  cudaGetLastError();  // clear the runtime's sticky-until-read error, so torch's next check does not report it
   PyErr_Format(PyExc_RuntimeError, "kvcopy: %s failed: %s", what, cudaGetErrorString(err));
   return nullptr;
 }
@@ -162,6 +163,14 @@ PyObject* py_create_copy_stream(PyObject*, PyObject* args) {
   return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(stream));
 }
 
+// cuda_driver_version() -> int, e.g. 13000 for a CUDA 13.0 driver (0 without one): for machine identities.
+PyObject* py_cuda_driver_version(PyObject*, PyObject*) {
+  int version = 0;
+  const cudaError_t err = cudaDriverGetVersion(&version);
+  if (err != cudaSuccess) return raise_cuda(err, "cudaDriverGetVersion");
+  return PyLong_FromLong(version);
+}
+
 // destroy_stream(handle): after the caller has waited for its work.
 PyObject* py_destroy_stream(PyObject*, PyObject* args) {
   unsigned long long stream;
@@ -182,6 +191,7 @@ PyMethodDef kFastPathMethods[] = {
     {"copy_blocks_dma_baseline", py_copy_blocks_dma_baseline, METH_VARARGS,
      "Benchmark baselines: per-block cudaMemcpyAsync (0) or one unmerged cudaMemcpyBatchAsync (1)."},
     {"create_copy_stream", py_create_copy_stream, METH_VARARGS, "A new least-priority non-blocking stream."},
+    {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, "The CUDA driver's version (cudaDriverGetVersion)."},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif
     {nullptr, nullptr, 0, nullptr},

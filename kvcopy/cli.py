@@ -137,7 +137,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _bench(args: argparse.Namespace) -> int:
     from ._progress import progress_bar
-    from .bench import BenchConfig, format_tables, num_points, run_benchmarks, with_ratios, write_csv
+    from .bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
     from .machine import machine_identity
 
     overrides: dict[str, object] = {"ids": args.ids}
@@ -152,19 +152,38 @@ def _bench(args: argparse.Namespace) -> int:
         config = BenchConfig.default(args.device, quick=args.quick, **overrides)
     except ValueError as err:
         raise CliError(str(err)) from None
+    if args.list:
+        print(f"kvcopy bench on {config.device}: {config.ids} ids, {config.repeats} repeats after "
+              f"{config.warmup} warm-up calls")
+        for suite, workload, blocks in point_specs(config):
+            print(f"  {suite:<12} {workload:<20} {blocks:>6} blocks per call")
+        return 0
     if args.plot and not (config.counts or config.block_tokens):
         raise CliError("--plot: draws the sweeps; drop --no-sweeps")
     _check_plot(args.plot)
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise CliError(f"--plot: no such directory: {Path(args.plot).parent}")
     profile = _load_profile(args.profile) if args.profile else None
+    identity = machine_identity(config.device)
+    try:  # opened first: a bad path fails before minutes of measuring, and each point is saved as it ends
+        csv_out = CsvWriter(args.csv, identity) if args.csv else None
+    except OSError as err:
+        raise CliError(f"--csv: cannot write {args.csv}: {err.strerror}") from None
     bar = progress_bar(num_points(config), not args.no_progress, "benchmarking", "point")
+
+    def point_done(rows: list) -> None:
+        bar.update()
+        if csv_out is not None:
+            csv_out.write(rows)
+
     try:
-        rows = run_benchmarks(config, profile=profile, on_point=lambda _: bar.update())
+        rows = run_benchmarks(config, profile=profile, on_point=point_done)
     finally:
         bar.close()
-    identity = machine_identity(config.device)
+        if csv_out is not None:
+            csv_out.close()
     print(format_tables(rows, identity))
     if args.csv:
-        write_csv(rows, identity, args.csv)
         print(f"\ncsv saved to {args.csv}")
     if args.plot:
         from .plots import plot_bench
@@ -231,6 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--csv", help="write every row, its ratios and the machine identity to this CSV")
     bench.add_argument("--plot", help="draw GB/s against plane-block size and block count to this PNG")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--list", action="store_true", help="print the points it would time, and exit")
     bench.set_defaults(run=_bench)
 
     info = commands.add_parser("info", help="what was built (CPU/CUDA kernels, archs, Triton) and the device")

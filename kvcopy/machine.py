@@ -25,6 +25,15 @@ def cpu_name() -> str:
         return name
 
 
+def _driver_version() -> str | None:
+    """The CUDA driver's version as "major.minor", from the extension (None without it)."""
+    fast = _ext.extension()
+    if fast is None or not hasattr(fast, "cuda_driver_version"):
+        return None
+    version = fast.cuda_driver_version()
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
 def machine_identity(device: torch.device | str) -> dict[str, Any]:
     """Device, host CPU, core and thread counts, versions (torch, CUDA, driver, kvcopy) and the UTC time."""
     device = torch.device(device)
@@ -44,5 +53,5 @@ def machine_identity(device: torch.device | str) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info["capability"] = f"{props.major}.{props.minor}"
-        info["driver"] = getattr(torch._C, "_cuda_getDriverVersion", lambda: None)()
+        info["driver"] = _driver_version()
     return info

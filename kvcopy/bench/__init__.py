@@ -15,8 +15,8 @@ with the baselines (kvcopy.bench.baselines). Each row's output is checked
 against plain indexing before it is timed.
 """
 
-from .report import CSV_COLUMNS, IDENTITY_COLUMNS, format_tables, read_csv, with_ratios, write_csv
-from .runner import LIMIT, BenchConfig, BenchRow, check_output, num_points, run_benchmarks
+from .report import CSV_COLUMNS, IDENTITY_COLUMNS, CsvWriter, format_tables, read_csv, with_ratios, write_csv
+from .runner import LIMIT, BenchConfig, BenchRow, check_output, num_points, point_specs, run_benchmarks
 from .workloads import DEFAULT_WORKLOAD, WORKLOADS, Workload
 
 __all__ = [
@@ -27,10 +27,12 @@ __all__ = [
     "WORKLOADS",
     "BenchConfig",
     "BenchRow",
+    "CsvWriter",
     "Workload",
     "check_output",
     "format_tables",
     "num_points",
+    "point_specs",
     "read_csv",
     "run_benchmarks",
     "with_ratios",

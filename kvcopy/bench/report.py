@@ -10,13 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from .runner import LIMIT, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, BenchRow
+from .workloads import MIXED_PLANE_WORKLOADS
 
-__all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "with_ratios", "format_tables", "write_csv", "read_csv"]
+__all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "CsvWriter", "with_ratios", "format_tables", "write_csv", "read_csv"]
 
 IDENTITY_COLUMNS = ("device", "device_name", "capability", "host_cpu", "host_cores", "torch_threads", "torch",
                     "cuda", "driver", "kvcopy", "extension", "date")
 MEASURED_COLUMNS = ("suite", "workload", "direction", "ids", "method", "num_blocks", "num_planes", "block_bytes",
-                    "plane_block_bytes", "bytes", "median_s", "p20_s", "p80_s", "gbps", "x_limit",
+                    "plane_block_bytes", "bytes", "median_s", "p20_s", "p80_s", "repeats", "gbps", "x_limit",
                     "x_per_block_memcpy", "x_per_block_loop", "x_layer_loop", "predicted_s", "prediction_error")
 CSV_COLUMNS = MEASURED_COLUMNS + IDENTITY_COLUMNS
 _TEXT_COLUMNS = {"suite", "workload", "direction", "ids", "method"} | set(IDENTITY_COLUMNS)
@@ -49,7 +50,8 @@ def with_ratios(rows: Sequence[BenchRow]) -> list[dict[str, Any]]:
             "suite": row.suite, "workload": row.workload, "direction": row.direction, "ids": row.ids,
             "method": row.method, "num_blocks": row.num_blocks, "num_planes": row.num_planes,
             "block_bytes": row.block_bytes, "plane_block_bytes": row.plane_block_bytes, "bytes": row.bytes,
-            "median_s": row.median_s, "p20_s": row.p20_s, "p80_s": row.p80_s, "gbps": row.gbps,
+            "median_s": row.median_s, "p20_s": row.p20_s, "p80_s": row.p80_s, "repeats": row.repeats,
+            "gbps": row.gbps,
             "x_limit": row.gbps / limit.gbps if limit else math.nan,
             "x_per_block_memcpy": speedup(PER_BLOCK_MEMCPY), "x_per_block_loop": speedup(PER_BLOCK_LOOP),
             "x_layer_loop": speedup(PER_LAYER_LOOP),
@@ -63,14 +65,16 @@ def _ratio(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"
 
 
-def _workload_table(rows: list[dict[str, Any]], has_memcpy: bool, has_prediction: bool) -> list[str]:
+def _workload_table(rows: list[dict[str, Any]], has_memcpy: bool, has_prediction: bool,
+                    uniform_planes: bool) -> list[str]:
     first = rows[0]
+    mean = "" if uniform_planes else ", mean"
     lines = [f"\n{first['workload']}: {first['num_blocks']} {first['ids']} blocks x {first['num_planes']} planes "
-             f"({first['plane_block_bytes'] / 1024:g} KiB plane-blocks) = {first['bytes'] / 1e6:.1f} MB per call"]
+             f"({first['plane_block_bytes'] / 1024:g} KiB plane-blocks{mean}) = {first['bytes'] / 1e6:.1f} MB per call"]
     columns = [("direction", 9), ("method", 27), ("GB/s", 8), ("p20-p80", 13), ("x limit", 8)]
     columns += [("x memcpy loop", 13)] if has_memcpy else []
     columns += [("x block loop", 12), ("x layer loop", 12)]
-    columns += [("predicted", 10)] if has_prediction else []
+    columns += [("pred. err", 10)] if has_prediction else []
     header = " ".join(f"{name:<{w}}" if i < 2 else f"{name:>{w}}" for i, (name, w) in enumerate(columns))
     lines += [header, "-" * len(header)]
     for r in rows:
@@ -116,7 +120,8 @@ def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
              "x limit: GB/s over one contiguous copy of the same bytes; x ... loop: times faster than that baseline"]
     workloads = [r for r in ratios if r["suite"] == "workloads"]
     for name in dict.fromkeys(r["workload"] for r in workloads):
-        lines += _workload_table([r for r in workloads if r["workload"] == name], has_memcpy, has_prediction)
+        lines += _workload_table([r for r in workloads if r["workload"] == name], has_memcpy, has_prediction,
+                                 uniform_planes=name not in MIXED_PLANE_WORKLOADS)
     for suite in ("count_sweep", "size_sweep"):
         mine = [r for r in ratios if r["suite"] == suite]
         if mine:
@@ -131,15 +136,40 @@ def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class CsvWriter:
+    """Writes rows as they are measured: the header at once, then each point's rows, flushed.
+
+    A run cut short (a time limit on a lent GPU) leaves every finished point
+    in the file. Ratios are within a point, so a point's rows are written together.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], identity: dict[str, Any]) -> None:
+        self._machine = {key: identity.get(key, "") for key in IDENTITY_COLUMNS}
+        self._file = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
+        self._writer = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
+        self._writer.writeheader()
+        self._file.flush()
+
+    def write(self, rows: Sequence[BenchRow]) -> None:
+        for row in with_ratios(rows):
+            self._writer.writerow({**{k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()},
+                                   **self._machine})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> CsvWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 def write_csv(rows: Sequence[BenchRow], identity: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Every row with its ratios (MEASURED_COLUMNS) and the machine identity (IDENTITY_COLUMNS)."""
-    machine = {key: identity.get(key, "") for key in IDENTITY_COLUMNS}
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in with_ratios(rows):
-            writer.writerow({**{k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()},
-                             **machine})
+    with CsvWriter(path, identity) as writer:
+        writer.write(rows)
 
 
 def read_csv(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Runs the benchmark: every kvcopy method beside the baselines, on the same blocks, in one run.
 
-Three suites, each a list of points (a cache, a block count, an id pattern),
+Four suites, each a list of points (a cache, a block count, an id pattern),
 and at each point both directions (gather: cache -> host pool; scatter: host
 pool -> cache), each row checked against plain indexing and then timed with
 kvcopy.timing:
@@ -14,9 +14,12 @@ kvcopy.timing:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,7 +35,7 @@ from ..timing import measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
 from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, llama8b_with_block_tokens
 
-__all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "check_output", "LIMIT", "PER_LAYER_LOOP", "PER_BLOCK_LOOP",
+__all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT", "PER_LAYER_LOOP", "PER_BLOCK_LOOP",
            "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
 
 LIMIT = "contiguous copy (limit)"
@@ -43,10 +46,16 @@ PER_BLOCK_MEMCPY, UNMERGED_BATCH = DMA_BASELINES
 # The device-side cache holds this many blocks per block moved, so random ids
 # are scattered over it as in a busy cache rather than packed together.
 CACHE_BLOCKS_PER_MOVED_BLOCK = 2
-# The Python per-block loop issues one copy_ per (block, plane), a few
-# microseconds each: above this many per call one call takes ~0.3 s and the row
-# adds nothing the smaller points do not show, so it is left out.
-MAX_PYTHON_LOOP_COPIES = 1 << 16
+# The Python per-block loop issues one copy_ per (block, plane), 5-10 us each:
+# above this many per call (256 llama8b-16 blocks) one call takes over 0.1 s
+# and the row adds nothing the smaller points do not show, so it is left out.
+MAX_PYTHON_LOOP_COPIES = 1 << 14
+# A row whose single call takes longer than SLOW_CALL_S is timed with one
+# warm-up and SLOW_ROW_REPEATS calls: the slow baselines at thousands of blocks
+# would otherwise take most of a GPU check's minutes, and their spread is small
+# next to their distance from kvcopy.
+SLOW_CALL_S = 0.05
+SLOW_ROW_REPEATS = 3
 # Successive timed calls of a point cycle over id sets (and offsets of the
 # contiguous buffers) that together cover at least this many bytes, up to
 # MAX_ID_SETS sets: twice a 32 MiB L3, so a small call is not timed on data
@@ -54,9 +63,9 @@ MAX_PYTHON_LOOP_COPIES = 1 << 16
 # rule as the calibrator's.
 MIN_COLD_BYTES = 64 << 20
 MAX_ID_SETS = 32
-# Each row's output is checked against plain indexing before it is timed when a
-# call moves at most this many bytes (the check moves them twice more); larger
-# points run the same code paths as the checked ones. Where the device cache
+# Each row's output is checked against plain indexing before it is timed, on
+# the first ids of the call that move at most this many bytes (the check moves
+# them twice more): all of them for most points. Where the device cache
 # is at most MAX_WHOLE_CHECKED_BYTES, the check also keeps a copy of both
 # sides and finds writes outside the named blocks.
 MAX_CHECKED_BYTES = 1 << 30
@@ -65,7 +74,11 @@ MAX_WHOLE_CHECKED_BYTES = 2 << 30
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to run. :meth:`default` gives the set ``kvcopy bench`` runs."""
+    """What to run. :meth:`default` gives the set ``kvcopy bench`` runs.
+
+    ``device``: "cpu", "cuda" or "cuda:N" (or a torch.device); a GPU device
+    is resolved to its index.
+    """
 
     device: torch.device
     workloads: tuple[str, ...] = tuple(WORKLOADS)
@@ -79,6 +92,7 @@ class BenchConfig:
     warmup: int = 2
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", _resolve_device(self.device))
         unknown = [w for w in self.workloads if w not in WORKLOADS]
         if unknown:
             raise ValueError(f"workloads: unknown {unknown}; known: {sorted(WORKLOADS)}")
@@ -97,7 +111,7 @@ class BenchConfig:
     @classmethod
     def default(cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: object) -> BenchConfig:
         """The default set for ``device`` (default: the GPU if any, else the CPU); ``quick``: a smoke-test size."""
-        device = _resolve_device(device)
+        device = _resolve_device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
         if quick:
             base: dict[str, object] = dict(blocks=16, counts=(1, 4, 16), block_tokens=(1, 16), sweep_blocks=8,
                                            repeats=2, warmup=1)
@@ -123,6 +137,7 @@ class BenchRow:
     median_s: float
     p20_s: float
     p80_s: float
+    repeats: int
     predicted_s: float | None = field(default=None)
 
     @property
@@ -139,34 +154,42 @@ class BenchRow:
         return self.bytes / self.median_s / 1e9
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+def _resolve_device(device: torch.device | str) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device: {device} asked for, but no CUDA device is available")
-        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device} asked for, but there are {torch.cuda.device_count()} CUDA devices")
+        return torch.device("cuda", index)
     if device.type != "cpu":
-        raise ValueError(f"device: expected a cpu or cuda device, got {device}")
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device}")
     return device
 
 
 def check_output(name: str, fn: Callable[[], object], src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                 dst_ids: torch.Tensor, *, whole: bool = True) -> None:
+                 dst_ids: torch.Tensor, *, whole: bool = True) -> float:
     """Clears the destination blocks, runs ``fn`` once and compares their bytes with plain indexing of the source.
 
     ``whole``: also check that the source and every other destination block
     are unchanged (keeps a copy of both caches meanwhile). Raises
-    AssertionError naming ``name`` and the first plane that differs.
+    AssertionError naming ``name`` and the first plane that differs; returns
+    the seconds ``fn`` took (to its device's completion).
     """
     pairs = [word_views(s, d) for s, d in zip(src.planes, dst.planes)]
     src_ids, dst_ids = src_ids.to(src.device), dst_ids.to(dst.device)
     for _, d_words in pairs:
         d_words[dst_ids] = 0
     before = [(s_words.clone(), d_words.clone()) for s_words, d_words in pairs] if whole else []
+    _synchronize(src, dst)
+    began = time.perf_counter()
     fn()
-    for device in {src.device, dst.device}:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    _synchronize(src, dst)
+    seconds = time.perf_counter() - began
     for p, (s_words, d_words) in enumerate(pairs):
         if not torch.equal(d_words[dst_ids].cpu(), s_words[src_ids].cpu()):
             raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
@@ -176,6 +199,13 @@ def check_output(name: str, fn: Callable[[], object], src: PagedKV, src_ids: tor
             raise AssertionError(f"{name}: plane {p} has destination blocks written that dst_ids does not name")
         if s_words.data_ptr() != d_words.data_ptr() and not torch.equal(s_words, s_before):
             raise AssertionError(f"{name}: plane {p} of the source was written")
+    return seconds
+
+
+def _synchronize(src: PagedKV, dst: PagedKV) -> None:
+    for device in {src.device, dst.device}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
@@ -244,18 +274,38 @@ def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
             for method, fn in _methods(src, s_ids, dst, d_ids, device).items():
                 calls.setdefault(method, []).append(fn)
         link = direction_of(src.device.type, dst.device.type)
+        # Checked on the first ids that fit MAX_CHECKED_BYTES: all of them unless the call is larger.
+        checked = max(1, min(n, MAX_CHECKED_BYTES // kv.nbytes_per_block))
+        check_ids = (pairs[0][0][:checked], pairs[0][1][:checked])
+        check_calls = _methods(src, check_ids[0], dst, check_ids[1], device) if checked < n else {}
+        whole = kv.num_blocks * kv.nbytes_per_block <= MAX_WHOLE_CHECKED_BYTES
         for method, fns in calls.items():
-            if method != LIMIT and nbytes <= MAX_CHECKED_BYTES:
-                check_output(f"{point.workload} {direction} {method}", fns[0], src, pairs[0][0], dst, pairs[0][1],
-                             whole=kv.num_blocks * kv.nbytes_per_block <= MAX_WHOLE_CHECKED_BYTES)
+            if method == LIMIT:
+                one_call = _seconds_of(fns[0], src, dst)
+            else:
+                one_call = check_output(f"{point.workload} {direction} {method}", check_calls.get(method, fns[0]),
+                                        src, check_ids[0], dst, check_ids[1], whole=whole)
+                one_call *= n / checked
+            slow = one_call > SLOW_CALL_S
             # Warm-up visits every set: first touches of fresh host pages are not the copy's cost.
-            timing = measure(_cycling(fns), warmup=max(config.warmup, len(fns)), repeats=config.repeats,
+            warmup = 1 if slow else max(config.warmup, len(fns))
+            repeats = min(config.repeats, SLOW_ROW_REPEATS) if slow else config.repeats
+            timing = measure(_cycling(fns), warmup=warmup, repeats=repeats,
                              device=device if device.type == "cuda" else None)
             rows.append(BenchRow(
                 point.suite, point.workload, direction, config.ids, method, n, kv.num_planes, kv.nbytes_per_block,
-                timing.median, timing.p20, timing.p80, _predicted(profile, link, method, nbytes, n, kv.num_planes),
+                timing.median, timing.p20, timing.p80, timing.repeats,
+                _predicted(profile, link, method, nbytes, n, kv.num_planes),
             ))
     return rows
+
+
+def _seconds_of(fn: Callable[[], object], src: PagedKV, dst: PagedKV) -> float:
+    _synchronize(src, dst)
+    began = time.perf_counter()
+    fn()
+    _synchronize(src, dst)
+    return time.perf_counter() - began
 
 
 def _predicted(profile: Profile | None, link: str, method: str, nbytes: int, n: int, planes: int) -> float | None:
@@ -282,23 +332,35 @@ def _points(config: BenchConfig) -> Iterator[_Point]:
         kv, host = pair(WORKLOADS[name].build, config.blocks)
         yield _Point("workloads", name, kv, host, config.blocks)
         del kv, host
+        gc.collect()  # a HostKVPool's buffer and region refer to each other: free its pinned memory now
     if config.counts:
         kv, host = pair(WORKLOADS[DEFAULT_WORKLOAD].build, max(config.counts))
         for n in sorted(config.counts):
             yield _Point("count_sweep", DEFAULT_WORKLOAD, kv, host, n)
         del kv, host
+        gc.collect()
     for tokens in sorted(config.block_tokens):
         kv, host = pair(llama8b_with_block_tokens(tokens), config.sweep_blocks)
         yield _Point("size_sweep", f"llama8b-{tokens}", kv, host, config.sweep_blocks)
         del kv, host
+        gc.collect()
     if config.fixed_cost:
         kv, host = pair(TINY_PLANES.build, 1)
         yield _Point("fixed_cost", TINY_PLANES.name, kv, host, 1)
 
 
+def point_specs(config: BenchConfig) -> list[tuple[str, str, int]]:
+    """(suite, workload, blocks per call) of every point, in the order :func:`run_benchmarks` times them."""
+    specs = [("workloads", name, config.blocks) for name in config.workloads]
+    specs += [("count_sweep", DEFAULT_WORKLOAD, n) for n in sorted(config.counts)]
+    specs += [("size_sweep", f"llama8b-{tokens}", config.sweep_blocks) for tokens in sorted(config.block_tokens)]
+    specs += [("fixed_cost", TINY_PLANES.name, 1)] if config.fixed_cost else []
+    return specs
+
+
 def num_points(config: BenchConfig) -> int:
     """How many points :func:`run_benchmarks` times (for a progress bar)."""
-    return len(config.workloads) + len(config.counts) + len(config.block_tokens) + int(config.fixed_cost)
+    return len(point_specs(config))
 
 
 def run_benchmarks(config: BenchConfig, *, profile: Profile | None = None,
@@ -307,6 +369,12 @@ def run_benchmarks(config: BenchConfig, *, profile: Profile | None = None,
 
     ``on_point`` is called with each point's rows as they are measured (progress, streaming output).
     """
+    with torch.cuda.device(config.device) if config.device.type == "cuda" else contextlib.nullcontext():
+        return _run(config, profile, on_point)
+
+
+def _run(config: BenchConfig, profile: Profile | None,
+         on_point: Callable[[list[BenchRow]], None] | None) -> list[BenchRow]:
     generator = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     for point in _points(config):

@@ -9,7 +9,7 @@ import torch
 
 from ..layout import PagedKV
 
-__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "TINY_PLANES", "llama8b_with_block_tokens", "random_tensor"]
+__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "MIXED_PLANE_WORKLOADS", "TINY_PLANES", "llama8b_with_block_tokens", "random_tensor"]
 
 HEAD_DIM = 128
 LLAMA8B_LAYERS, LLAMA8B_KV_HEADS = 32, 8
@@ -74,6 +74,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "16 KiB K/V and 512 B scale plane-blocks", _fp8_with_scales),
 )}
 DEFAULT_WORKLOAD = "llama8b-16"
+# Workloads whose planes differ in size (their tables give the mean plane-block).
+MIXED_PLANE_WORKLOADS = frozenset({"llama8b-fp8-16"})
 
 # Llama-3.1-8B's 64 planes with one 128-dim bf16 row per plane-block (256 B):
 # a 1-block call moves 16 KiB, so its time is the fixed cost of a call
