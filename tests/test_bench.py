@@ -165,6 +165,66 @@ def test_predictions_are_the_profiles_for_kvcopy_rows_only(tiny):
             assert r.predicted_s is None, r
 
 
+def test_device_is_resolved_from_a_string():
+    assert BenchConfig(device="cpu").device == CPU
+    with pytest.raises(ValueError, match="device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        BenchConfig(device="gpu")
+
+
+def test_slow_rows_get_fewer_repeats_and_say_so(monkeypatch):
+    import kvcopy.bench.runner as runner
+
+    monkeypatch.setattr(runner, "SLOW_CALL_S", 0.0)  # every row is "slow"
+    config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=2, counts=(), block_tokens=(),
+                         fixed_cost=False, repeats=7, warmup=0)
+    rows = run_benchmarks(config)
+    assert rows and {r.repeats for r in rows} == {runner.SLOW_ROW_REPEATS}
+    assert {r["repeats"] for r in with_ratios(rows)} == {runner.SLOW_ROW_REPEATS}
+
+
+def test_large_calls_are_checked_on_their_first_ids(monkeypatch):
+    import kvcopy.bench.runner as runner
+
+    block_bytes = WORKLOADS["llama8b-16"].build(1, CPU).nbytes_per_block
+    monkeypatch.setattr(runner, "MAX_CHECKED_BYTES", 2 * block_bytes)
+    checked = []
+    real_check = runner.check_output
+
+    def spy(name, fn, src, src_ids, dst, dst_ids, **kw):
+        checked.append((name, len(src_ids), len(dst_ids)))
+        return real_check(name, fn, src, src_ids, dst, dst_ids, **kw)
+
+    monkeypatch.setattr(runner, "check_output", spy)
+    config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=5, counts=(), block_tokens=(),
+                         fixed_cost=False, repeats=1, warmup=0)
+    rows = run_benchmarks(config)
+    methods = {(r.direction, r.method) for r in rows if r.method != LIMIT}
+    assert {name.split(" ", 1)[1] for name, _, _ in checked} == {f"{d} {m}" for d, m in methods}
+    assert {(s, d) for _, s, d in checked} == {(2, 2)}  # every row checked, each on its first 2 ids of 5
+    assert {r.num_blocks for r in rows} == {5}
+
+
+def test_csv_writer_saves_each_point_as_it_ends(tmp_path):
+    from kvcopy.bench import CsvWriter
+
+    out = tmp_path / "stream.csv"
+    identity = {"device": "cpu", "device_name": "streamer"}
+    config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=2, counts=(1,), block_tokens=(),
+                         fixed_cost=False, repeats=1, warmup=0)
+    seen_on_disk = []
+    with CsvWriter(out, identity) as writer:
+        assert read_csv(out) == []  # the header is there before any point
+
+        def on_point(rows):
+            writer.write(rows)
+            seen_on_disk.append(len(read_csv(out)))
+
+        rows = run_benchmarks(config, on_point=on_point)
+    per_point = len(rows) // 2
+    assert seen_on_disk == [per_point, 2 * per_point]  # flushed point by point
+    assert [r["method"] for r in read_csv(out)] == [r.method for r in rows]
+
+
 def test_other_workloads_and_sequential_ids_run():
     config = BenchConfig(device=CPU, workloads=("llama8b-fp8-16", "deepseek-v3-mla-64"), ids="sequential", blocks=2,
                          counts=(), block_tokens=(), fixed_cost=False, repeats=1, warmup=0)
@@ -277,7 +337,7 @@ def test_baselines_copy_like_plain_indexing(baseline, layout, dtype, direction, 
 def _row(method: str, median: float, *, suite: str = "workloads", direction: str = "gather", n: int = 4,
          predicted: float | None = None, block_bytes: int = 1000, planes: int = 4) -> BenchRow:
     return BenchRow(suite, "w", direction, "random", method, n, planes, block_bytes, median, median * 0.9,
-                    median * 1.1, predicted)
+                    median * 1.1, 5, predicted)
 
 
 def _hand_made_rows() -> list[BenchRow]:
@@ -354,7 +414,7 @@ def test_format_tables_on_hand_made_rows():
              for method, median in ((LIMIT, 2.5e-6), ("kvcopy cpu", 12.5e-6))]
     text = format_tables(_hand_made_rows() + fixed, {"device_name": "Test Device 9000", "device": "cpu"})
     assert "Test Device 9000" in text
-    assert "predicted" in text and "+50%" in text  # prediction error column of point A
+    assert "pred. err" in text and "+50%" in text  # prediction error column of point A
     assert "fixed cost" in text and "64 planes x 256 B" in text
     assert re.search(r"^  gather\s+kvcopy cpu\s+12\.5\s", text, re.M), text
     assert "fixed cost" not in format_tables(_hand_made_rows(), {})

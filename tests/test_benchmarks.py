@@ -181,3 +181,14 @@ def test_unpack_wheelhouse_skips_other_pythons_and_moves_data_folders(tmp_path: 
     assert result.stdout.splitlines() == [f"unpacked kvcopy_data_test-1.0-{here}-{here}-manylinux2014_x86_64.whl"]
     assert (target / "kvcopy_data_test" / "__init__.py").read_text() == "VALUE = 7\n"
     assert not (target / "kvcopy_data_test-1.0.data").exists() and not (target / "kvcopy_other_python").exists()
+
+
+def test_unpack_wheelhouse_shadows_installed_distributions_older_than_the_minimum(tmp_path: Path, monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("unpack_wheelhouse", ROOT / "benchmarks" / "unpack_wheelhouse.py")
+    unpack_wheelhouse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(unpack_wheelhouse)
+    (tmp_path / "pytest-999.0-py3-none-any.whl").touch()  # pytest is installed here, older than 999
+    assert unpack_wheelhouse.missing_wheels(tmp_path) == []
+    monkeypatch.setattr(unpack_wheelhouse, "MIN_VERSIONS", {"pytest": (999,)})
+    assert unpack_wheelhouse.missing_wheels(tmp_path) == [tmp_path / "pytest-999.0-py3-none-any.whl"]
+    assert [unpack_wheelhouse._release(v) for v in ("77.0.3", "2.1rc1", "x")] == [(77, 0, 3), (2, 1), ()]

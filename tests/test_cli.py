@@ -302,6 +302,9 @@ def test_bench_plot_without_sweeps_is_a_user_error(tmp_path, capsys):
     (("--blocks", "0"), ("blocks",)),
     (("--repeats", "0"), ("repeats",)),
     (("--device", "meta"), ("device",)),
+    (("--device", "gpu"), ("device", "'gpu'")),
+    (("--csv", "/nonexistent-dir/b.csv"), ("--csv", "/nonexistent-dir/b.csv")),
+    (("--plot", "/nonexistent-dir/b.png"), ("--plot", "/nonexistent-dir")),
 ])
 def test_bench_bad_config_is_a_user_error(args, fragments, capsys):
     assert main(["bench", "--no-progress", *args]) == 2
@@ -310,3 +313,17 @@ def test_bench_bad_config_is_a_user_error(args, fragments, capsys):
     for fragment in fragments:
         assert fragment in captured.err
     assert captured.out == ""  # nothing ran
+
+
+def test_bench_list_prints_the_points_without_timing(capsys):
+    assert main(["bench", "--device", "cpu", "--counts", "1,2048", "--block-tokens", "4", "--workload", "llama8b-16",
+                 "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("kvcopy bench on cpu: random ids")
+    assert [line.split() for line in lines[1:]] == [
+        ["workloads", "llama8b-16", "256", "blocks", "per", "call"],
+        ["count_sweep", "llama8b-16", "1", "blocks", "per", "call"],
+        ["count_sweep", "llama8b-16", "2048", "blocks", "per", "call"],
+        ["size_sweep", "llama8b-4", "128", "blocks", "per", "call"],
+        ["fixed_cost", "llama8b-256B", "1", "blocks", "per", "call"],
+    ]
