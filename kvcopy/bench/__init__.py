@@ -12,7 +12,8 @@
 Rows report medians with p20/p80 (kvcopy.timing) and, as ratios, how each
 method compares with one contiguous copy of the same bytes (the limit) and
 with the baselines (kvcopy.bench.baselines). Each row's output is checked
-against plain indexing before it is timed.
+against plain indexing before it is timed (a call over 1 GiB on its first
+ids).
 """
 
 from .report import CSV_COLUMNS, IDENTITY_COLUMNS, CsvWriter, format_tables, read_csv, with_ratios, write_csv
