@@ -3,9 +3,11 @@
 ``kvcopy bench`` runs :meth:`BenchConfig.default`; from Python::
 
     from kvcopy.bench import BenchConfig, run_benchmarks, format_tables, write_csv
+    from kvcopy.machine import machine_identity
+
     config = BenchConfig.default("cuda")
     rows = run_benchmarks(config)
-    identity = kvcopy.machine.machine_identity(config.device)
+    identity = machine_identity(config.device)
     print(format_tables(rows, identity))
     write_csv(rows, identity, "bench.csv")
 

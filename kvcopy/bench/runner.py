@@ -47,9 +47,10 @@ PER_BLOCK_MEMCPY, UNMERGED_BATCH = DMA_BASELINES
 # are scattered over it as in a busy cache rather than packed together.
 CACHE_BLOCKS_PER_MOVED_BLOCK = 2
 # The Python per-block loop issues one copy_ per (block, plane), 5-10 us each:
-# above this many per call (256 llama8b-16 blocks) one call takes over 0.1 s
-# and the row adds nothing the smaller points do not show, so it is left out.
-MAX_PYTHON_LOOP_COPIES = 1 << 14
+# above this many per call (1024 llama8b-16 blocks; every workload at 256
+# blocks is under it) one call takes over half a second and the row adds
+# nothing the smaller points do not show, so it is left out.
+MAX_PYTHON_LOOP_COPIES = 1 << 16
 # A row whose single call takes longer than SLOW_CALL_S is timed with one
 # warm-up and SLOW_ROW_REPEATS calls: the slow baselines at thousands of blocks
 # would otherwise take most of a GPU check's minutes, and their spread is small
