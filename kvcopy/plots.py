@@ -97,7 +97,8 @@ def plot_bench(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *, 
             for method in dict.fromkeys(r["method"] for r in mine):
                 points = sorted((r[field] * scale, r["gbps"]) for r in mine if r["method"] == method)
                 xs, ys = zip(*points)
-                style = dict(color="black", ls="--", lw=1.5) if method.startswith("contiguous") else dict(marker="o", ms=3)
+                limit = method.startswith("contiguous")
+                style = dict(color="black", ls="--", lw=1.5) if limit else dict(marker="o", ms=3)
                 ax.plot(xs, ys, label=method, **style)
             ax.set_xscale("log", base=2)
             ax.set(xlabel=label, ylabel="GB/s", title=f"{direction}: {suite.replace('_', ' ')}")

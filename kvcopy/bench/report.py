@@ -113,7 +113,8 @@ def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
     ratios = with_ratios(rows)
     has_memcpy = any(not math.isnan(r["x_per_block_memcpy"]) for r in ratios)
     has_prediction = any(not math.isnan(r["predicted_s"]) for r in ratios)
-    lines = [f"kvcopy bench on {identity.get('device_name')} ({identity.get('device')}; host {identity.get('host_cpu')}, "
+    lines = [f"kvcopy bench on {identity.get('device_name')} ({identity.get('device')}; "
+             f"host {identity.get('host_cpu')}, "
              f"{identity.get('torch_threads')} threads; torch {identity.get('torch')}, "
              f"{'CUDA ' + str(identity['cuda']) if identity.get('cuda') else 'no CUDA'}), "
              f"{identity.get('date')}",

@@ -35,8 +35,8 @@ from ..timing import measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
 from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, llama8b_with_block_tokens
 
-__all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT", "PER_LAYER_LOOP", "PER_BLOCK_LOOP",
-           "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
+__all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT",
+           "PER_LAYER_LOOP", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
 
 LIMIT = "contiguous copy (limit)"
 PER_LAYER_LOOP = "per-layer index loop"
@@ -110,7 +110,8 @@ class BenchConfig:
                 raise ValueError(f"{name}: expected distinct positive ints, got {values}")
 
     @classmethod
-    def default(cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: object) -> BenchConfig:
+    def default(cls, device: torch.device | str | None = None, *, quick: bool = False,
+                **overrides: object) -> BenchConfig:
         """The default set for ``device`` (default: the GPU if any, else the CPU); ``quick``: a smoke-test size."""
         device = _resolve_device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
         if quick:

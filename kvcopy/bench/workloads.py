@@ -9,7 +9,8 @@ import torch
 
 from ..layout import PagedKV
 
-__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "MIXED_PLANE_WORKLOADS", "TINY_PLANES", "llama8b_with_block_tokens", "random_tensor"]
+__all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "MIXED_PLANE_WORKLOADS", "TINY_PLANES",
+           "llama8b_with_block_tokens", "random_tensor"]
 
 HEAD_DIM = 128
 LLAMA8B_LAYERS, LLAMA8B_KV_HEADS = 32, 8
