@@ -135,6 +135,12 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+# BenchConfig fields and the `kvcopy bench` flags that set them, for error messages.
+_BENCH_FLAGS = {"device": "--device", "workloads": "--workload", "ids": "--ids", "blocks": "--blocks",
+                "counts": "--counts", "block_tokens": "--block-tokens", "sweep_blocks": "--sweep-blocks",
+                "repeats": "--repeats"}
+
+
 def _bench(args: argparse.Namespace) -> int:
     from ._progress import progress_bar
     from .bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
@@ -150,8 +156,9 @@ def _bench(args: argparse.Namespace) -> int:
         overrides.update(counts=(), block_tokens=(), fixed_cost=False)
     try:
         config = BenchConfig.default(args.device, quick=args.quick, **overrides)
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    except ValueError as err:  # "field: ..." -> "--flag: ..."
+        field, _, rest = str(err).partition(":")
+        raise CliError(f"{_BENCH_FLAGS.get(field, field)}:{rest}") from None
     if args.list:
         print(f"kvcopy bench on {config.device}: {config.ids} ids, {config.repeats} repeats after "
               f"{config.warmup} warm-up calls")

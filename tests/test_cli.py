@@ -298,11 +298,11 @@ def test_bench_plot_without_sweeps_is_a_user_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "fragments"), [
-    (("--workload", "nope"), ("workloads", "nope", "llama8b-16")),
-    (("--blocks", "0"), ("blocks",)),
-    (("--repeats", "0"), ("repeats",)),
-    (("--device", "meta"), ("device",)),
-    (("--device", "gpu"), ("device", "'gpu'")),
+    (("--workload", "nope"), ("--workload:", "nope", "llama8b-16")),
+    (("--blocks", "0"), ("--blocks:",)),
+    (("--repeats", "0"), ("--repeats:",)),
+    (("--device", "meta"), ("--device:",)),
+    (("--device", "gpu"), ("--device:", "'gpu'")),
     (("--csv", "/nonexistent-dir/b.csv"), ("--csv", "/nonexistent-dir/b.csv")),
     (("--plot", "/nonexistent-dir/b.png"), ("--plot", "/nonexistent-dir")),
 ])
