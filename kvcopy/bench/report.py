@@ -102,9 +102,14 @@ def _sweep_table(rows: list[dict[str, Any]], suite: str) -> list[str]:
         mine = [r for r in rows if r["direction"] == direction]
         header = f"{direction + ' / ' + x_name:<35}" + "".join(f"{x:>9}" for x in xs)
         lines += [header, "-" * len(header)]
-        for method in dict.fromkeys(r["method"] for r in mine):
+        methods = list(dict.fromkeys(r["method"] for r in mine))
+        for method in methods:
             by_x = {x_of(r): r["gbps"] for r in mine if r["method"] == method}
             lines.append(f"{method:<35}" + "".join(f"{by_x[x]:9.2f}" if x in by_x else f"{'-':>9}" for x in xs))
+        for method in (m for m in methods if m.startswith("kvcopy ")):  # the same rows as fractions of the limit
+            by_x = {x_of(r): r["x_limit"] for r in mine if r["method"] == method}
+            lines.append(f"{method + ' x limit':<35}" + "".join(
+                f"{_ratio(by_x[x]):>9}" if x in by_x else f"{'-':>9}" for x in xs))
     return lines
 
 
