@@ -9,6 +9,7 @@ deterministically, for as long as the test wants.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 
@@ -141,11 +142,22 @@ def run_in_thread(fn: Callable, *args) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def run_threads(worker: Callable[[int], None], num_threads: int, timeout: float = 60.0) -> None:
-    """Runs ``worker(i)`` for i in range(num_threads) on threads of its own and joins them all."""
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout)
-        assert not t.is_alive(), "a worker thread did not finish in time"
+def run_threads(worker: Callable[[int], None], num_threads: int, timeout: float = 60.0, *,
+                interleave: bool = False) -> None:
+    """Runs ``worker(i)`` for i in range(num_threads) on threads of its own and joins them all.
+
+    ``interleave``: switch threads every microsecond meanwhile, so that
+    unlocked read-modify-write sequences in the code under test would interleave.
+    """
+    old_interval = sys.getswitchinterval()
+    if interleave:
+        sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout)
+            assert not t.is_alive(), "a worker thread did not finish in time"
+    finally:
+        sys.setswitchinterval(old_interval)

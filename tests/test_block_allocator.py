@@ -282,11 +282,7 @@ def test_concurrent_double_free_is_caught_once(make):
             with lock:
                 results.append(outcome)
 
-        threads = [threading.Thread(target=worker) for _ in range(num_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        run_threads(lambda _: worker(), num_threads, timeout=30)
         assert sorted(results) == ["freed"] + ["refused"] * (num_threads - 1)
         assert a.num_free == NUM_BLOCKS
         assert np.array_equal(a.allocate(NUM_BLOCKS).numpy(), np.arange(NUM_BLOCKS))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import threading
 import time
 import tracemalloc
@@ -413,29 +412,20 @@ def test_num_in_flight_counts_transfers_from_threads(engines, monkeypatch):
     eng = engines(kv, pool)
     gate = engines.gate(monkeypatch)
     num_threads, per_thread = 4, 150
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # interleave the submissions as much as possible
-    try:
-        start = threading.Barrier(num_threads)
-        transfers: list[kvcopy.Transfer] = []
-        lock = threading.Lock()
+    start = threading.Barrier(num_threads)
+    transfers: list[kvcopy.Transfer] = []
+    lock = threading.Lock()
 
-        def worker(index: int) -> None:
-            start.wait()
-            mine = []
-            for j in range(per_thread):
-                block = (index * per_thread + j) % 64
-                mine.append(eng.offload([block], [block]) if j % 2 else eng.reload([block], [block]))
-            with lock:
-                transfers.extend(mine)
+    def worker(index: int) -> None:
+        start.wait()
+        mine = []
+        for j in range(per_thread):
+            block = (index * per_thread + j) % 64
+            mine.append(eng.offload([block], [block]) if j % 2 else eng.reload([block], [block]))
+        with lock:
+            transfers.extend(mine)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(worker, num_threads, timeout=30, interleave=True)  # interleave the submissions as much as possible
     assert len(transfers) == num_threads * per_thread
     assert not any(t.done() for t in transfers)
     # Fails when concurrent submissions drop each other's entry from the in-flight list (a lost update).

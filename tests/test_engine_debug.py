@@ -8,7 +8,6 @@ the first transfer's copy ran and the second one's destination is unchanged.
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 import kvcopy
 from conftest import assert_same_bytes, byte_rows, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from engine_helpers import run_threads
 
 NUM_BLOCKS, HOST_BLOCKS = 12, 10
 
@@ -234,24 +234,15 @@ def test_conflicts_with_transfers_submitted_from_threads(engines, monkeypatch):
     eng = engines(kv, pool, debug=True)
     gate = engines.gate(monkeypatch)
     num_threads, per_thread = 4, 128
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # interleave the submissions as much as possible
-    try:
-        start = threading.Barrier(num_threads)
+    start = threading.Barrier(num_threads)
 
-        def worker(index: int) -> None:
-            start.wait()
-            for j in range(per_thread):
-                block = index * per_thread + j
-                eng.offload([block], [block])  # distinct blocks: no conflicts among these
+    def worker(index: int) -> None:
+        start.wait()
+        for j in range(per_thread):
+            block = index * per_thread + j
+            eng.offload([block], [block])  # distinct blocks: no conflicts among these
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(worker, num_threads, timeout=30, interleave=True)  # interleave the submissions as much as possible
     missed = []
     for block in range(num_threads * per_thread):
         try:

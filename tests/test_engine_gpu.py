@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import threading
 import time
 import tracemalloc
@@ -459,30 +458,21 @@ def test_close_waits_for_transfers_from_threads(res):
     errors: list[BaseException] = []
     lock = threading.Lock()
     torch.cuda._sleep(10 * SLEEP_CYCLES)  # the legacy default stream: every thread's transfers wait behind it
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        start = threading.Barrier(num_threads)
+    start = threading.Barrier(num_threads)
 
-        def worker(index: int) -> None:
-            start.wait()
-            mine = []
-            try:
-                for j in range(per_thread):
-                    block = (index * per_thread + j) % 64
-                    mine.append(eng.offload([block], [block]) if j % 2 else eng.reload([block], [block]))
-            except BaseException as err:  # noqa: BLE001
-                errors.append(err)
-            with lock:
-                transfers.extend(mine)
+    def worker(index: int) -> None:
+        start.wait()
+        mine = []
+        try:
+            for j in range(per_thread):
+                block = (index * per_thread + j) % 64
+                mine.append(eng.offload([block], [block]) if j % 2 else eng.reload([block], [block]))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+        with lock:
+            transfers.extend(mine)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(worker, num_threads, timeout=30, interleave=True)
     assert not errors, repr(errors[0])  # e.g. a race in the engine's shared state
     assert len(transfers) == num_threads * per_thread
     counted = eng.num_in_flight
