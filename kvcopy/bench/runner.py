@@ -33,7 +33,7 @@ from ..ops import available_methods, copy_blocks
 from ..profile import Profile, direction_of
 from ..timing import measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
-from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, llama8b_with_block_tokens
+from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
 
 __all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT",
            "PER_LAYER_LOOP", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
@@ -187,11 +187,7 @@ def check_output(name: str, fn: Callable[[], object], src: PagedKV, src_ids: tor
     for _, d_words in pairs:
         d_words[dst_ids] = 0
     before = [(s_words.clone(), d_words.clone()) for s_words, d_words in pairs] if whole else []
-    _synchronize(src, dst)
-    began = time.perf_counter()
-    fn()
-    _synchronize(src, dst)
-    seconds = time.perf_counter() - began
+    seconds = _seconds_of(fn, src, dst)
     for p, (s_words, d_words) in enumerate(pairs):
         if not torch.equal(d_words[dst_ids].cpu(), s_words[src_ids].cpu()):
             raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
@@ -319,45 +315,42 @@ def _predicted(profile: Profile | None, link: str, method: str, nbytes: int, n: 
         return None
 
 
+def _plan(config: BenchConfig) -> list[tuple[str, Workload, int]]:
+    """(suite, workload, blocks per call) of every point, in the order they are timed."""
+    plan = [("workloads", WORKLOADS[name], config.blocks) for name in config.workloads]
+    plan += [("count_sweep", WORKLOADS[DEFAULT_WORKLOAD], n) for n in sorted(config.counts)]
+    plan += [("size_sweep", Workload(f"llama8b-{tokens}", f"Llama-3.1-8B's cache at {tokens} tokens per block",
+                                     llama8b_with_block_tokens(tokens)), config.sweep_blocks)
+             for tokens in sorted(config.block_tokens)]
+    plan += [("fixed_cost", TINY_PLANES, 1)] if config.fixed_cost else []
+    return plan
+
+
+def _cache_and_pool(build: Callable[[int, torch.device], PagedKV], moved: int,
+                    device: torch.device) -> tuple[PagedKV, HostKVPool]:
+    """A cache and a host pool with room for ``moved`` blocks per call, and for calls that cycle over
+    MIN_COLD_BYTES."""
+    room = max(moved, -(-MIN_COLD_BYTES // build(1, device).nbytes_per_block))
+    kv = build(CACHE_BLOCKS_PER_MOVED_BLOCK * room, device)
+    return kv, HostKVPool(kv, room)
+
+
 def _points(config: BenchConfig) -> Iterator[_Point]:
-    """The suites' points, building each cache once and dropping it before the next one is built."""
-    device = config.device
-
-    def pair(build: Callable[[int, torch.device], PagedKV], moved: int) -> tuple[PagedKV, HostKVPool]:
-        """A cache and a host pool with room for ``moved`` blocks per call, and for calls that cycle over
-        MIN_COLD_BYTES."""
-        room = max(moved, -(-MIN_COLD_BYTES // build(1, device).nbytes_per_block))
-        kv = build(CACHE_BLOCKS_PER_MOVED_BLOCK * room, device)
-        return kv, HostKVPool(kv, room)
-
-    for name in config.workloads:
-        kv, host = pair(WORKLOADS[name].build, config.blocks)
-        yield _Point("workloads", name, kv, host, config.blocks)
+    """The plan's points. Consecutive points of one suite and workload (the count sweep) share one cache,
+    sized for the largest; each cache is dropped before the next one is built."""
+    for (suite, _), group in itertools.groupby(_plan(config), key=lambda point: (point[0], point[1].name)):
+        points = list(group)
+        workload = points[0][1]
+        kv, host = _cache_and_pool(workload.build, max(n for _, _, n in points), config.device)
+        for _, _, n in points:
+            yield _Point(suite, workload.name, kv, host, n)
         del kv, host
         gc.collect()  # a HostKVPool's buffer and region refer to each other: free its pinned memory now
-    if config.counts:
-        kv, host = pair(WORKLOADS[DEFAULT_WORKLOAD].build, max(config.counts))
-        for n in sorted(config.counts):
-            yield _Point("count_sweep", DEFAULT_WORKLOAD, kv, host, n)
-        del kv, host
-        gc.collect()
-    for tokens in sorted(config.block_tokens):
-        kv, host = pair(llama8b_with_block_tokens(tokens), config.sweep_blocks)
-        yield _Point("size_sweep", f"llama8b-{tokens}", kv, host, config.sweep_blocks)
-        del kv, host
-        gc.collect()
-    if config.fixed_cost:
-        kv, host = pair(TINY_PLANES.build, 1)
-        yield _Point("fixed_cost", TINY_PLANES.name, kv, host, 1)
 
 
 def point_specs(config: BenchConfig) -> list[tuple[str, str, int]]:
     """(suite, workload, blocks per call) of every point, in the order :func:`run_benchmarks` times them."""
-    specs = [("workloads", name, config.blocks) for name in config.workloads]
-    specs += [("count_sweep", DEFAULT_WORKLOAD, n) for n in sorted(config.counts)]
-    specs += [("size_sweep", f"llama8b-{tokens}", config.sweep_blocks) for tokens in sorted(config.block_tokens)]
-    specs += [("fixed_cost", TINY_PLANES.name, 1)] if config.fixed_cost else []
-    return specs
+    return [(suite, workload.name, n) for suite, workload, n in _plan(config)]
 
 
 def num_points(config: BenchConfig) -> int:
