@@ -24,19 +24,17 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.bench import IDENTITY_COLUMNS
+from kvcopy.bench import IDENTITY_COLUMNS, WORKLOADS
 from kvcopy.machine import machine_identity
 from kvcopy.timing import measure
 
-LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 32, 16, 8, 128  # llama8b-16
 GEMM_SIZE_GPU = 8192  # 8192^3 bf16: ~1.1 TFLOP per GEMM, milliseconds on an H100/H200
 GEMM_SIZE_CPU = 512
 
 
 def make_pair(num_blocks: int, host_blocks: int, device: str) -> tuple[kvcopy.PagedKV, kvcopy.HostKVPool]:
-    layers = [torch.randn(2, num_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM, device=device).to(torch.bfloat16)
-              for _ in range(LAYERS)]
-    kv = kvcopy.PagedKV.from_vllm(layers)
+    """A llama8b-16 cache (kvcopy bench's workload) of random bytes, and a host pool for it."""
+    kv = WORKLOADS["llama8b-16"].build(num_blocks, torch.device(device))
     return kv, kvcopy.HostKVPool(kv, host_blocks)
 
 
