@@ -26,7 +26,7 @@ from .layout import PagedKV
 from .machine import machine_identity
 from .ops import available_methods, copy_blocks
 from .profile import LinkFit, MethodProfile, PrefillProfile, Profile
-from .timing import measure
+from .timing import COLD_BYTES, measure
 
 __all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 
@@ -35,13 +35,10 @@ __all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 CALIBRATION_PLANES = 16
 # The model whose layer shape times prefill unless another is given.
 DEFAULT_MODEL = "llama-3.1-8b"
-# Each side of a calibration pair holds at least this many bytes, and successive
-# timed calls copy different blocks: twice a 32 MiB L3, so a small copy is not
-# timed on data the previous repeat left in cache (real offloads touch cold blocks).
-_MIN_POOL_BYTES = 64 << 20
-# Distinct id sets cycled through by the timed calls of one shape: at least this
-# many, and enough that together they cover _MIN_POOL_BYTES, so a small copy's
-# repeats do not find their blocks in cache.
+# Each side of a calibration pair holds at least kvcopy.timing.COLD_BYTES, and
+# successive timed calls copy different blocks. Distinct id sets cycled through
+# by the timed calls of one shape: at least this many, and enough that together
+# they cover COLD_BYTES, so a small copy's repeats do not find their blocks in cache.
 _MIN_ID_SETS = 16
 _MAX_ID_SETS = 4096
 # A prefill fit missing a point by more than this (relative) is timed again.
@@ -104,12 +101,12 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
         counts = [n for b, n in shapes if b == block_nbytes]
         if not counts:
             continue
-        pool_blocks = max(2 * max(counts), -(-_MIN_POOL_BYTES // (block_nbytes * CALIBRATION_PLANES)))
+        pool_blocks = max(2 * max(counts), -(-COLD_BYTES // (block_nbytes * CALIBRATION_PLANES)))
         for direction, (src, dst) in _pairs(device, block_nbytes, pool_blocks).items():
             for num_blocks in counts:
                 # Random ids (the common, uncoalesced case), a different set of blocks each call.
                 nbytes = num_blocks * block_nbytes * CALIBRATION_PLANES
-                num_sets = max(_MIN_ID_SETS, min(_MAX_ID_SETS, _MIN_POOL_BYTES // nbytes))
+                num_sets = max(_MIN_ID_SETS, min(_MAX_ID_SETS, COLD_BYTES // nbytes))
                 id_sets = [
                     (torch.randperm(src.num_blocks, generator=generator)[:num_blocks],
                      torch.randperm(dst.num_blocks, generator=generator)[:num_blocks])

@@ -31,7 +31,7 @@ from ..host import HostKVPool
 from ..layout import PagedKV
 from ..ops import available_methods, copy_blocks
 from ..profile import Profile, direction_of
-from ..timing import measure
+from ..timing import COLD_BYTES, measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
 from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
 
@@ -58,11 +58,8 @@ MAX_PYTHON_LOOP_COPIES = 1 << 16
 SLOW_CALL_S = 0.05
 SLOW_ROW_REPEATS = 3
 # Successive timed calls of a point cycle over id sets (and offsets of the
-# contiguous buffers) that together cover at least this many bytes, up to
-# MAX_ID_SETS sets: twice a 32 MiB L3, so a small call is not timed on data
-# the previous call left in cache (real offloads touch cold blocks). The same
-# rule as the calibrator's.
-MIN_COLD_BYTES = 64 << 20
+# contiguous buffers) that together cover at least kvcopy.timing.COLD_BYTES, as
+# the calibrator's do, up to this many sets.
 MAX_ID_SETS = 32
 # Each row's output is checked against plain indexing before it is timed, on
 # the first ids of the call that move at most this many bytes (the check moves
@@ -256,7 +253,7 @@ def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
                 profile: Profile | None) -> list[BenchRow]:
     kv, host, n, device = point.kv, point.host, point.num_blocks, config.device
     nbytes = n * kv.nbytes_per_block
-    num_sets = max(1, min(MAX_ID_SETS, -(-MIN_COLD_BYTES // nbytes), host.num_blocks // n,
+    num_sets = max(1, min(MAX_ID_SETS, -(-COLD_BYTES // nbytes), host.num_blocks // n,
                           kv.num_blocks // (CACHE_BLOCKS_PER_MOVED_BLOCK * n)))
     id_sets = _id_sets(kv.num_blocks, host.num_blocks, n, num_sets, config.ids, generator)
     # Contiguous limit: num_sets slices of the same bytes, on the device and in the (pinned) host pool.
@@ -329,8 +326,8 @@ def _plan(config: BenchConfig) -> list[tuple[str, Workload, int]]:
 def _cache_and_pool(build: Callable[[int, torch.device], PagedKV], moved: int,
                     device: torch.device) -> tuple[PagedKV, HostKVPool]:
     """A cache and a host pool with room for ``moved`` blocks per call, and for calls that cycle over
-    MIN_COLD_BYTES."""
-    room = max(moved, -(-MIN_COLD_BYTES // build(1, device).nbytes_per_block))
+    COLD_BYTES."""
+    room = max(moved, -(-COLD_BYTES // build(1, device).nbytes_per_block))
     kv = build(CACHE_BLOCKS_PER_MOVED_BLOCK * room, device)
     return kv, HostKVPool(kv, room)
 
