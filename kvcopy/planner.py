@@ -160,15 +160,30 @@ class Planner:
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, prefix_tokens: int, new_tokens: int = 0) -> Decision:
-        """Reload, recompute or split for a cached prefix of ``prefix_tokens`` and ``new_tokens`` to add."""
+    def t_load_nbytes(self, nbytes: int) -> float:
+        """Seconds to reload ``nbytes`` of KV (one call), for an engine that knows the bytes it moves."""
+        return self.load_alpha_s + nbytes / self._effective_bytes_per_s
+
+    def decide(self, prefix_tokens: int, new_tokens: int = 0, *, load_nbytes: int | None = None) -> Decision:
+        """Reload, recompute or split for a cached prefix of ``prefix_tokens`` and ``new_tokens`` to add.
+
+        ``load_nbytes``: the bytes a reload would move, when the engine knows them (whole
+        blocks, a sliding window's ring); default ``spec.kv_bytes(prefix_tokens)``.
+        """
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
         if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
             raise ValueError(f"new_tokens: expected an int >= 0, got {new_tokens!r}")
+        if load_nbytes is not None and (isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int)
+                                        or load_nbytes < 0):
+            raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
         extend = self.t_prefill(new_tokens, prefix_tokens)
         t_recompute = self.t_prefill(prefix_tokens + new_tokens)
-        t_reload = (self.t_load(prefix_tokens) if prefix_tokens else 0.0) + extend
+        if not prefix_tokens:
+            t_load = 0.0
+        else:
+            t_load = self.t_load(prefix_tokens) if load_nbytes is None else self.t_load_nbytes(load_nbytes)
+        t_reload = t_load + extend
         split = self._best_split(prefix_tokens)
         t_split = split[1] + extend if split else None
         options = {"reload": t_reload, "recompute": t_recompute}

@@ -1,0 +1,67 @@
+"""What an engine adapter reports about its offloads: counters and one record per preempted request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["OffloadAction", "OffloadDecision", "OffloadStats"]
+
+OffloadAction = Literal["reload", "recompute"]
+
+
+@dataclass
+class OffloadDecision:
+    """One preempted request: what was decided, what was predicted, and (once it resumed) what it took.
+
+    ``prefix_tokens``: tokens whose KV was in the cache when the request was
+    preempted. ``new_tokens``: tokens it still had to process on top of them
+    (usually the one token just generated). A reload moves ``reload_blocks``
+    blocks (``reload_nbytes`` bytes) and then processes ``new_tokens``; a
+    recompute re-prefills ``prefix_tokens + new_tokens``.
+
+    ``predicted_reload_s`` / ``predicted_recompute_s``: the Planner's seconds
+    for each path (None without a calibrated profile). ``measured_s``: the
+    path taken, measured after the request resumed: the copy's own seconds
+    (its share of one reload transfer, by bytes) plus the forward passes that
+    processed its tokens until it caught up, each forward's seconds split by
+    the share of the batch's tokens that were this request's. None until then,
+    or if it was preempted again before catching up.
+    """
+
+    request_id: str
+    prefix_tokens: int
+    new_tokens: int
+    reload_blocks: int
+    reload_nbytes: int
+    action: OffloadAction
+    reason: str
+    predicted_reload_s: float | None
+    predicted_recompute_s: float | None
+    measured_s: float | None = None
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one offloading context, updated live while the engine runs.
+
+    ``offloaded_requests``: preempted requests whose KV went to the host pool;
+    ``reloaded_requests``: of those, the ones brought back; ``recomputed_requests``:
+    preempted requests whose KV was dropped (by decision, or because the host
+    pool was full) and re-prefilled; ``offloaded_blocks``: blocks copied to the
+    host; ``host_blocks_in_use``: host blocks holding KV now (0 once nothing
+    is offloaded and every copy has finished); ``decisions``: one record per
+    preempted request, in order.
+    """
+
+    offloaded_requests: int = 0
+    reloaded_requests: int = 0
+    recomputed_requests: int = 0
+    offloaded_blocks: int = 0
+    decisions: list[OffloadDecision] = field(default_factory=list)
+    _blocks_in_use: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+
+    @property
+    def host_blocks_in_use(self) -> int:
+        return self._blocks_in_use()

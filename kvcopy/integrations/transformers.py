@@ -1,0 +1,165 @@
+"""kvcopy as the KV offload path and judge of Hugging Face transformers' continuous batching.
+
+::
+
+    from kvcopy.integrations import transformers as kvt
+
+    with kvt.offloading(model, host_gib=1.0, policy="auto") as stats:
+        out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg)
+    stats.reloaded_requests, stats.recomputed_requests, stats.decisions
+
+When transformers' paged cache is full it preempts requests. Inside the
+context, what happens to a preempted request's KV is kvcopy's business: it is
+kept in a :class:`~kvcopy.HostKVPool` and reloaded when the request is
+scheduled again, or dropped and re-prefilled, as the ``policy`` says:
+
+- ``"auto"``: the :class:`~kvcopy.Planner` (the one ``kvcopy plan`` uses, from
+  the model's live config and a calibrated profile) compares reloading the
+  request's blocks with re-prefilling its tokens, per request. Without a
+  profile it behaves as ``"offload"`` and logs that once;
+- ``"offload"``: always keep the KV while the host pool has room;
+- ``"recompute"``: always drop it.
+
+A full host pool falls back to recompute for that request (counted). Copies
+run on a :class:`~kvcopy.TransferEngine`'s copy streams (worker threads on a
+CPU): an offload overlaps the next forward and is waited for only by work
+that would overwrite the blocks it reads; a reload is complete before the
+forward that reads it. Nothing in transformers is edited: its continuous
+batching builds kvcopy's manager instead of its own while the context is
+open, and leaving the context (also on an exception) puts everything back,
+finishes every copy and frees every host block.
+
+transformers is an optional extra (``pip install 'kvcopy[transformers]'``);
+this module imports without it, and :func:`offloading` then raises an
+ImportError naming the extra. A transformers outside
+:data:`SUPPORTED_RANGE`, or one whose continuous-batching internals moved, is
+a RuntimeError at :func:`offloading`, before anything is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from ..methods import METHODS
+from ..model import ModelSpec
+from ..planner import Planner
+from ..profile import Profile, default_profile
+from ._hf_compat import SUPPORTED_RANGE, check_internals, import_transformers
+from ._offload_session import POLICIES, OffloadSession, Policy
+from ._offload_stats import OffloadDecision, OffloadStats
+
+__all__ = ["POLICIES", "SUPPORTED_RANGE", "OffloadDecision", "OffloadStats", "model_spec", "offloading"]
+
+logger = logging.getLogger(__name__)
+
+# One context at a time in the process: it swaps a class in transformers' module for its duration.
+_ACTIVE = threading.Lock()
+
+
+def model_spec(model: Any) -> ModelSpec:
+    """The :class:`~kvcopy.ModelSpec` of a live transformers model, from ``model.config`` (not a path),
+    with the KV dtype the paged cache stores (the model's dtype)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"model: expected a transformers model with a .config, got {type(model).__name__}")
+    data = config.to_dict()
+    name = data.get("_name_or_path") or data.get("model_type") or type(model).__name__
+    return ModelSpec.from_hf_config(data, name=name, kv_dtype=getattr(model, "dtype", None))
+
+
+def _check_arguments(host_gib: object, policy: object, profile: object, method: object) -> None:
+    if isinstance(host_gib, bool) or not isinstance(host_gib, (int, float)):
+        raise TypeError(f"host_gib: expected a number of GiB, got {type(host_gib).__name__}")
+    if not (math.isfinite(host_gib) and host_gib > 0):
+        raise ValueError(f"host_gib: expected a positive number of GiB, got {host_gib}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    if not (profile is None or isinstance(profile, (Profile, str, os.PathLike))):
+        raise TypeError(f"profile: expected a Profile, a path or None, got {type(profile).__name__}")
+    if method != "auto" and method not in METHODS:
+        raise ValueError(f"method: expected 'auto' or one of {METHODS}, got {method!r}")
+
+
+def _planner(model: Any, policy: Policy, profile: Profile | None) -> Planner | None:
+    """The Planner for this model and profile; None (with a log line) where there is no profile."""
+    if profile is None:
+        if policy == "auto":
+            logger.warning("kvcopy offloading: no calibrated profile (run `kvcopy calibrate`), so policy 'auto' "
+                           "keeps every preempted request's KV while the host pool has room, as 'offload' does")
+        return None
+    try:
+        spec = model_spec(model)
+    except ValueError as err:
+        if policy == "auto":
+            raise ValueError(f"model: policy 'auto' needs the model's shape, and its config cannot be read: {err}") \
+                from None
+        logger.warning("kvcopy offloading: no predictions (the model's config cannot be read: %s)", err)
+        return None
+    return Planner.from_profile(profile, spec)
+
+
+@contextlib.contextmanager
+def offloading(
+    model: Any,
+    host_gib: float = 1.0,
+    policy: Policy = "auto",
+    profile: Profile | str | os.PathLike[str] | None = None,
+    method: str = "auto",
+) -> Iterator[OffloadStats]:
+    """Makes kvcopy the offload path and judge of ``model``'s continuous batching while the context is open.
+
+    ``host_gib``: size of the host pool (pinned when CUDA is available, plain
+    memory otherwise), split between the cache's allocators. ``policy``:
+    ``"auto"``, ``"offload"`` or ``"recompute"`` (module docstring).
+    ``profile``: a :class:`~kvcopy.Profile`, a path to one, or None for the
+    default profile (``kvcopy calibrate``'s). ``method``: the copy method
+    (see :func:`kvcopy.copy_blocks`). Yields the live :class:`OffloadStats`.
+
+    Errors, all before anything is patched: TypeError / ValueError for bad
+    arguments, FileNotFoundError for a profile path that does not exist,
+    ImportError (naming the extra) without transformers, RuntimeError for an
+    unsupported transformers or a context already open (nested, or in
+    another thread).
+    """
+    _check_arguments(host_gib, policy, profile, method)
+    if isinstance(profile, (str, os.PathLike)):
+        profile = Profile.load(profile)
+    import_transformers()
+    check_internals()
+    planner = _planner(model, policy, profile if profile is not None else default_profile())
+    if not _ACTIVE.acquire(blocking=False):
+        raise RuntimeError("offloading: a kvcopy offloading context is already open in this process "
+                           "(contexts do not nest and are not shared between threads)")
+    try:
+        from transformers.generation.continuous_batching import continuous_api
+
+        from ._hf_manager import KvcopyOffloadingManager
+
+        session = OffloadSession(host_bytes=int(host_gib * 2**30), policy=policy, planner=planner, method=method,
+                                 profile=profile)
+        # Weak: a finished generate_batch's cache (and its device memory) must not outlive its run.
+        managers: weakref.WeakSet[KvcopyOffloadingManager] = weakref.WeakSet()
+
+        def make_manager(*args: Any, **kwargs: Any) -> KvcopyOffloadingManager:
+            manager = KvcopyOffloadingManager(*args, session=session, **kwargs)
+            managers.add(manager)
+            return manager
+
+        original = continuous_api.OffloadingManager
+        continuous_api.OffloadingManager = make_manager
+        try:
+            yield session.stats
+        finally:
+            continuous_api.OffloadingManager = original
+            for manager in list(managers):
+                manager.detach()
+            session.close()
+    finally:
+        _ACTIVE.release()
