@@ -98,8 +98,8 @@ def check_internals() -> None:
         for klass in reversed(inspect.getmro(cls)):  # type: ignore[arg-type]
             annotations.update(getattr(klass, "__annotations__", {}))
         source = inspect.getsource(cls)  # type: ignore[arg-type]
-        missing = [name for name in fields
-                   if name not in annotations and not hasattr(cls, name) and not re.search(rf"self\.{name}\s*[:=]", source)]
+        missing = [name for name in fields if name not in annotations and not hasattr(cls, name)
+                   and not re.search(rf"self\.{name}\s*[:=]", source)]
         if missing:
             raise RuntimeError(f"transformers' {cls_name} has no {missing[0]!r}; kvcopy.integrations.transformers "
                                f"supports transformers {SUPPORTED_RANGE}")

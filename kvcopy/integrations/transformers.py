@@ -74,7 +74,10 @@ def model_spec(model: Any) -> ModelSpec:
     return ModelSpec.from_hf_config(data, name=name, kv_dtype=getattr(model, "dtype", None))
 
 
-def _check_arguments(host_gib: object, policy: object, profile: object, method: object) -> None:
+def _check_arguments(model: object, host_gib: object, policy: object, profile: object, method: object) -> None:
+    if not callable(getattr(model, "generate_batch", None)) or not hasattr(getattr(model, "config", None), "to_dict"):
+        raise TypeError(f"model: expected a transformers model with continuous batching (generate_batch) and a "
+                        f".config, got {type(model).__name__}")
     if isinstance(host_gib, bool) or not isinstance(host_gib, (int, float)):
         raise TypeError(f"host_gib: expected a number of GiB, got {type(host_gib).__name__}")
     if not (math.isfinite(host_gib) and host_gib > 0):
@@ -128,7 +131,7 @@ def offloading(
     unsupported transformers or a context already open (nested, or in
     another thread).
     """
-    _check_arguments(host_gib, policy, profile, method)
+    _check_arguments(model, host_gib, policy, profile, method)
     if isinstance(profile, (str, os.PathLike)):
         profile = Profile.load(profile)
     import_transformers()
