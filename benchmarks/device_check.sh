@@ -125,6 +125,18 @@ soft_step bench_sequential 60 "$python" -m kvcopy bench ${sequential[@]+"${seque
   --no-sweeps --workload llama8b-16 --workload llama70b-tp4-16 --no-progress --csv "$out/bench_sequential.csv"
 soft_step bench_overlap 60 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
   --csv "$out/bench_overlap.csv"
+# transformers' continuous batching through kvcopy (optional: needs transformers from the wheelhouse).
+if "$python" -c 'import transformers' 2>/dev/null; then
+  if [ "$dry_run" = 1 ]; then
+    engine=(--requests 8 --min-prompt 32 --max-prompt 64 --new-tokens 16)
+  else
+    soft_step transformers_tests 150 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/test_transformers_offload.py
+    engine=(--dtype bfloat16 --hidden 1024 --layers 8)
+  fi
+  soft_step bench_engine 180 "$python" benchmarks/bench_engine.py "${engine[@]}" --csv "$out/bench_engine.csv"
+else
+  echo "device_check: transformers is not installed here: the engine tests and bench_engine are skipped" >&2
+fi
 if [ "$dry_run" = 0 ]; then
   soft_step gpu_compile_tests 120 "$python" -m pytest -q -p no:cacheprovider -m gpu -k torch_compile \
     "${gpu_test_files[@]}"

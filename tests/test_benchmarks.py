@@ -88,6 +88,20 @@ def test_bench_overlap_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
 
 
+def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
+    out = tmp_path / "engine.csv"
+    result = _run("benchmarks/bench_engine.py", "--requests", "8", "--min-prompt", "32", "--max-prompt", "64",
+                  "--new-tokens", "16", "--hidden", "128", "--layers", "2", "--csv", str(out))
+    assert result.returncode == 0, _describe(result)
+    rows = list(csv.DictReader(out.open()))
+    assert [r["path"] for r in rows] == ["transformers soft reset", "transformers offload", "kvcopy offload",
+                                         "kvcopy recompute", "kvcopy auto"]
+    assert all(r["same_tokens"] == "True" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
+    assert "pin_memory dropped" in rows[1]["note"]
+
+
 # --------------------------------------------------------------------------- device_check.sh
 
 
@@ -107,10 +121,10 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     assert result.returncode == 0, _describe(result)
     assert "device_check: done" in result.stdout
     steps = re.findall(r"^== (\S+) \(", result.stdout, re.M)
-    assert {"build", "staged", "calibrate", "plan", "bench", "bench_overlap"} <= set(steps), steps
+    assert {"build", "staged", "calibrate", "plan", "bench", "bench_overlap", "bench_engine"} <= set(steps), steps
     for step in steps:
         assert (out / f"{step}.log").is_file(), step
-    for name in ("profile.json", "bench.csv", "bench_overlap.csv", "date.txt"):
+    for name in ("profile.json", "bench.csv", "bench_overlap.csv", "bench_engine.csv", "date.txt"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     rows = read_csv(out / "bench.csv")
     assert any(r["method"] == "kvcopy cpu" for r in rows)

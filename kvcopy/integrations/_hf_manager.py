@@ -100,6 +100,7 @@ class KvcopyOffloadingManager(OffloadingManager):
         self._offloads: list[_Offload] = []
         self._awaiting: dict[str, OffloadDecision] = {}  # preempted, not scheduled again yet
         self._resuming: dict[str, _Resume] = {}
+        self._caught_up: list[_Resume] = []  # up to date; measured once their reload's end is known
         self._batch: _Batch | None = None
         self._detached = False
         cache.perform_cache_copy = self._ordered_fork_copy(cache.perform_cache_copy)  # this cache only
@@ -185,7 +186,7 @@ class KvcopyOffloadingManager(OffloadingManager):
 
     def restore_scheduled_requests(self, requests_in_batch: list[Any]) -> None:
         """Reloads the offloaded requests of the batch transformers just scheduled, before its forward."""
-        self._clock(requests_in_batch)
+        self._clock()
         allocators = self.cache.cache_allocators
         device_ids: dict[str, list[int]] = {name: [] for name in self._engines}
         host_ids: dict[str, list[int]] = {name: [] for name in self._engines}
@@ -236,23 +237,31 @@ class KvcopyOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ measuring the path taken
 
-    def _clock(self, requests_in_batch: list[Any]) -> None:
-        """Charges the forward that just finished to the resumed requests in it, by token share."""
-        del requests_in_batch
-        if self._batch is None:
-            return
-        seconds = time.perf_counter() - self._batch.started
-        for request_id, share in self._batch.shares.items():
-            resume = self._resuming.get(request_id)
-            if resume is not None:
-                resume.compute_s += seconds * share
-        for request_id in self._batch.completes:
-            resume = self._resuming.get(request_id)
-            if resume is not None and all(t.done() for t, _ in resume.copy_shares):
-                copy_s = sum((t.elapsed or 0.0) * share for t, share in resume.copy_shares)
+    def _clock(self) -> None:
+        """Charges the forward that just finished to the resumed requests in it, by token share, and records the
+        path of those it brought up to date (once their reload's end is known: no host wait for it)."""
+        if self._batch is not None:
+            seconds = time.perf_counter() - self._batch.started
+            for request_id, share in self._batch.shares.items():
+                resume = self._resuming.get(request_id)
+                if resume is not None:
+                    resume.compute_s += seconds * share
+            self._caught_up.extend(self._resuming.pop(rid) for rid in self._batch.completes if rid in self._resuming)
+            self._batch = None
+        self._record_caught_up()
+
+    def _record_caught_up(self, *, wait: bool = False) -> None:
+        still = []
+        for resume in self._caught_up:
+            if wait:
+                for transfer, _ in resume.copy_shares:
+                    transfer.wait()
+            if all(transfer.done() for transfer, _ in resume.copy_shares):
+                copy_s = sum((transfer.elapsed or 0.0) * share for transfer, share in resume.copy_shares)
                 resume.decision.measured_s = copy_s + resume.compute_s
-                del self._resuming[request_id]
-        self._batch = None
+            else:
+                still.append(resume)
+        self._caught_up = still
 
     def _start_batch(self, requests_in_batch: list[Any]) -> None:
         total = sum(f.query_length for f in requests_in_batch) or 1
@@ -285,9 +294,10 @@ class KvcopyOffloadingManager(OffloadingManager):
         for request_id in list(self._request_id_to_cpu_blocks):
             for name, ids in self._request_id_to_cpu_blocks.pop(request_id).items():
                 self._session.release(name, ids, after=self._offloads_writing(name, ids))
+        self._batch = None  # not charged: the time since it ended may be idle
+        self._record_caught_up(wait=True)
         self._awaiting.clear()
         self._resuming.clear()
-        self._batch = None
 
     def detach(self) -> None:
         """The offloading context is closing: finish every copy, give requests still on the host back to
@@ -297,6 +307,7 @@ class KvcopyOffloadingManager(OffloadingManager):
         self._detached = True
         for engine in self._engines.values():
             engine.close()
+        self._record_caught_up()
         for request_id in list(self._request_id_to_cpu_blocks):
             state = self.scheduler.waiting_requests.get(request_id)
             if state is not None and state.is_cpu_offloaded:
