@@ -12,11 +12,19 @@ On CPU the same API runs on one worker thread per direction (FIFO, like a
 stream). Work the caller did before the call has finished by then, so the
 ordering guarantees hold as they are.
 
-What stays the caller's job (debug mode catches the transfer-vs-transfer
-cases): not writing a block being offloaded, nor reading or writing a block
-being reloaded, until the transfer's ``wait``/``wait_stream``/``wait_layer``
-says so; not freeing or reusing a host or device block before its transfer is
-done; keeping the cache tensors alive (the engine holds references).
+The engine also orders its own transfers against each other, per block
+(kvcopy._block_order): a transfer that reads a block an unfinished one
+writes, or writes a block an unfinished one reads or writes, on either side,
+starts after it (its copy stream waits on that transfer's event; on CPU its
+worker waits). Transfers that share no block overlap.
+
+What stays the caller's job (debug mode catches what it can see: the
+caller's own copy_blocks on the engine's cache or pool, and HostKVPool.free):
+not writing a block being offloaded, nor reading or writing a block being
+reloaded, with its own work until the transfer's ``wait``/``wait_stream``/
+``wait_layer`` says so; not freeing or reusing a host or device block before
+its transfer is done; keeping the cache tensors alive (the engine holds
+references).
 """
 
 from __future__ import annotations
@@ -27,12 +35,12 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from . import _ext
 from . import ops as _ops
+from ._block_order import BlockOrder, Blocks, TransferConflictError, watch
 from ._ids import BlockIds
 from .host import HostKVPool
 from .layout import PagedKV
@@ -45,48 +53,6 @@ __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
 # default stream's). Copy streams take the least, so decode on a stream of
 # higher priority wins the SMs; only used when kvcopy's own streams cannot be made.
 COPY_STREAM_PRIORITY = 0
-
-
-class TransferConflictError(RuntimeError):
-    """Debug mode: a new transfer would touch a block that an unfinished transfer still uses."""
-
-
-@dataclass
-class _BlockUse:
-    """The blocks one transfer reads and writes, per side ("device" / "host")."""
-
-    transfer: Transfer
-    reads: dict[str, set[int]] = field(default_factory=dict)
-    writes: dict[str, set[int]] = field(default_factory=dict)
-
-
-class _ConflictTracker:
-    """Debug mode: remembers the blocks of unfinished transfers and refuses overlapping ones."""
-
-    def __init__(self) -> None:
-        self._live: list[_BlockUse] = []
-
-    def check(self, direction: str, reads: dict[str, set[int]], writes: dict[str, set[int]]) -> None:
-        self._live = [use for use in self._live if not use.transfer.done()]
-        for use in self._live:
-            for side, blocks in writes.items():
-                for verb, theirs in (("reads", use.reads.get(side, set())), ("writes", use.writes.get(side, set()))):
-                    both = blocks & theirs
-                    if both:
-                        raise TransferConflictError(
-                            f"{direction} would write {side} block {min(both)}, which an unfinished "
-                            f"{use.transfer.direction} still {verb}; wait for that transfer first"
-                        )
-            for side, blocks in reads.items():
-                both = blocks & use.writes.get(side, set())
-                if both:
-                    raise TransferConflictError(
-                        f"{direction} would read {side} block {min(both)}, which an unfinished "
-                        f"{use.transfer.direction} still writes; wait for that transfer first"
-                    )
-
-    def add(self, use: _BlockUse) -> None:
-        self._live.append(use)
 
 
 def _destroy_streams(handles: list[int]) -> None:
@@ -118,11 +84,14 @@ class TransferEngine:
 
     ``method``: the copy method for both directions ("auto" by default, see
     kvcopy.copy_blocks). ``profile``: the calibrated Profile "auto" consults
-    (default: kvcopy's default profile, see kvcopy.profile.default_profile). ``debug`` (or ``KVCOPY_DEBUG=1``):
-    track blocks in flight and raise TransferConflictError when a new transfer
-    would write a block an unfinished transfer reads or writes, or read one it
-    writes, on either side; ids must then be host-resident. A context manager:
-    leaving it (or :meth:`close`) waits for every transfer in flight.
+    (default: kvcopy's default profile, see kvcopy.profile.default_profile).
+    Transfers that touch a common block, on either side, run in the order they
+    were submitted; others overlap. ``debug`` (or ``KVCOPY_DEBUG=1``): raise
+    TransferConflictError when the caller's own ``copy_blocks`` on this
+    engine's cache or pool, or ``HostKVPool.free``, would touch a block an
+    unfinished transfer uses (reads what it writes, or writes what it reads or
+    writes). A context manager: leaving it (or :meth:`close`) waits for every
+    transfer in flight.
     """
 
     def __init__(
@@ -144,9 +113,9 @@ class TransferEngine:
         self.profile = profile
         self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
         self._method = method
-        self._tracker = _ConflictTracker() if self.debug else None
+        self._order = BlockOrder()
         self._in_flight: list[Transfer] = []
-        self._lock = threading.Lock()  # guards _in_flight and the tracker: transfers may come from many threads
+        self._lock = threading.Lock()  # guards _in_flight and _order: transfers may come from many threads
         self._closed = False
         self._cuda = kv.device.type == "cuda"
         # Resolve once, so that bad methods fail here and not on the first transfer.
@@ -154,6 +123,9 @@ class TransferEngine:
             _ops._resolve(method, src, dst, host_ids=True)
         for i in range(kv.num_layers):  # layer views (and their plane tables) made now, off the hot path
             kv.layer(i), host.paged.layer(i)
+        if self.debug:
+            watch(kv, "device", self)
+            watch(host.paged, "host", self)
         if self._cuda:
             self._streams = {direction: self._new_copy_stream() for direction in ("offload", "reload")}
             owned = [s.cuda_stream for s in self._streams.values() if isinstance(s, torch.cuda.ExternalStream)]
@@ -253,32 +225,38 @@ class TransferEngine:
         # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
         num_blocks = src_t.numel()
         nbytes = num_blocks * self.kv.nbytes_per_block
-        with self._lock:  # check, submit and record as one step, so two threads cannot both pass the check
+        with self._lock:  # order, submit and record as one step, so two threads cannot interleave them
             if self._closed:
                 raise RuntimeError(f"{direction}: this TransferEngine is closed")
-            use = self._block_use(direction, src_t, dst_t, host_ids) if self._tracker and not capturing else None
+            reads, writes = self._blocks(direction, src_t, dst_t, host_ids)
+            # Same-direction transfers share a stream (worker): they already run in submission order.
+            after = [] if capturing else [t for t in self._order.dependencies(reads, writes)
+                                          if t.direction != direction]
             if self._cuda:
                 transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes,
-                                             capturing)
+                                             capturing, after)
             else:
-                transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes)
+                transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes,
+                                            after)
             if not capturing:
                 self._in_flight = [t for t in self._in_flight if not t.done()]
                 self._in_flight.append(transfer)
-            if use is not None:
-                use.transfer = transfer
-                self._tracker.add(use)  # type: ignore[union-attr]
+                self._order.add(transfer, reads, writes)
         return transfer
 
-    def _block_use(self, direction: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, host_ids: bool) -> _BlockUse:
-        """Checks the new transfer against those in flight (debug mode); what it will touch."""
+    @staticmethod
+    def _blocks(direction: str, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                host_ids: bool) -> tuple[Blocks | None, Blocks | None]:
+        """The blocks a transfer reads and writes, per side; None where the ids live on the GPU."""
         if not host_ids:
-            raise ValueError(f"{direction}: debug mode needs host-resident ids to track blocks in flight")
+            return None, None
         src_side, dst_side = ("device", "host") if direction == "offload" else ("host", "device")
-        reads = {src_side: set(src_ids.tolist())}
-        writes = {dst_side: set(dst_ids.tolist())}
-        self._tracker.check(direction, reads, writes)  # type: ignore[union-attr]
-        return _BlockUse(transfer=None, reads=reads, writes=writes)  # type: ignore[arg-type]
+        return {src_side: set(src_ids.tolist())}, {dst_side: set(dst_ids.tolist())}
+
+    def _caller_conflict(self, side: str, blocks: list[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
+        """Debug mode: what the caller's own work on these blocks would conflict with (kvcopy._block_order)."""
+        with self._lock:
+            return self._order.conflict(side, blocks, writes=writes)
 
     def _copy(self, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
               layer: int | None) -> None:
@@ -288,12 +266,14 @@ class TransferEngine:
 
     def _submit_cuda(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
                      dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
-                     capturing: bool) -> Transfer:
+                     capturing: bool, after: list[Transfer]) -> Transfer:
         stream = self._streams[direction]
         ready = self._signal_events.get()
         ready.record(torch.cuda.current_stream(self.kv.device))
         stream.wait_event(ready)  # the copy starts after the caller's queued work
         self._signal_events.put([ready])  # the wait is bound: the event may be recorded again
+        for earlier in after:  # and after the engine's own transfers that touch its blocks
+            earlier.wait_stream(stream)
         layer_events: list[torch.cuda.Event] = []
         for ids in (src_ids, dst_ids):
             if ids.is_cuda:  # made or given on the caller's stream, read on the copy stream: keep them until then
@@ -326,7 +306,8 @@ class TransferEngine:
         return transfer
 
     def _submit_cpu(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                    dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int) -> Transfer:
+                    dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
+                    after: list[Transfer]) -> Transfer:
         # The worker reads the ids later, and the caller may reuse its id buffers as soon as this returns.
         src_ids, dst_ids = src_ids.clone(), dst_ids.clone()
         done = ThreadSignal()
@@ -334,6 +315,9 @@ class TransferEngine:
         stamps: list[float] = []
 
         def run() -> None:
+            for earlier in after:  # the other worker's transfers that touch these blocks (failed ones count as done)
+                with contextlib.suppress(Exception):
+                    earlier.wait()
             stamps.append(time.perf_counter())
             try:
                 for layer in range(self.kv.num_layers) if layers else [None]:

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from ._block_order import check_caller
 from ._host_memory import HostRegion, gpu_numa_node
 from ._ids import BlockIds
 from .block_allocator import BlockAllocator
@@ -112,7 +113,10 @@ class HostKVPool:
         return self.allocator.allocate(n)
 
     def free(self, ids: BlockIds) -> None:
-        """Returns allocated ids; ValueError for a double free or an id not of this pool."""
+        """Returns allocated ids; ValueError for a double free or an id not of this pool. With a debug-mode
+        TransferEngine on this pool: TransferConflictError for ids an unfinished transfer still uses."""
+        check_caller("HostKVPool.free", self.paged, ids if isinstance(ids, torch.Tensor) else list(ids),
+                     writes=True)
         self.allocator.free(ids)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from . import _ext
 from . import methods as _methods
+from ._block_order import check_caller
 from ._ids import BlockIds, check_disjoint, prepare_ids
 from ._torch_copy import copy_blocks_torch
 from .host import HostKVPool
@@ -244,6 +245,9 @@ def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, meth
     src_t, dst_t, host_ids = _prepare_pair(src, src_ids, dst, dst_ids)
     if src is dst and host_ids:
         check_disjoint(src_t, dst_t)
+    if host_ids:  # debug mode: the caller's copy against a TransferEngine's transfers in flight
+        check_caller("copy_blocks", src, src_t, writes=False)
+        check_caller("copy_blocks", dst, dst_t, writes=True)
     chosen = _resolve(method, src, dst, host_ids=host_ids, capturing=_capturing(src, dst), num_blocks=src_t.numel())
     if src_t.numel() == 0:
         return

@@ -102,6 +102,16 @@ def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     assert "pin_memory dropped" in rows[1]["note"]
 
 
+def test_transformers_example_runs_and_every_token_matches() -> None:
+    pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
+    result = _run("examples/transformers_offload.py")
+    assert result.returncode == 0, _describe(result)
+    assert "MISMATCH" not in result.stdout
+    for policy in ("offload", "recompute", "auto"):
+        assert re.search(rf"policy {policy} *: .*tokens of 10/10 requests match", result.stdout), policy
+    assert re.search(r"^req_\d+ +\d+ (reload|recompute) ", result.stdout, re.M)  # one line per decision
+
+
 # --------------------------------------------------------------------------- device_check.sh
 
 

@@ -1,9 +1,11 @@
-"""TransferEngine debug mode: conflicts between a new transfer and unfinished ones raise TransferConflictError.
+"""TransferEngine: its own transfers are ordered per block; debug mode reports the caller's conflicting work.
 
-The first transfer is held in flight by the gate (tests/engine_helpers.py);
-the second would touch one of its blocks. A refused transfer must be refused
-before anything is queued: after the gate opens and the engine is closed, only
-the first transfer's copy ran and the second one's destination is unchanged.
+The first transfer is held in flight by the gate (tests/engine_helpers.py).
+A second transfer touching one of its blocks is accepted and runs after it,
+so the result is that of running the two in submission order; one touching
+none runs beside it. In debug mode, the caller's own ``copy_blocks`` on the
+engine's cache or pool, or ``HostKVPool.free``, touching a block in flight is
+a TransferConflictError raised before anything is written.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import kvcopy
-from conftest import assert_same_bytes, byte_rows, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 from engine_helpers import run_threads
 
 NUM_BLOCKS, HOST_BLOCKS = 12, 10
@@ -59,33 +61,57 @@ NO_CONFLICTS = [
 ]
 
 
+def _in_order(seed, ops, engines):
+    """Bytes of the cache and the pool after running ``ops`` one at a time, each waited for."""
+    kv, pool = _setup(seed)
+    eng = engines(kv, pool)
+    for op in ops:
+        _submit(eng, op).wait()
+    return snapshot(kv), snapshot(pool)
+
+
+@pytest.mark.parametrize("debug", [False, True])
 @pytest.mark.parametrize(("first", "second", "side", "block"), CONFLICTS)
-def test_conflict_is_refused_before_anything_is_queued(engines, monkeypatch, first, second, side, block):
-    kv, pool = _setup()
-    eng = engines(kv, pool, debug=True)
-    assert eng.debug is True
+def test_a_conflicting_transfer_runs_after_the_first(engines, monkeypatch, debug, first, second, side, block):
+    del side, block
+    expected_kv, expected_pool = _in_order(7, [first, second], engines)
+    kv, pool = _setup(7)
+    eng = engines(kv, pool, debug=debug)
     gate = engines.gate(monkeypatch)
     t1 = _submit(eng, first)
     gate.wait_held(1)  # the first transfer is in flight: its worker holds its (first) copy
-    assert not t1.done()
-    dst = pool if second[0] == "offload" else kv
-    dst_before = snapshot(dst)
-    expected_first = reference_after(kv, pool, first)
-    with pytest.raises(kvcopy.TransferConflictError) as info:
-        _submit(eng, second)
-    message = str(info.value)
-    assert f"{side} block {block}" in message, message
-    assert eng.num_in_flight == 1
+    t2 = _submit(eng, second)  # accepted, in debug mode too: the engine orders its own transfers
+    if first[0] != second[0]:  # another worker: it must not start before the first is done
+        with pytest.raises(TimeoutError):
+            t2.wait(timeout=0.2)
+        assert gate.num_calls == 1, "the second transfer started while the first was in flight"
     gate.open()
     t1.wait()
-    eng.close()
-    copies_of_first = kv.num_layers if len(first) > 3 and first[3] else 1
-    assert gate.num_calls == copies_of_first, "the refused transfer was queued"
-    # The refused transfer wrote nothing: its destination holds only what the first transfer wrote.
-    if dst is (pool if first[0] == "offload" else kv):
-        assert_same_bytes(dst_bytes(dst), expected_first)
-    else:
-        assert_same_bytes(snapshot(dst), dst_before)
+    t2.wait()
+    assert_same_bytes(snapshot(kv), expected_kv)
+    assert_same_bytes(snapshot(pool), expected_pool)
+
+
+def test_ordering_holds_when_the_first_copy_is_slow(engines, monkeypatch):
+    """A reload of a host block right after the offload into it reads the offloaded bytes, not stale ones."""
+    import time
+
+    kv, pool = _setup(8)
+    eng = engines(kv, pool)
+    real = kvcopy.ops._run
+
+    def slow(method, src, src_ids, dst, dst_ids):
+        if src is eng.kv:
+            time.sleep(0.2)  # the offload is slow; the reload worker is idle and would run first
+        real(method, src, src_ids, dst, dst_ids)
+
+    monkeypatch.setattr(kvcopy.ops, "_run", slow)
+    expected = reference_copy(kv, [4, 5], kv, [9, 10])  # blocks 4, 5 land in 9, 10 through host blocks 0, 1
+    out = eng.offload([4, 5], [0, 1])
+    back = eng.reload([0, 1], [9, 10])
+    back.wait()
+    assert out.done()
+    assert_same_bytes(dst_bytes(kv), expected)
 
 
 def reference_after(kv, pool, op):
@@ -120,8 +146,85 @@ def test_disjoint_transfers_are_accepted_while_in_flight(engines, monkeypatch, f
     t2.wait()
 
 
-def test_conflict_check_after_a_failed_transfer(engines, monkeypatch):
-    """A failed transfer is finished: it no longer blocks its blocks."""
+# --------------------------------------------------------------------------- debug mode: the caller's own work
+
+# Only the engine's workers wait at the gate: the caller's own copies run on the test's thread.
+def engine_workers_only(src, dst) -> bool:
+    del src, dst
+    return threading.current_thread().name.startswith("kvcopy-")
+
+
+# (transfer in flight, the caller's copy_blocks(src, src_ids, dst, dst_ids) by name, what the error says)
+CALLER_CONFLICTS = [
+    pytest.param(("offload", [2], [3]), ("pool", [5], "pool", [3]), "would write host block 3, which an "
+                 "unfinished offload still writes", id="copy-into-host-block-being-written"),
+    pytest.param(("offload", [2], [3]), ("pool", [3], "kv", [9]), "would read host block 3, which an "
+                 "unfinished offload still writes", id="copy-from-host-block-being-written"),
+    pytest.param(("offload", [2], [3]), ("pool", [5], "kv", [2]), "would write device block 2, which an "
+                 "unfinished offload still reads", id="copy-into-block-being-read"),
+    pytest.param(("reload", [4], [6]), ("kv", [6], "pool", [8]), "would read device block 6, which an "
+                 "unfinished reload still writes", id="copy-from-block-being-reloaded"),
+    pytest.param(("reload", [4], [6], True), ("kv", [1], "kv", [6]), "would write device block 6, which an "
+                 "unfinished reload still writes", id="copy-into-layerwise-reload"),
+]
+
+
+def _caller_copy(kv, pool, op):
+    names = {"kv": kv, "pool": pool}
+    kvcopy.copy_blocks(names[op[0]], op[1], names[op[2]], op[3])
+
+
+@pytest.mark.parametrize(("first", "caller", "message"), CALLER_CONFLICTS)
+def test_debug_reports_the_callers_conflicting_copy_before_writing(engines, monkeypatch, first, caller, message):
+    kv, pool = _setup()
+    eng = engines(kv, pool, debug=True)
+    assert eng.debug is True
+    gate = engines.gate(monkeypatch, hold=engine_workers_only)
+    t1 = _submit(eng, first)
+    gate.wait_held(1)
+    dst = kv if caller[2] == "kv" else pool
+    expected = snapshot(dst)
+    with pytest.raises(kvcopy.TransferConflictError, match=f"copy_blocks {message}; wait for that transfer"):
+        _caller_copy(kv, pool, caller)
+    assert gate.num_calls == 1  # the refused copy never reached a kernel
+    gate.open()
+    t1.wait()
+    if (first[0] == "offload") != (caller[2] == "pool"):  # the transfer wrote the other side: dst is as it was
+        assert_same_bytes(snapshot(dst), expected)
+    _caller_copy(kv, pool, caller)  # once the transfer is done, the same copy is fine
+
+
+def test_debug_reports_freeing_a_host_block_in_flight(engines, monkeypatch):
+    kv, pool = _setup()
+    eng = engines(kv, pool, debug=True)
+    gate = engines.gate(monkeypatch)
+    slots = pool.allocate(3)
+    t1 = eng.offload([1, 2, 3], slots)
+    gate.wait_held(1)
+    with pytest.raises(kvcopy.TransferConflictError, match=rf"HostKVPool.free would write host block {int(slots[1])}"):
+        pool.free(slots[1:2])
+    assert pool.num_free == HOST_BLOCKS - 3  # nothing was freed
+    gate.open()
+    t1.wait()
+    pool.free(slots)
+
+
+@pytest.mark.parametrize(("first", "second"), NO_CONFLICTS)
+def test_debug_accepts_the_callers_disjoint_copy(engines, monkeypatch, first, second):
+    del second
+    kv, pool = _setup(seed=2)
+    eng = engines(kv, pool, debug=True)
+    gate = engines.gate(monkeypatch, hold=engine_workers_only)
+    t1 = _submit(eng, first)
+    gate.wait_held(1)
+    kvcopy.copy_blocks(kv, [11], pool, [9])  # touches no block of the transfer in flight
+    kvcopy.copy_blocks(pool, [8], kv, [10])
+    assert not t1.done()
+    gate.open()
+    t1.wait()
+
+
+def test_failed_transfer_no_longer_blocks_its_blocks(engines, monkeypatch):
     kv, pool = _setup(seed=3)
     eng = engines(kv, pool, debug=True)
     gate = engines.gate(monkeypatch, hold=lambda src, dst: False)
@@ -130,7 +233,8 @@ def test_conflict_check_after_a_failed_transfer(engines, monkeypatch):
     with pytest.raises(RuntimeError, match="copy failed"):
         t.wait()
     gate.fail = None
-    eng.offload([2], [3]).wait()
+    kvcopy.copy_blocks(kv, [2], pool, [3])  # not a conflict: the failed transfer is finished
+    eng.reload([3], [4]).wait()  # and later transfers do not wait for it forever
 
 
 def test_ids_are_checked_before_conflicts(engines, monkeypatch):
@@ -142,18 +246,22 @@ def test_ids_are_checked_before_conflicts(engines, monkeypatch):
         eng.offload([1], [HOST_BLOCKS])
     with pytest.raises(ValueError, match="host_ids"):
         eng.offload([1, 2], [3, 3])
+    with pytest.raises(IndexError, match="dst_ids"):
+        kvcopy.copy_blocks(kv, [1], pool, [HOST_BLOCKS])
     t = eng.offload([1], [3])  # nothing was left behind by the refused calls
     gate.open()
     t.wait()
+    kvcopy.copy_blocks(kv, [2], pool, [3])
 
 
 # --------------------------------------------------------------------------- switching debug mode
 
 
-def _conflict_pair(eng, gate):
+def _caller_conflict(eng, gate, pool):
+    """A transfer held in flight, and the caller's copy into its host block."""
     t1 = eng.offload([1], [3])
     gate.wait_held(1)
-    return t1, lambda: eng.offload([2], [3])
+    return t1, lambda: kvcopy.copy_blocks(eng.kv, [2], pool, [3])
 
 
 def test_env_var_turns_debug_on(engines, monkeypatch):
@@ -162,9 +270,9 @@ def test_env_var_turns_debug_on(engines, monkeypatch):
     eng = engines(kv, pool)
     assert eng.debug is True
     gate = engines.gate(monkeypatch)
-    _, second = _conflict_pair(eng, gate)
+    _, caller = _caller_conflict(eng, gate, pool)
     with pytest.raises(kvcopy.TransferConflictError):
-        second()
+        caller()
 
 
 @pytest.mark.parametrize("value", [None, "0", ""])
@@ -176,12 +284,11 @@ def test_debug_is_off_without_the_env_var(engines, monkeypatch, value):
     kv, pool = _setup()
     eng = engines(kv, pool)
     assert eng.debug is False
-    gate = engines.gate(monkeypatch)
-    t1, second = _conflict_pair(eng, gate)
-    t2 = second()  # not checked
+    gate = engines.gate(monkeypatch, hold=engine_workers_only)
+    t1, caller = _caller_conflict(eng, gate, pool)
+    caller()  # not checked
     gate.open()
     t1.wait()
-    t2.wait()
 
 
 def test_env_var_is_read_at_construction(engines, monkeypatch):
@@ -190,12 +297,11 @@ def test_env_var_is_read_at_construction(engines, monkeypatch):
     eng = engines(kv, pool)
     monkeypatch.setenv("KVCOPY_DEBUG", "1")  # too late for this engine
     assert eng.debug is False
-    gate = engines.gate(monkeypatch)
-    t1, second = _conflict_pair(eng, gate)
-    t2 = second()
+    gate = engines.gate(monkeypatch, hold=engine_workers_only)
+    t1, caller = _caller_conflict(eng, gate, pool)
+    caller()
     gate.open()
     t1.wait()
-    t2.wait()
 
 
 def test_debug_false_overrides_the_env_var(engines, monkeypatch):
@@ -203,15 +309,11 @@ def test_debug_false_overrides_the_env_var(engines, monkeypatch):
     kv, pool = _setup()
     eng = engines(kv, pool, debug=False)
     assert eng.debug is False
-    gate = engines.gate(monkeypatch)
-    t1, second = _conflict_pair(eng, gate)
-    t2 = second()  # no TransferConflictError
+    gate = engines.gate(monkeypatch, hold=engine_workers_only)
+    t1, caller = _caller_conflict(eng, gate, pool)
+    caller()  # no TransferConflictError
     gate.open()
     t1.wait()
-    t2.wait()
-    # FIFO on the offload worker: the later offload wins the shared host block.
-    for hp, dp in zip(pool.paged.planes, kv.planes):
-        assert torch.equal(byte_rows(hp)[3], byte_rows(dp)[2])
 
 
 def test_debug_true_overrides_an_unset_env_var(engines, monkeypatch):
@@ -219,16 +321,17 @@ def test_debug_true_overrides_an_unset_env_var(engines, monkeypatch):
     kv, pool = _setup()
     eng = engines(kv, pool, debug=True)
     gate = engines.gate(monkeypatch)
-    _, second = _conflict_pair(eng, gate)
+    _, caller = _caller_conflict(eng, gate, pool)
     with pytest.raises(kvcopy.TransferConflictError):
-        second()
+        caller()
 
 
 # --------------------------------------------------------------------------- threads
 
 
-def test_conflicts_with_transfers_submitted_from_threads(engines, monkeypatch):
-    """Transfers submitted concurrently from 4 threads are all tracked: each later conflict is caught."""
+def test_transfers_submitted_from_threads_are_all_tracked(engines, monkeypatch):
+    """Offloads submitted concurrently from 4 threads are all recorded: the caller's copy from any of their
+    host blocks is caught, and a reload of each runs after its offload."""
     kv = make_layout("mla", 512, torch.bfloat16, torch.Generator().manual_seed(5), num_layers=1)
     pool = kvcopy.HostKVPool(kv, 512, pin_memory=False)
     eng = engines(kv, pool, debug=True)
@@ -246,7 +349,7 @@ def test_conflicts_with_transfers_submitted_from_threads(engines, monkeypatch):
     missed = []
     for block in range(num_threads * per_thread):
         try:
-            eng.reload([block], [block])  # reads a host block an unfinished offload writes
+            kvcopy.copy_blocks(pool, [block], kv, [block])  # reads a host block an unfinished offload writes
             missed.append(block)
         except kvcopy.TransferConflictError:
             pass

@@ -703,32 +703,28 @@ def test_captured_layerwise_reload_with_consumers(res, method):
 # --------------------------------------------------------------------------- debug mode
 
 
-def test_debug_mode_catches_a_conflict_while_the_copy_waits(res):
+def test_engine_orders_its_own_transfers_on_the_gpu(res):
     kv, pool = res.setup(seed=21)
-    eng = res.engine(kv, pool, debug=True)
+    eng = res.engine(kv, pool)
     eng.offload([1], [2]).wait()  # warm-up
     torch.cuda.synchronize()
-    expected = reference_copy(kv, [1], pool, [3])
+    first = [p[1].clone() for p in dst_bytes(kv)]  # device block 1 as the offload will read it
     torch.cuda._sleep(SLEEP_CYCLES)
     t = eng.offload([1], [3])  # unfinished: its copy waits behind the sleep
     assert not t.done()
-    with pytest.raises(kvcopy.TransferConflictError):
-        eng.offload([2], [3])  # WAW host
-    with pytest.raises(kvcopy.TransferConflictError):
-        eng.reload([3], [5])  # RAW host
-    with pytest.raises(kvcopy.TransferConflictError):
-        eng.reload([0], [1])  # WAR device
-    other = eng.offload([4], [6])  # disjoint: accepted
-    assert not t.done(), "the sleep ended before the checks"
-    t.wait()
-    other.wait()
-    assert_same_bytes([p[3] for p in dst_bytes(pool)], [p[3] for p in expected])
-    eng.offload([2], [3]).wait()  # accepted once the first is done
-    with pytest.raises(ValueError):
-        eng.reload(torch.tensor([0], device="cuda"), torch.tensor([1], device="cuda"))  # untrackable ids
+    back = eng.reload([3], [5])  # reads host block 3: must see what the offload writes
+    over = eng.reload([0], [1])  # writes device block 1: only after the offload has read it
+    opaque = eng.reload(torch.tensor([3], device="cuda"), torch.tensor([6], device="cuda"))  # ids it cannot read
+    assert not t.done(), "the sleep ended before the submissions"
+    for transfer in (t, back, over, opaque):
+        transfer.wait()
+    for plane, expected in zip(dst_bytes(kv), first):
+        assert torch.equal(plane[5], expected) and torch.equal(plane[6], expected)
+    for plane, expected in zip(dst_bytes(pool), first):
+        assert torch.equal(plane[3], expected)
 
 
-def test_debug_mode_env_var_on_gpu(res, monkeypatch):
+def test_debug_mode_reports_the_callers_copy_on_the_gpu(res, monkeypatch):
     monkeypatch.setenv("KVCOPY_DEBUG", "1")
     kv, pool = res.setup(seed=22)
     eng = res.engine(kv, pool)
@@ -737,8 +733,9 @@ def test_debug_mode_env_var_on_gpu(res, monkeypatch):
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     t = eng.reload([0], [1])
-    with pytest.raises(kvcopy.TransferConflictError):
-        eng.reload([2], [1])  # WAW device
-    with pytest.raises(kvcopy.TransferConflictError):
-        eng.offload([1], [5])  # RAW device
+    with pytest.raises(kvcopy.TransferConflictError, match="copy_blocks would write device block 1"):
+        kvcopy.copy_blocks(pool, [2], kv, [1])  # WAW device
+    with pytest.raises(kvcopy.TransferConflictError, match="copy_blocks would read device block 1"):
+        kvcopy.copy_blocks(kv, [1], pool, [5])  # RAW device
+    kvcopy.copy_blocks(kv, [2], pool, [5])  # disjoint: fine
     t.wait()

@@ -194,6 +194,7 @@ def test_cancelled_offloaded_request_frees_its_host_blocks(monkeypatch):
         assert results == {rid: tokens for rid, tokens in expected.items() if rid != cancelled[0]}
         assert stats.host_blocks_in_use == 0  # freed at cancellation, not only when the context closes
     assert_clean(stats)
+    assert LLAMA.generate(model) == expected  # transformers on its own afterwards
 
 
 def test_failure_mid_generation_returns_every_host_block():

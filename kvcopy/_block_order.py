@@ -1,0 +1,158 @@
+"""Which unfinished transfers touch which blocks: the engine's own ordering, and debug mode's checks.
+
+A :class:`BlockOrder` belongs to one TransferEngine. For every block of an
+unfinished transfer it remembers, per side ("device" pages, "host" pool),
+the transfer that last writes it and the transfers that read it since. A
+new transfer must come after:
+
+- the last writer of each block it reads (read after write),
+- the last writer and the readers of each block it writes (write after
+  write, write after read).
+
+Entries exist only for blocks of unfinished transfers and are dropped as
+those finish, so the cost of a submission grows with the blocks it and the
+transfers in flight touch, never with the pool's size. Ids that live on the
+GPU cannot be read without a device synchronisation: such a transfer is
+ordered after every unfinished one, and every later one after it.
+
+Debug mode uses the same record to report the caller's own work that
+conflicts with a transfer in flight (``copy_blocks`` on the engine's cache
+or pool, ``HostKVPool.free``): the engine can order its transfers against
+each other, not against work it does not see.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+
+from .transfer import Transfer
+
+__all__ = ["BlockOrder", "Blocks", "TransferConflictError", "check_caller", "watch"]
+
+Blocks = dict[str, set[int]]  # side ("device" / "host") -> block ids
+SIDES = ("device", "host")
+
+
+class TransferConflictError(RuntimeError):
+    """Debug mode: the caller's own work would touch a block that an unfinished transfer still uses."""
+
+
+class BlockOrder:
+    """The unfinished transfers of one engine, by the blocks they read and write. Not thread-safe: the
+    engine calls it under its lock."""
+
+    def __init__(self) -> None:
+        self._writer: dict[str, dict[int, Transfer]] = {side: {} for side in SIDES}
+        self._readers: dict[str, dict[int, list[Transfer]]] = {side: {} for side in SIDES}
+        self._live: list[tuple[Transfer, Blocks | None, Blocks | None]] = []  # (transfer, reads, writes)
+        self._opaque: list[Transfer] = []  # unfinished transfers whose blocks are unknown (GPU-resident ids)
+
+    def prune(self) -> None:
+        """Forgets finished transfers (and the entries of their blocks)."""
+        if all(not transfer.done() for transfer, _, _ in self._live):
+            return
+        still = []
+        for transfer, reads, writes in self._live:
+            if not transfer.done():
+                still.append((transfer, reads, writes))
+                continue
+            for side, blocks in (writes or {}).items():
+                for block in blocks:
+                    if self._writer[side].get(block) is transfer:
+                        del self._writer[side][block]
+            for side, blocks in (reads or {}).items():
+                readers = self._readers[side]
+                for block in blocks:
+                    mine = readers.get(block)
+                    if mine is not None:
+                        mine[:] = [t for t in mine if t is not transfer]
+                        if not mine:
+                            del readers[block]
+        self._live = still
+        self._opaque = [t for t in self._opaque if not t.done()]
+
+    def dependencies(self, reads: Blocks | None, writes: Blocks | None) -> list[Transfer]:
+        """The unfinished transfers a new one reading ``reads`` and writing ``writes`` must follow
+        (None: blocks unknown, so all of them)."""
+        self.prune()
+        if reads is None or writes is None:
+            return [transfer for transfer, _, _ in self._live]
+        found: dict[int, Transfer] = {id(t): t for t in self._opaque}
+        for side, blocks in reads.items():
+            writer = self._writer[side]
+            for block in blocks:
+                if block in writer:
+                    found[id(writer[block])] = writer[block]
+        for side, blocks in writes.items():
+            writer, readers = self._writer[side], self._readers[side]
+            for block in blocks:
+                if block in writer:
+                    found[id(writer[block])] = writer[block]
+                for transfer in readers.get(block, ()):
+                    found[id(transfer)] = transfer
+        return list(found.values())
+
+    def add(self, transfer: Transfer, reads: Blocks | None, writes: Blocks | None) -> None:
+        """Records a submitted transfer (after it was ordered behind its dependencies)."""
+        self._live.append((transfer, reads, writes))
+        if reads is None or writes is None:
+            self._opaque.append(transfer)
+            return
+        for side, blocks in writes.items():
+            writer, readers = self._writer[side], self._readers[side]
+            for block in blocks:
+                writer[block] = transfer
+                readers.pop(block, None)  # they come before this transfer, which waited for them
+        for side, blocks in reads.items():
+            readers = self._readers[side]
+            for block in blocks:
+                readers.setdefault(block, []).append(transfer)
+
+    def conflict(self, side: str, blocks: Iterable[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
+        """The first (block, transfer, "reads" | "writes") of an unfinished transfer that work reading
+        (``writes=False``) or writing these blocks of ``side`` would conflict with; None if there is none."""
+        self.prune()
+        writer, readers = self._writer[side], self._readers[side]
+        for block in blocks:
+            if block in writer:
+                return block, writer[block], "writes"
+            if writes and readers.get(block):
+                return block, readers[block][0], "reads"
+        if self._opaque:
+            return -1, self._opaque[0], "may touch"
+        return None
+
+
+# --------------------------------------------------------------------------- debug mode: the caller's own work
+
+_watch_lock = threading.Lock()
+# What debug-mode engines watch: a PagedKV (an engine's cache, or its pool's planes) -> the engines' checks.
+_watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def watch(paged: object, side: str, engine: object) -> None:
+    """Debug mode: ``engine``'s transfers use ``paged`` as its ``side``; check the caller's work on it."""
+    with _watch_lock:
+        _watched.setdefault(paged, weakref.WeakKeyDictionary())[engine] = side
+
+
+def check_caller(what: str, paged: object, blocks: Iterable[int], *, writes: bool) -> None:
+    """TransferConflictError when the caller's ``what`` reading (or writing) ``blocks`` of ``paged`` would
+    touch a block that an unfinished transfer of a debug-mode engine uses. Free when nothing is watched."""
+    if not _watched:
+        return
+    with _watch_lock:
+        engines = list((_watched.get(paged) or {}).items())
+    if engines:
+        blocks = blocks.tolist() if hasattr(blocks, "tolist") else [int(b) for b in blocks]  # type: ignore[union-attr]
+    for engine, side in engines:
+        found = engine._caller_conflict(side, blocks, writes=writes)  # noqa: SLF001 - the engine's own record
+        if found is not None:
+            block, transfer, verb = found
+            which = f"{side} block {block}" if block >= 0 else f"{side} blocks"
+            raise TransferConflictError(
+                f"{what} would {'write' if writes else 'read'} {which}, which an unfinished "
+                f"{transfer.direction} still {verb}; wait for that transfer first"
+            )
