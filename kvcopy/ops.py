@@ -64,8 +64,13 @@ def _uses_cuda(src: PagedKV, dst: PagedKV) -> bool:
 
 
 def _capturing(src: PagedKV, dst: PagedKV) -> bool:
-    """Whether the current CUDA stream is being captured into a graph."""
-    return _uses_cuda(src, dst) and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is being captured into a graph.
+
+    Not asked while torch.compile traces: the query returns a Python bool, which Dynamo refuses
+    inside a graph. A traced copy is chosen as outside a capture (pass ``method="cuda"`` to a
+    copy you compile for CUDA graphs, e.g. ``mode="reduce-overhead"``).
+    """
+    return _uses_cuda(src, dst) and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def _resolve(
@@ -108,18 +113,41 @@ def _cuda_device(src: PagedKV, dst: PagedKV) -> torch.device:
     return src.device if src.device.type == "cuda" else dst.device
 
 
+def _staged(ids: torch.Tensor) -> torch.Tensor:
+    """Host ids in a pinned buffer of kvcopy's own, ready for an asynchronous copy to a GPU.
+
+    Always a new buffer: ``pin_memory()`` of a tensor already pinned returns the tensor itself,
+    which the caller may change before the asynchronous copy reads it. While torch.compile
+    traces (fake tensors cannot be pinned) the ids are copied as they are.
+    """
+    if torch.compiler.is_compiling():
+        return ids
+    if ids.is_pinned():
+        ids = ids.clone()  # a pageable copy: pin_memory() below copies it again into pinned memory
+    return ids.pin_memory()
+
+
 def _ids_on(src_ids: torch.Tensor, dst_ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both id tensors on ``device``; host ids travel together in one pinned, asynchronous copy."""
-    if src_ids.device == device and dst_ids.device == device:
-        return src_ids, dst_ids
+    """Both id tensors on ``device``; host ids travel together in one asynchronous copy from a pinned
+    buffer of kvcopy's own. Ids already on the GPU are recorded on the current stream, which reads them."""
     if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu":
-        both = torch.cat((src_ids, dst_ids)).pin_memory().to(device, non_blocking=True)
+        both = _staged(torch.cat((src_ids, dst_ids))).to(device, non_blocking=True)
         return both[: src_ids.numel()], both[src_ids.numel() :]
 
     def moved(ids: torch.Tensor) -> torch.Tensor:
-        return ids if ids.device == device else ids.pin_memory().to(device, non_blocking=True)
+        if ids.device == device:
+            _record_on_current_stream(ids)
+            return ids
+        return _staged(ids).to(device, non_blocking=True)
 
     return moved(src_ids), moved(dst_ids)
+
+
+def _record_on_current_stream(ids: torch.Tensor) -> None:
+    """The caller's GPU ids, made on another stream, stay allocated until the current stream (which
+    reads them) is past the copy, even if the caller drops them as soon as copy_blocks returns."""
+    if ids.is_cuda and not torch.compiler.is_compiling():
+        ids.record_stream(torch.cuda.current_stream(ids.device))
 
 
 def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:

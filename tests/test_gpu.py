@@ -729,3 +729,39 @@ def test_zero_byte_plane_on_gpu(method, direction):
     src, dst = _pair_for(kv, direction, 6, "page_first", gen)
     torch.cuda.synchronize()
     check_copy(src, [5, 0, 1, 1], dst, [4, 0, 1, 2], method=method)
+
+
+@pytest.mark.parametrize("method", ["cuda", "triton"])
+def test_callers_gpu_ids_dropped_at_once_stay_valid_for_the_copy(method):
+    """GPU ids made on the default stream, used on a side stream and dropped as copy_blocks returns: the
+    caching allocator must not hand their memory to new tensors before the side stream read them."""
+    src, dst, src_ids, dst_ids = _sides("h2d", "vllm", torch.bfloat16, _gen(46))
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    stream = torch.cuda.Stream()
+    s = torch.tensor(src_ids, dtype=torch.int64, device="cuda")
+    d = torch.tensor(dst_ids, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    kvcopy.copy_blocks(src, s, dst, d, method=method, stream=stream)
+    del s, d
+    reused = [torch.zeros(len(src_ids), dtype=torch.int64, device="cuda") for _ in range(2)]  # would take their memory
+    stream.synchronize()
+    assert_same_bytes(dst_bytes(dst), expected)
+    del reused
+
+
+@pytest.mark.parametrize("method", ["cuda", "triton"])
+def test_callers_pinned_ids_changed_after_the_call_do_not_change_the_copy(method):
+    src, dst, src_ids, dst_ids = _sides("h2d", "vllm", torch.bfloat16, _gen(47))
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    stream = torch.cuda.Stream()
+    s = torch.tensor(src_ids, dtype=torch.int64).pin_memory()
+    d = torch.tensor(dst_ids, dtype=torch.int64).pin_memory()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    kvcopy.copy_blocks(src, s, dst, d, method=method, stream=stream)
+    s.copy_(s.flip(0))  # the caller reuses its buffers before the queued copy has read them
+    d.copy_(d.flip(0))
+    stream.synchronize()
+    assert_same_bytes(dst_bytes(dst), expected)
