@@ -20,14 +20,23 @@ __all__ = ["copy_blocks_triton"]
 # of one head in bf16, so one step covers a typical small plane-block.
 _STEP_ELEMENTS = 1024
 # Programs when a host buffer is on one side: like the CUDA kernel's CTA budget,
-# a few CTAs (8 warps each) keep PCIe busy and leave the SMs to decode.
+# a few CTAs (8 warps each) keep PCIe busy and leave the SMs to decode...
 HOST_LINK_PROGRAMS = 16
+# ...as long as enough bytes are in flight: a host-link copy reaches 80-90% of the
+# link from 1-2 MB outstanding (shared/REFERENCE.md's half-peak sizes). Each program
+# has one plane-block in flight, so small plane-blocks get more programs, up to:
+HOST_LINK_BYTES_IN_FLIGHT = 1 << 20
+HOST_LINK_MAX_PROGRAMS = 128
 # Programs for device-to-device copies: enough to fill a large GPU.
 DEVICE_PROGRAMS = 1024
 _WORD_DTYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+# Runtime sizes that change from call to call: specialising on them (Triton does for
+# values of 1 and multiples of 16) would compile the kernel again (about a second)
+# for new combinations on the hot path.
+UNSPECIALIZED_ARGS = ("num_ids", "num_planes", "src_num_blocks", "dst_num_blocks")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS)
 def _block_copy_kernel(
     src_table_ptr,  # int64 [num_planes, 3]: block-0 address, block stride (bytes), block bytes
     dst_table_ptr,  # int64 [num_planes, 3]: the same for the destination
@@ -64,6 +73,14 @@ def _block_copy_kernel(
                 tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
+def programs_for(src: PagedKV, dst: PagedKV) -> int:
+    """Programs for a copy between these caches (see the constants above)."""
+    if src.device.type == dst.device.type:
+        return DEVICE_PROGRAMS
+    smallest = max(1, min(src.block_nbytes))
+    return max(HOST_LINK_PROGRAMS, min(HOST_LINK_MAX_PROGRAMS, HOST_LINK_BYTES_IN_FLIGHT // smallest))
+
+
 def copy_blocks_triton(
     src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, *, num_programs: int | None = None
 ) -> None:
@@ -73,8 +90,7 @@ def copy_blocks_triton(
     word_bytes = min(alignment, 8)
     num_items = src_ids.numel() * src.num_planes
     if num_programs is None:
-        host_link = src.device.type != dst.device.type
-        num_programs = HOST_LINK_PROGRAMS if host_link else DEVICE_PROGRAMS
+        num_programs = programs_for(src, dst)
     grid = (max(1, min(num_items, num_programs)),)
     _block_copy_kernel[grid](
         src.plane_table_on(device), dst.plane_table_on(device), src_ids, dst_ids,

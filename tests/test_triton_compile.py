@@ -51,3 +51,30 @@ def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     assert len(compiled.asm["cubin"]) > 0
     if word[2] == 16:  # the alignment hints must turn into 16-byte vector accesses
         assert "ld.global.v2.b64" in compiled.asm["ptx"] or "ld.global.v4.b32" in compiled.asm["ptx"]
+
+
+def test_runtime_sizes_are_not_specialised() -> None:
+    """Every runtime integer of the kernel (not a pointer, not a constexpr) is left unspecialised, so new
+    id counts, plane counts or pool sizes never compile the kernel again on the hot path."""
+    import inspect
+
+    from kvcopy.triton_copy import UNSPECIALIZED_ARGS, _block_copy_kernel
+
+    parameters = inspect.signature(_block_copy_kernel.fn).parameters
+    runtime_ints = [name for name in parameters if not name.endswith("_ptr") and SIGNATURE[name] != "constexpr"]
+    assert sorted(UNSPECIALIZED_ARGS) == sorted(runtime_ints)
+    if isinstance(_block_copy_kernel, triton.runtime.JITFunction):  # compiled mode: the decorator took them
+        assert sorted(p.name for p in _block_copy_kernel.params if p.do_not_specialize) == sorted(runtime_ints)
+
+
+@pytest.mark.parametrize(("plane_block", "programs"), [(2048, 128), (8192, 128), (32768, 32), (1 << 20, 16)])
+def test_small_plane_blocks_get_more_programs_over_the_host_link(plane_block: int, programs: int) -> None:
+    import torch
+
+    import kvcopy
+    from kvcopy.triton_copy import DEVICE_PROGRAMS, programs_for
+
+    kv = kvcopy.PagedKV.from_planes([torch.empty(4, plane_block, dtype=torch.uint8)])
+    host = kvcopy.PagedKV.from_planes([torch.empty(4, plane_block, dtype=torch.uint8, device="meta")])
+    assert programs_for(kv, host) == programs  # one side host, the other not: the host-link budget
+    assert programs_for(kv, kv) == DEVICE_PROGRAMS
