@@ -94,9 +94,12 @@ PyObject* py_copy_blocks_cuda(PyObject*, PyObject* args) {
   const std::vector<PlaneCopy> planes =
       planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
   if (!device_is_current(device)) return nullptr;
-  const cudaError_t err = launch_block_copy_kernel(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                                   as_ptr<const int64_t>(dst_ids), num_ids, src_blocks,
-                                                   dst_blocks, num_ctas, as_ptr<CUstream_st>(stream));
+  cudaError_t err = cudaSuccess;
+  Py_BEGIN_ALLOW_THREADS;  // the launch touches no Python object: other threads run meanwhile
+  err = launch_block_copy_kernel(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                                 as_ptr<const int64_t>(dst_ids), num_ids, src_blocks, dst_blocks, num_ctas,
+                                 as_ptr<CUstream_st>(stream));
+  Py_END_ALLOW_THREADS;
   if (err != cudaSuccess) return raise_cuda(err, "block copy kernel launch");
   Py_RETURN_NONE;
 }
@@ -114,8 +117,11 @@ PyObject* py_copy_blocks_dma(PyObject*, PyObject* args) {
   const std::vector<PlaneCopy> planes =
       planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
   if (!device_is_current(device)) return nullptr;
-  const cudaError_t err = submit_block_copy_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                                as_ptr<const int64_t>(dst_ids), num_ids, as_ptr<CUstream_st>(stream));
+  cudaError_t err = cudaSuccess;
+  Py_BEGIN_ALLOW_THREADS;  // planning the ranges and submitting them touch no Python object
+  err = submit_block_copy_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                              as_ptr<const int64_t>(dst_ids), num_ids, as_ptr<CUstream_st>(stream));
+  Py_END_ALLOW_THREADS;
   if (err != cudaSuccess) return raise_cuda(err, "copy-engine submission");
   Py_RETURN_NONE;
 }
@@ -163,6 +169,18 @@ PyObject* py_create_copy_stream(PyObject*, PyObject* args) {
   return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(stream));
 }
 
+// can_use_host_pointer(device) -> bool: whether kernels on `device` may read registered
+// host memory through its host address (cudaDevAttrCanUseHostPointerForRegisteredMem).
+// Where they may not, the SM and Triton kernels cannot reach a HostKVPool.
+PyObject* py_can_use_host_pointer(PyObject*, PyObject* args) {
+  int device;
+  if (!PyArg_ParseTuple(args, "i", &device)) return nullptr;
+  int value = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&value, cudaDevAttrCanUseHostPointerForRegisteredMem, device);
+  if (err != cudaSuccess) return raise_cuda(err, "cudaDeviceGetAttribute(CanUseHostPointerForRegisteredMem)");
+  return PyBool_FromLong(value);
+}
+
 // cuda_driver_version() -> int, e.g. 13000 for a CUDA 13.0 driver (0 without one): for machine identities.
 PyObject* py_cuda_driver_version(PyObject*, PyObject*) {
   int version = 0;
@@ -191,6 +209,8 @@ PyMethodDef kFastPathMethods[] = {
     {"copy_blocks_dma_baseline", py_copy_blocks_dma_baseline, METH_VARARGS,
      "Benchmark baselines: per-block cudaMemcpyAsync (0) or one unmerged cudaMemcpyBatchAsync (1)."},
     {"create_copy_stream", py_create_copy_stream, METH_VARARGS, "A new least-priority non-blocking stream."},
+    {"can_use_host_pointer", py_can_use_host_pointer, METH_VARARGS,
+     "Whether kernels on the device may read registered host memory by its host address."},
     {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, "The CUDA driver's version (cudaDriverGetVersion)."},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif

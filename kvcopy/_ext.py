@@ -63,6 +63,21 @@ def has_cuda_kernels() -> bool:
     return _MODULE is not None and bool(_MODULE.WITH_CUDA)
 
 
+_host_pointer_ok: dict[int, bool] = {}
+
+
+def kernels_read_host_pointers(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may read registered host memory through its host address
+    (cudaDevAttrCanUseHostPointerForRegisteredMem), which the "cuda" and "triton" methods do to reach a
+    HostKVPool. Asked once per device; True where the extension cannot ask (no CUDA kernels built)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _host_pointer_ok:
+        module = extension()
+        ask = getattr(module, "can_use_host_pointer", None) if module is not None else None
+        _host_pointer_ok[index] = True if ask is None else bool(ask(index))
+    return _host_pointer_ok[index]
+
+
 @functools.cache
 def _triton_version() -> str | None:
     if importlib.util.find_spec("triton") is None:

@@ -91,7 +91,8 @@ class TransferEngine:
     engine's cache or pool, or ``HostKVPool.free``, would touch a block an
     unfinished transfer uses (reads what it writes, or writes what it reads or
     writes). A context manager: leaving it (or :meth:`close`) waits for every
-    transfer in flight.
+    transfer in flight. ``sm_budget``: the CTAs each SM-kernel copy may use (the
+    ``num_ctas`` of kvcopy.copy_blocks; None: its host-link default of 4).
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class TransferEngine:
         method: str = "auto",
         profile: Profile | None = None,
         debug: bool | None = None,
+        sm_budget: int | None = None,
     ) -> None:
         if not isinstance(kv, PagedKV):
             raise TypeError(f"kv: expected a PagedKV, got {type(kv).__name__}")
@@ -112,6 +114,7 @@ class TransferEngine:
         self.host = host
         self.profile = profile
         self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
+        self.sm_budget = _ops.check_num_ctas(sm_budget, "sm_budget")
         self._method = method
         self._order = BlockOrder()
         self._in_flight: list[Transfer] = []
@@ -262,7 +265,7 @@ class TransferEngine:
               layer: int | None) -> None:
         if layer is not None:
             src, dst = src.layer(layer), dst.layer(layer)
-        _ops._run(method, src, src_ids, dst, dst_ids)
+        _ops._run(method, src, src_ids, dst, dst_ids, self.sm_budget)
 
     def _submit_cuda(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
                      dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,

@@ -55,11 +55,25 @@ def available_methods(src: PagedKV, dst: PagedKV) -> list[Method]:
         return methods
     if _pair_problem(src, dst) is not None:
         return methods
-    if not interpret and _ext.triton_available():
+    kernels_reach_host = _kernels_reach_host(src, dst)
+    if not interpret and _ext.triton_available() and kernels_reach_host:
         methods.append("triton")
     if _ext.has_cuda_kernels():
-        methods += ["cuda", "copy_engine"]
+        methods += ["cuda", "copy_engine"] if kernels_reach_host else ["copy_engine"]
     return methods
+
+
+def _kernels_reach_host(src: PagedKV, dst: PagedKV) -> bool:
+    """Whether an SM kernel on the pair's GPU can read a host side through its host address."""
+    if src.device.type == dst.device.type:
+        return True
+    return _ext.kernels_read_host_pointers(src.device if src.device.type == "cuda" else dst.device)
+
+
+# Why the SM kernels cannot reach pinned host memory on some platforms.
+HOST_POINTER_PROBLEM = ("this GPU cannot read registered host memory through its host address "
+                        "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0); use 'copy_engine', "
+                        "which 'auto' picks here")
 
 
 def _measured_choice(
@@ -88,10 +102,15 @@ def unavailable_reason(method: str, src: PagedKV, dst: PagedKV) -> str:
             return "triton is not installed"
         if src.device.type == "cpu" and dst.device.type == "cpu":
             return "'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kvcopy and triton are imported"
-        return _pair_problem(src, dst) or "TRITON_INTERPRET=1 is set, and the interpreter cannot reach GPU memory"
+        problem = _pair_problem(src, dst)
+        if problem is None and not _kernels_reach_host(src, dst):
+            return HOST_POINTER_PROBLEM
+        return problem or "TRITON_INTERPRET=1 is set, and the interpreter cannot reach GPU memory"
     problem = _pair_problem(src, dst)
     if problem:
         return problem
+    if method == "cuda" and _ext.has_cuda_kernels() and not _kernels_reach_host(src, dst):
+        return HOST_POINTER_PROBLEM
     return "kvcopy was built without CUDA kernels"
 
 
@@ -113,7 +132,8 @@ def choose_method(
     capturing). Without one, the documented defaults: host to host "cpu" when
     compiled, else "torch"; with a GPU "copy_engine" for plane-blocks of at
     least DMA_MIN_BLOCK_BYTES (host ids only), else the SM kernel "cuda", else
-    "triton", else "torch". While the current stream is being captured into a
+    "triton", else "copy_engine" (host ids; where the SM kernels cannot read
+    host memory), else "torch". While the current stream is being captured into a
     CUDA graph: "cuda", else "triton" (ValueError if neither can run).
     """
     if profile is not None:
@@ -132,4 +152,6 @@ def choose_method(
     for method in ("cuda", "triton"):
         if method in available and (src.device.type == "cuda" or dst.device.type == "cuda"):
             return method
+    if "copy_engine" in available and host_ids:  # the SM kernels cannot reach the host side here
+        return "copy_engine"
     return "torch"

@@ -21,14 +21,17 @@ from .host import HostKVPool
 from .layout import PagedKV
 from .profile import Profile, default_profile
 
-__all__ = ["copy_blocks", "gather", "scatter", "available_methods", "HOST_LINK_CTA_BUDGET"]
+__all__ = ["copy_blocks", "gather", "scatter", "available_methods", "HOST_LINK_CTA_BUDGET", "TRITON_PROGRAMS_PER_CTA"]
 
 KVLike = Union[PagedKV, HostKVPool]
 
-# CTAs the "cuda" SM kernel may use when host memory is on one side (mirrors
-# kHostLinkCtaBudget in csrc/kernels/block_copy_cuda.h): a few CTAs saturate
-# PCIe, every other SM stays with decode.
+# CTAs the "cuda" SM kernel may use by default when host memory is on one side
+# (mirrors kHostLinkCtaBudget in csrc/kernels/block_copy_cuda.h): a few CTAs
+# saturate PCIe, every other SM stays with decode. `num_ctas` overrides it.
 HOST_LINK_CTA_BUDGET = 4
+# A CTA of the SM kernel is 1024 threads; a Triton program is 8 warps (256): a
+# budget of n CTAs gives Triton n times this many programs.
+TRITON_PROGRAMS_PER_CTA = 4
 
 
 def _as_paged(kv: KVLike, name: str) -> PagedKV:
@@ -130,6 +133,10 @@ def _staged(ids: torch.Tensor) -> torch.Tensor:
 def _ids_on(src_ids: torch.Tensor, dst_ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Both id tensors on ``device``; host ids travel together in one asynchronous copy from a pinned
     buffer of kvcopy's own. Ids already on the GPU are recorded on the current stream, which reads them."""
+    if src_ids.device == device and dst_ids.device == device:
+        for ids in (src_ids, dst_ids):
+            _record_on_current_stream(ids)
+        return src_ids, dst_ids
     if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu":
         both = _staged(torch.cat((src_ids, dst_ids))).to(device, non_blocking=True)
         return both[: src_ids.numel()], both[src_ids.numel() :]
@@ -150,7 +157,8 @@ def _record_on_current_stream(ids: torch.Tensor) -> None:
         ids.record_stream(torch.cuda.current_stream(ids.device))
 
 
-def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
+def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
+         num_ctas: int | None = None) -> None:
     if method == "torch":
         copy_blocks_torch(src, src_ids, dst, dst_ids)
         return
@@ -161,10 +169,11 @@ def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids
         if torch.compiler.is_compiling():
             _check_ids_in_graph(src, src_ids, dst, dst_ids)
         src_on_device, dst_on_device = _ids_on(src_ids, dst_ids, device)
-        copy_blocks_triton(src, src_on_device, dst, dst_on_device)
+        programs = None if num_ctas is None else num_ctas * TRITON_PROGRAMS_PER_CTA
+        copy_blocks_triton(src, src_on_device, dst, dst_on_device, num_programs=programs)
         return
     if torch.compiler.is_compiling():
-        _run_op(method, src, src_ids, dst, dst_ids, device)
+        _run_op(method, src, src_ids, dst, dst_ids, device, num_ctas)
         return
     # Eager: the same kernels, entered with cached plane tables (csrc/fast_path.cpp).
     fast = _ext.extension()
@@ -180,16 +189,31 @@ def _run(method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         fast.copy_blocks_cuda(
             *tables, src_ids.data_ptr(), dst_ids.data_ptr(), n, src.num_blocks, dst.num_blocks,
-            _cta_budget(src, dst), stream, device.index,
+            _cta_budget(src, dst, num_ctas), stream, device.index,
         )
 
 
-def _cta_budget(src: PagedKV, dst: PagedKV) -> int:
+def _cta_budget(src: PagedKV, dst: PagedKV, num_ctas: int | None) -> int:
+    """CTAs for the SM kernel: the caller's budget, else the host-link default, else 0 (one full wave)."""
+    if num_ctas is not None:
+        return num_ctas
     return HOST_LINK_CTA_BUDGET if src.device.type != dst.device.type else 0
 
 
+def check_num_ctas(num_ctas: object, name: str = "num_ctas") -> int | None:
+    """``num_ctas`` as given, or TypeError / ValueError naming it."""
+    if num_ctas is None:
+        return None
+    if isinstance(num_ctas, bool) or not isinstance(num_ctas, int):
+        raise TypeError(f"{name}: expected a number of CTAs (int) or None, got {type(num_ctas).__name__}")
+    if num_ctas < 1:
+        raise ValueError(f"{name}: expected at least 1 CTA or None for the default, got {num_ctas}")
+    return num_ctas
+
+
 def _run_op(
-    method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, device: torch.device
+    method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, device: torch.device,
+    num_ctas: int | None = None,
 ) -> None:
     """The registered torch.ops (traceable by torch.compile).
 
@@ -204,7 +228,7 @@ def _run_op(
         torch.ops.kvcopy.copy_blocks_dma(src.planes, src_ids, dst.planes, dst_ids)
     else:
         src_ids, dst_ids = _ids_on(src_ids, dst_ids, device)
-        torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, _cta_budget(src, dst))
+        torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, _cta_budget(src, dst, num_ctas))
 
 
 def _check_ids_in_graph(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor) -> None:
@@ -221,6 +245,7 @@ def copy_blocks(
     *,
     method: str = "auto",
     stream: torch.cuda.Stream | None = None,
+    num_ctas: int | None = None,
 ) -> None:
     """For every i and plane p: ``dst.planes[p][dst_ids[i]] = src.planes[p][src_ids[i]]``, bitwise.
 
@@ -234,12 +259,20 @@ def copy_blocks(
     when the copy is done. Host-resident ids are validated in full before
     anything is written; CUDA-resident ids only for dtype and shape (see
     kvcopy._ids). Raises IndexError, TypeError or ValueError for bad input.
+
+    ``num_ctas``: the SM budget of the "cuda" kernel (Triton gets
+    TRITON_PROGRAMS_PER_CTA programs per CTA). None: HOST_LINK_CTA_BUDGET (4)
+    when host memory is on one side, which saturates PCIe and leaves every
+    other SM to decode; one full wave of the GPU for device-to-device copies.
+    More CTAs move small plane-blocks faster and take SMs from whatever runs
+    beside the copy. The other methods use no SMs and ignore it.
     """
     src_kv, dst_kv = _as_paged(src, "src"), _as_paged(dst, "dst")
     _check_pair(src_kv, dst_kv)
+    num_ctas = check_num_ctas(num_ctas)
     # Device and stream first: ids converted on the GPU are made on the copy's stream.
     with _device_context(src_kv, dst_kv, stream):
-        _copy(src_kv, src_ids, dst_kv, dst_ids, method)
+        _copy(src_kv, src_ids, dst_kv, dst_ids, method, num_ctas)
 
 
 def _device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
@@ -269,7 +302,8 @@ def _prepare_pair(
     return src_t, dst_t, src_t.device.type == "cpu" and dst_t.device.type == "cpu"
 
 
-def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str) -> None:
+def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str,
+          num_ctas: int | None = None) -> None:
     src_t, dst_t, host_ids = _prepare_pair(src, src_ids, dst, dst_ids)
     if src is dst and host_ids:
         check_disjoint(src_t, dst_t)
@@ -279,7 +313,7 @@ def _copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, meth
     chosen = _resolve(method, src, dst, host_ids=host_ids, capturing=_capturing(src, dst), num_blocks=src_t.numel())
     if src_t.numel() == 0:
         return
-    _run(chosen, src, src_t, dst, dst_t)
+    _run(chosen, src, src_t, dst, dst_t, num_ctas)
 
 
 def _check_id_devices(

@@ -47,7 +47,7 @@ class Gate:
         self.fail: Callable | None = None  # (src, dst) -> exception to raise instead of copying, or None
         real = kvcopy.ops._run
 
-        def run(method, src, src_ids, dst, dst_ids):
+        def run(method, src, src_ids, dst, dst_ids, num_ctas=None):
             with self._cond:
                 self.calls.append((src, dst))
             if self._hold(src, dst):
@@ -64,7 +64,7 @@ class Gate:
                 err = self.fail(src, dst)
                 if err is not None:
                     raise err
-            real(method, src, src_ids, dst, dst_ids)
+            real(method, src, src_ids, dst, dst_ids, num_ctas)
             with self._cond:
                 self.finished += 1
                 self._cond.notify_all()

@@ -100,10 +100,10 @@ def test_ordering_holds_when_the_first_copy_is_slow(engines, monkeypatch):
     eng = engines(kv, pool)
     real = kvcopy.ops._run
 
-    def slow(method, src, src_ids, dst, dst_ids):
+    def slow(method, src, src_ids, dst, dst_ids, num_ctas=None):
         if src is eng.kv:
             time.sleep(0.2)  # the offload is slow; the reload worker is idle and would run first
-        real(method, src, src_ids, dst, dst_ids)
+        real(method, src, src_ids, dst, dst_ids, num_ctas)
 
     monkeypatch.setattr(kvcopy.ops, "_run", slow)
     expected = reference_copy(kv, [4, 5], kv, [9, 10])  # blocks 4, 5 land in 9, 10 through host blocks 0, 1

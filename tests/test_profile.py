@@ -581,9 +581,9 @@ def record_methods(monkeypatch):
     seen: list[str] = []
     real = kvcopy.ops._run
 
-    def run(method, src, src_ids, dst, dst_ids):
+    def run(method, src, src_ids, dst, dst_ids, num_ctas=None):
         seen.append(method)
-        real(method, src, src_ids, dst, dst_ids)
+        real(method, src, src_ids, dst, dst_ids, num_ctas)
 
     monkeypatch.setattr(kvcopy.ops, "_run", run)
     return seen

@@ -15,6 +15,10 @@ namespace kvcopy {
 // A cache with more planes is copied in several launches on the same stream.
 constexpr int64_t kMaxPlanesPerLaunch = 256;
 
+// The plane capacity of the launch that copies `num_planes` planes (<= kMaxPlanesPerLaunch):
+// 8, 64 or 256. Host code, for tests and the launch itself.
+int64_t plane_table_capacity(int64_t num_planes);
+
 // CTAs the SM kernel uses when a host buffer is on one side: a few CTAs
 // saturate PCIe, and decode keeps every other SM (shared/REFERENCE.md).
 constexpr int kHostLinkCtaBudget = 4;
@@ -23,8 +27,10 @@ constexpr int kHostLinkCtaBudget = 4;
 // by one warp with the widest vector accesses (up to 16 B) its alignment allows. `src_ids`/`dst_ids` are device (or
 // mapped pinned host) pointers of length num_ids. Ids outside
 // [0, src_num_blocks) or [0, dst_num_blocks) are skipped, never dereferenced.
-// num_ctas <= 0 sizes the grid to the work (up to two CTAs per SM). The
-// current device must be the stream's.
+// num_ctas <= 0 sizes the grid to the work, up to one wave of the CTAs that are
+// resident at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor x SMs). Each
+// launch passes a plane table of the smallest capacity (8, 64, 256) that holds
+// its planes. The current device must be the stream's.
 cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes,
                                      const int64_t* src_ids, const int64_t* dst_ids,
                                      int64_t num_ids, int64_t src_num_blocks,

@@ -77,13 +77,28 @@ struct SideStream {
   cudaEvent_t after = nullptr;   // recorded on the side stream, waited on by the caller's stream
 };
 
+// One side stream and two events per device that this host thread used the path on, destroyed
+// when the thread exits (CUDA releases a destroyed stream once its queued work is done; at
+// process exit the driver may be gone already, and what it answers then is ignored).
+struct ThreadSideStreams {
+  std::unordered_map<int, SideStream> by_device;
+  ~ThreadSideStreams() {
+    for (auto& entry : by_device) {
+      const SideStream& side = entry.second;
+      if (side.before != nullptr) cudaEventDestroy(side.before);
+      if (side.after != nullptr) cudaEventDestroy(side.after);
+      if (side.stream != nullptr) cudaStreamDestroy(side.stream);
+    }
+    cudaGetLastError();
+  }
+};
+
 cudaError_t side_stream_for_current_device(SideStream** out) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  // Never destroyed: one stream and two events per (host thread, device) that used this path.
-  thread_local std::unordered_map<int, SideStream> side_streams;
-  SideStream& side = side_streams[device];
+  thread_local ThreadSideStreams side_streams;
+  SideStream& side = side_streams.by_device[device];
   if (side.stream == nullptr) {
     if ((err = cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (err = cudaEventCreateWithFlags(&side.before, cudaEventDisableTiming)) != cudaSuccess ||

@@ -17,7 +17,9 @@ c10::Device cuda_device_of(at::TensorList src, at::TensorList dst) {
 }
 
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "kvcopy: ", what, " failed: ", cudaGetErrorString(err));
+  if (err == cudaSuccess) return;
+  cudaGetLastError();  // clear the runtime's pending error, so torch's next check does not report it as its own
+  TORCH_CHECK(false, "kvcopy: ", what, " failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
