@@ -189,6 +189,17 @@ PyObject* py_cuda_driver_version(PyObject*, PyObject*) {
   return PyLong_FromLong(version);
 }
 
+// stream_is_capturing(handle) -> bool: whether the stream is capturing a CUDA graph now
+// (cudaStreamIsCapturing, which is legal during any capture).
+PyObject* py_stream_is_capturing(PyObject*, PyObject* args) {
+  unsigned long long stream;
+  if (!PyArg_ParseTuple(args, "K", &stream)) return nullptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(as_ptr<CUstream_st>(stream), &status);
+  if (err != cudaSuccess) return raise_cuda(err, "cudaStreamIsCapturing");
+  return PyBool_FromLong(status == cudaStreamCaptureStatusActive);
+}
+
 // destroy_stream(handle): after the caller has waited for its work.
 PyObject* py_destroy_stream(PyObject*, PyObject* args) {
   unsigned long long stream;
@@ -212,6 +223,7 @@ PyMethodDef kFastPathMethods[] = {
     {"can_use_host_pointer", py_can_use_host_pointer, METH_VARARGS,
      "Whether kernels on the device may read registered host memory by its host address."},
     {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, "The CUDA driver's version (cudaDriverGetVersion)."},
+    {"stream_is_capturing", py_stream_is_capturing, METH_VARARGS, "Whether a stream is capturing a graph now."},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif
     {nullptr, nullptr, 0, nullptr},

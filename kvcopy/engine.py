@@ -134,7 +134,13 @@ class TransferEngine:
             owned = [s.cuda_stream for s in self._streams.values() if isinstance(s, torch.cuda.ExternalStream)]
             # Destroyed at close(), or when the engine is collected without one (CUDA frees a
             # destroyed stream's resources once its queued work is done).
+            self._owned_streams = owned  # capture streams made later join them
             self._stream_finalizer = weakref.finalize(self, _destroy_streams, owned)
+            # Captures get streams of their own, per direction and capturing stream: eager transfers queued
+            # meanwhile on the shared copy streams must run, not join someone's graph.
+            self._capture_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+            self._captures: set[int] = set()  # caller streams seen capturing this engine's transfers
+            self._captured_any = False
             self._signal_events = _EventPool(enable_timing=False)
             self._timing_events = _EventPool(enable_timing=True)
         else:
@@ -142,6 +148,31 @@ class TransferEngine:
                 direction: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-{direction}")
                 for direction in ("offload", "reload")
             }
+
+    def _capture_in_progress(self) -> bool:
+        """Whether a caller stream is still capturing one of this engine's transfers. While one is
+        (global capture mode), a cudaEventQuery from any thread would invalidate that capture, so the
+        engine's transfers answer done() with False and wait() waits for the capture to end."""
+        if not self._captures:
+            return False
+        module = _ext.extension()
+        if module is None or not hasattr(module, "stream_is_capturing"):
+            return False  # built without CUDA kernels: no way to ask about another thread's stream
+        self._captures = {h for h in self._captures if module.stream_is_capturing(h)}
+        return bool(self._captures)
+
+    def _stream_for(self, direction: str, capturing: bool) -> torch.cuda.Stream:
+        if not capturing:
+            return self._streams[direction]
+        caller = torch.cuda.current_stream(self.kv.device).cuda_stream
+        self._captures.add(caller)
+        self._captured_any = True
+        key = (direction, caller)
+        if key not in self._capture_streams:
+            self._capture_streams[key] = self._new_copy_stream()
+            if isinstance(self._capture_streams[key], torch.cuda.ExternalStream):
+                self._owned_streams.append(self._capture_streams[key].cuda_stream)
+        return self._capture_streams[key]
 
     def _new_copy_stream(self) -> torch.cuda.Stream:
         """A dedicated stream of the device's least priority (decode on any higher-priority
@@ -175,7 +206,9 @@ class TransferEngine:
         return self._submit("reload", self.host.paged, host_ids, "host_ids", self.kv, block_ids, "block_ids", layerwise)
 
     def close(self) -> None:
-        """Waits for every transfer in flight (their errors stay with their handles), then frees the streams or workers."""
+        """Waits for every transfer in flight (their errors stay with their handles), then frees the streams or
+        workers. If any transfer was captured in a CUDA graph, it also waits for the device, so replays queued
+        before the call are done; do not replay those graphs after it."""
         with self._lock:  # from here on, new transfers are refused
             if self._closed:
                 return
@@ -189,8 +222,14 @@ class TransferEngine:
                 worker.shutdown(wait=True)
             return
         for stream in self._streams.values():
-            stream.synchronize()  # every transfer was waited for above; this also covers captured ones' replays
+            stream.synchronize()  # every transfer was waited for above
+        if self._captured_any:
+            # A graph replays its captured copies on the stream that replays it, not on the engine's:
+            # wait for the device, so no replay queued before close still reads the pool (replaying such a
+            # graph after close is the caller's error: the pool may be unpinned by then).
+            torch.cuda.synchronize(self.kv.device)
         self._streams.clear()
+        self._capture_streams.clear()
         self._stream_finalizer()
 
     def __enter__(self) -> TransferEngine:
@@ -270,7 +309,7 @@ class TransferEngine:
     def _submit_cuda(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
                      dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
                      capturing: bool, after: list[Transfer]) -> Transfer:
-        stream = self._streams[direction]
+        stream = self._stream_for(direction, capturing)
         ready = self._signal_events.get()
         ready.record(torch.cuda.current_stream(self.kv.device))
         stream.wait_event(ready)  # the copy starts after the caller's queued work
@@ -300,8 +339,9 @@ class TransferEngine:
                 done_event = self._signal_events.get()
                 done_event.record(stream)
                 layer_events.append(done_event)  # back to the signal pool with the layers
-        layers = [CudaSignal(e) for e in layer_events[: self.kv.num_layers]] if layerwise else None
-        transfer = Transfer(direction, num_blocks, nbytes, CudaSignal(done_event), layers, timer,
+        unsafe = weakref.WeakMethod(self._capture_in_progress)
+        layers = [CudaSignal(e, unsafe) for e in layer_events[: self.kv.num_layers]] if layerwise else None
+        transfer = Transfer(direction, num_blocks, nbytes, CudaSignal(done_event, unsafe), layers, timer,
                             keepalive=(src, dst, src_ids, dst_ids))
         weakref.finalize(transfer, self._signal_events.put, layer_events)
         if timer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -30,19 +31,34 @@ class TransferSignal(Protocol):
 
 
 class CudaSignal:
-    """An event recorded on a copy stream after the work it signals."""
+    """An event recorded on a copy stream after the work it signals.
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    ``unsafe``: a (weak) callable saying that querying the event now would invalidate a CUDA
+    graph capture in progress (global capture mode forbids event queries from every thread);
+    then ``query`` answers False and ``wait`` waits for the capture to end first.
+    """
+
+    def __init__(self, event: torch.cuda.Event, unsafe: Callable[[], Callable[[], bool] | None] | None = None) -> None:
         self.event = event
+        self._unsafe = unsafe
+
+    def _query_is_unsafe(self) -> bool:
+        check = self._unsafe() if self._unsafe is not None else None
+        return check is not None and check()
 
     def query(self) -> bool:
-        return self.event.query()
+        return not self._query_is_unsafe() and self.event.query()
 
     def wait(self, timeout: float | None) -> None:
-        if timeout is None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._query_is_unsafe():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"transfer not known to be done after {timeout} s (a CUDA graph capture of its "
+                                   f"engine's transfers is in progress)")
+            time.sleep(_POLL_SECONDS)
+        if deadline is None:
             self.event.synchronize()  # raises what the device reported, if anything
             return
-        deadline = time.monotonic() + timeout
         while not self.event.query():
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"transfer not done after {timeout} s")

@@ -739,3 +739,62 @@ def test_debug_mode_reports_the_callers_copy_on_the_gpu(res, monkeypatch):
         kvcopy.copy_blocks(kv, [1], pool, [5])  # RAW device
     kvcopy.copy_blocks(kv, [2], pool, [5])  # disjoint: fine
     t.wait()
+
+
+# --------------------------------------------------------------------------- captures beside eager work
+
+
+def test_eager_transfers_from_another_thread_during_a_capture_run_and_leave_it_valid(res):
+    """Global capture mode forbids event queries from any thread: while one thread captures a reload, another
+    thread's eager offload must run on the shared copy stream (not join the graph), its done() must not query
+    the event, and the capture must still succeed."""
+    kv, pool = res.setup(seed=23)
+    eng = res.engine(kv, pool)
+    eng.reload([0], [1]).wait()  # warm-up: streams, events, plane tables
+    torch.cuda.synchronize()
+    expected_pool = reference_copy(kv, [2], pool, [3])
+    host_ids = torch.tensor([0], device="cuda")
+    block_ids = torch.tensor([5], device="cuda")
+    seen: dict = {}
+
+    def eager_offload() -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            transfer = eng.offload([2], [3])
+            seen["done_during_capture"] = transfer.done()
+            seen["in_flight"] = eng.num_in_flight
+            seen["transfer"] = transfer
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capture_error_mode="global"
+        captured = eng.reload(host_ids, block_ids)
+        captured.wait_stream()
+        thread = threading.Thread(target=eager_offload)
+        thread.start()
+        thread.join()
+    assert seen["done_during_capture"] is False
+    seen["transfer"].wait()  # ran eagerly, outside the graph
+    assert_same_bytes([p[3] for p in dst_bytes(pool)], [p[3] for p in expected_pool])
+    expected_kv = reference_copy(pool, [0], kv, [5])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bytes(dst_bytes(kv), expected_kv)
+
+
+def test_close_waits_for_replays_of_captured_transfers(res):
+    """A replay runs on the replaying stream, not the engine's: close() must not return (and let the pool be
+    unpinned) while a replay queued before it may still read the pool."""
+    kv, pool = res.setup(seed=24)
+    eng = res.engine(kv, pool)
+    eng.reload([0], [1]).wait()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eng.reload(torch.tensor([0], device="cuda"), torch.tensor([6], device="cuda")).wait_stream()
+    replay_stream = torch.cuda.Stream()
+    with torch.cuda.stream(replay_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        graph.replay()
+    assert not replay_stream.query()
+    eng.close()
+    assert replay_stream.query(), "close() returned while a replay of a captured transfer was still queued"
+    pool.close()
