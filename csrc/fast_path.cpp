@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu/block_copy_cpu.h"
+#include "kvcopy/copy_ranges.h"
 #include "kvcopy/plane_copy.h"
 #ifdef KVCOPY_WITH_CUDA
 #include "kernels/block_copy_cuda.h"
@@ -55,6 +56,38 @@ PyObject* py_copy_blocks_cpu(PyObject*, PyObject* args) {
                   as_ptr<const int64_t>(dst_ids), num_ids, num_threads);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
+}
+
+// plan_copy_ranges(src_table, dst_table, num_planes, src_ids, dst_ids, num_ids, for_dma)
+//   -> [(src_address, dst_address, nbytes), ...]: the byte ranges the cpu path (for_dma=0) or the
+// copy-engine path (for_dma=1: also split at registration chunks) turns this copy into. Ids on the
+// host, validated by the caller. Plans only: nothing is read or written.
+PyObject* py_plan_copy_ranges(PyObject*, PyObject* args) {
+  unsigned long long src_table, dst_table, src_ids, dst_ids;
+  long long num_planes, num_ids;
+  int for_dma;
+  if (!PyArg_ParseTuple(args, "KKLKKLp", &src_table, &dst_table, &num_planes, &src_ids, &dst_ids, &num_ids,
+                        &for_dma)) {
+    return nullptr;
+  }
+  const std::vector<PlaneCopy> planes =
+      planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
+  std::vector<CopyRange> ranges = plan_copy_ranges(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                                                   as_ptr<const int64_t>(dst_ids), num_ids);
+  if (for_dma) ranges = split_at_registrations(ranges);
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(ranges.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const auto address = [](const void* p) { return static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)); };
+    PyObject* item = Py_BuildValue("(KKL)", address(ranges[i].src), address(ranges[i].dst),
+                                   static_cast<long long>(ranges[i].nbytes));
+    if (item == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
 }
 
 #ifdef KVCOPY_WITH_CUDA
@@ -214,6 +247,7 @@ PyObject* py_destroy_stream(PyObject*, PyObject* args) {
 
 PyMethodDef kFastPathMethods[] = {
     {"copy_blocks_cpu", py_copy_blocks_cpu, METH_VARARGS, "CPU block copy from plane-table addresses."},
+    {"plan_copy_ranges", py_plan_copy_ranges, METH_VARARGS, "The byte ranges a copy becomes (plans only)."},
 #ifdef KVCOPY_WITH_CUDA
     {"copy_blocks_cuda", py_copy_blocks_cuda, METH_VARARGS, "SM-kernel block copy from plane-table addresses."},
     {"copy_blocks_dma", py_copy_blocks_dma, METH_VARARGS, "Copy-engine block copy from plane-table addresses."},

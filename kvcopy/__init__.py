@@ -22,6 +22,7 @@ from .model import ModelSpec
 from .ops import available_methods, copy_blocks, gather, scatter
 from .planner import Decision, Planner
 from .profile import Profile, set_default_profile
+from .ranges import ByteRange, copy_ranges
 from .transfer import Transfer
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "METHODS",
     "BlockAllocator",
     "BlockIndex",
+    "ByteRange",
     "CacheKey",
     "Decision",
     "HostKVPool",
@@ -44,6 +46,7 @@ __all__ = [
     "build_info",
     "calibrate",
     "copy_blocks",
+    "copy_ranges",
     "gather",
     "scatter",
     "set_default_profile",

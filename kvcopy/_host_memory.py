@@ -22,12 +22,16 @@ import torch
 __all__ = [
     "HOST_RESERVE_BYTES",
     "MAX_REGISTER_BYTES",
+    "registration_chunks",
     "HostRegion",
     "available_host_bytes",
     "gpu_numa_node",
 ]
 
 # No single cudaHostRegister above this: registrations of 512 GiB and more fail.
+# Chunks end at addresses that are multiples of it, so the copy-engine path
+# (which must not submit one copy across two registrations) can split its ranges
+# by address alone: kRegistrationChunkBytes in csrc/include/kvcopy/copy_ranges.h.
 MAX_REGISTER_BYTES = 64 << 30
 # Host memory left to the OS and the process: a pool that would eat into it is
 # refused before anything is allocated (pinned pages cannot be swapped out).
@@ -37,6 +41,18 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # usable from every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2  # mapped into the device address space (read by the SM kernels)
 _MPOL_BIND = 2
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
+
+
+def registration_chunks(address: int, nbytes: int) -> list[tuple[int, int]]:
+    """(address, length) of each cudaHostRegister for a region: split at every address that is a
+    multiple of MAX_REGISTER_BYTES, so no chunk crosses one (and none is larger)."""
+    chunks = []
+    start, end = address, address + nbytes
+    while start < end:
+        boundary = (start // MAX_REGISTER_BYTES + 1) * MAX_REGISTER_BYTES
+        chunks.append((start, min(boundary, end) - start))
+        start = min(boundary, end)
+    return chunks
 
 
 def available_host_bytes() -> int | None:
@@ -142,8 +158,8 @@ class HostRegion:
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
         flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
-        for start in range(0, self.nbytes, MAX_REGISTER_BYTES):
-            length = min(MAX_REGISTER_BYTES, self.nbytes - start)
+        for start, length in registration_chunks(self.address, self.nbytes):
+            start -= self.address
             code = int(cudart.cudaHostRegister(self.address + start, length, flags))
             if code != 0:
                 _unregister(self._registered)

@@ -140,7 +140,8 @@ cudaError_t submit_batched(DmaCopies& copies, cudaStream_t stream) {
 cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                                   const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  DmaCopies copies = plan_dma(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids));
+  DmaCopies copies =
+      plan_dma(split_at_registrations(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids)));
   return submit_batched(copies, stream);
 }
 
@@ -148,7 +149,8 @@ cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_
                                            const int64_t* dst_ids, int64_t num_ids, DmaBaseline baseline,
                                            cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  DmaCopies copies = plan_dma(block_by_block_ranges(planes, num_planes, src_ids, dst_ids, num_ids));
+  DmaCopies copies =
+      plan_dma(split_at_registrations(block_by_block_ranges(planes, num_planes, src_ids, dst_ids, num_ids)));
   return baseline == DmaBaseline::kUnmergedBatch ? submit_batched(copies, stream) : submit_one_by_one(copies, stream);
 }
 

@@ -2,6 +2,7 @@
 // Torch-free.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -15,6 +16,31 @@ struct CopyRange {
   uint8_t* dst;
   int64_t nbytes;
 };
+
+// A HostKVPool registers its memory with CUDA in chunks that end at multiples of
+// this address (kvcopy/_host_memory.py, MAX_REGISTER_BYTES: one registration of
+// 512 GiB or more fails). One DMA copy must not span two registrations.
+constexpr int64_t kRegistrationChunkBytes = int64_t{64} << 30;
+
+// The ranges split wherever either side crosses a multiple of kRegistrationChunkBytes.
+inline std::vector<CopyRange> split_at_registrations(const std::vector<CopyRange>& ranges) {
+  std::vector<CopyRange> out;
+  out.reserve(ranges.size());
+  for (CopyRange range : ranges) {
+    while (range.nbytes > 0) {
+      const auto room = [](const void* p) {
+        const auto address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+        return kRegistrationChunkBytes - address % kRegistrationChunkBytes;
+      };
+      const int64_t n = std::min({range.nbytes, room(range.src), room(range.dst)});
+      out.push_back({range.src, range.dst, n});
+      range.src += n;
+      range.dst += n;
+      range.nbytes -= n;
+    }
+  }
+  return out;
+}
 
 // Appends a range, extending the previous one when both sides continue it.
 inline void append_range(std::vector<CopyRange>& ranges, const uint8_t* src, uint8_t* dst, int64_t nbytes) {

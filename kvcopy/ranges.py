@@ -1,0 +1,57 @@
+"""The byte ranges a copy becomes: kvcopy's coalescing, made observable.
+
+The "cpu" and "copy_engine" methods plan every copy as byte ranges before
+moving anything (csrc/include/kvcopy/copy_ranges.h): a run of adjacent ids is
+one range in a plane that is dense on both sides, and planes that sit side by
+side in both layouts merge (FlashInfer's K and V of a layer into a page-first
+host block). The copy-engine plan is also split where a range would cross a
+pinned-memory registration chunk (every 64 GiB of address). Fewer ranges
+means fewer memcpys and DMA descriptors: that is what merging buys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, Union
+
+from . import _ext
+from ._ids import BlockIds
+from .host import HostKVPool
+from .layout import PagedKV
+from .ops import _as_paged, _check_pair, _prepare_pair
+
+__all__ = ["ByteRange", "copy_ranges"]
+
+KVLike = Union[PagedKV, HostKVPool]
+
+
+class ByteRange(NamedTuple):
+    """One contiguous copy: ``nbytes`` from address ``src`` to address ``dst``."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+def copy_ranges(
+    src: KVLike, src_ids: BlockIds, dst: KVLike, dst_ids: BlockIds, *,
+    method: Literal["cpu", "copy_engine"] = "copy_engine",
+) -> list[ByteRange]:
+    """The byte ranges ``method`` turns ``copy_blocks(src, src_ids, dst, dst_ids)`` into, in order.
+
+    Plans only: nothing is read or written, so the caches may be on any device.
+    Ids are validated as by copy_blocks and must be on the host (both methods
+    read them there). RuntimeError when the compiled extension is not loaded.
+    """
+    if method not in ("cpu", "copy_engine"):
+        raise ValueError(f"method: expected 'cpu' or 'copy_engine' (the methods that plan ranges), got {method!r}")
+    src_kv, dst_kv = _as_paged(src, "src"), _as_paged(dst, "dst")
+    _check_pair(src_kv, dst_kv)
+    src_t, dst_t, host_ids = _prepare_pair(src_kv, src_ids, dst_kv, dst_ids)
+    if not host_ids:
+        raise ValueError("src_ids/dst_ids: expected ids on the host: the planner reads them there")
+    module = _ext.extension()
+    if module is None:
+        raise RuntimeError(f"copy_ranges: the compiled extension is not loaded ({_ext.build_info()['extension_error']})")
+    planned = module.plan_copy_ranges(src_kv.plane_table.data_ptr(), dst_kv.plane_table.data_ptr(), src_kv.num_planes,
+                                      src_t.data_ptr(), dst_t.data_ptr(), src_t.numel(), method == "copy_engine")
+    return [ByteRange(*r) for r in planned]
