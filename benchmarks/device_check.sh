@@ -10,13 +10,25 @@
 # distributions missing there are unpacked into the stage. Everything runs
 # from a staged copy of the sources, built in place there, so the checkout's
 # own build (and a test suite that imported it) is never overwritten.
-# Each step logs to OUT_DIR/NAME.log. A failed setup or build step stops the
-# check at once with its last lines; a failed test, calibration or benchmark
-# step is reported the same way but the later steps still run (a lent GPU is
-# scarce), and the check exits 1 at the end. Each step has a time limit, so
-# a hang cannot eat the device time. Budget: under 8 minutes on the GPU machine
-# (an estimate: build ~1.5, tests ~2, calibrate ~1, bench ~2, the rest ~1.5);
-# the bench writes each point to its CSV as it ends, so a cut-short run keeps them.
+# A preflight fails in seconds when the machine cannot do the check (nvcc's
+# CUDA major version against torch's, Python.h, a visible GPU, free disk).
+# Each step logs to OUT_DIR/NAME.log, and OUT_DIR/summary.txt gets a line as
+# each step ends, so whatever ran survives a kill. A failed setup or build step
+# stops the check at once with its last lines; a failed test, calibration or
+# benchmark step is reported the same way but the later steps still run (a lent
+# GPU is scarce), and the check exits 1 at the end.
+#
+# Time: one deadline for the whole check (KVCOPY_CHECK_DEADLINE, default 540 s)
+# from which every step's limit is taken: a step gets its own cap or what is
+# left, whichever is less; a benchmark that cannot have its cap runs a shorter
+# variant, and a step with under MIN_STEP_S left is skipped (and said so).
+# Steps run in order of value: build, GPU correctness tests (test_gpu.py and
+# test_engine_gpu.py in separate processes, so a broken CUDA context in one
+# cannot fail the other), calibrate, plan, bench, overlap, engine tests and
+# benchmark, torch.compile tests. pytest is stopped with SIGINT at its limit, so
+# it still prints its summary, and writes OUT_DIR/NAME.xml (JUnit). The bench
+# writes each point to its CSV as it ends. --dry-run multiplies every cap by
+# DRY_RUN_SLOWDOWN: a 2-core machine that is also busy is several times slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,26 +43,11 @@ out=$(cd "$out" && pwd)  # steps run in the stage
 python=${PYTHON:-python3}
 wheelhouse=${KVCOPY_WHEELHOUSE:-wheelhouse}
 started=$SECONDS
-
-fail() {
-  echo "device_check: $*" >&2
-  exit 1
-}
-
-failed=()
-run_step() {  # run_step NAME LIMIT_S COMMAND...: run in the stage, log to OUT/NAME.log; status 1 on failure
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name ($((SECONDS - started)) s)"
-  if ! (cd "$stage" && timeout "$limit" "$@") >"$out/$name.log" 2>&1; then
-    echo "device_check: step '$name' failed (or ran past ${limit} s); last lines of $out/$name.log:" >&2
-    tail -n 30 "$out/$name.log" >&2
-    return 1
-  fi
-  tail -n 3 "$out/$name.log"
-}
-step() { run_step "$@" || exit 1; }                 # setup: nothing after it can run
-soft_step() { run_step "$@" || failed+=("$1"); }    # a finding: record it, go on
+deadline=${KVCOPY_CHECK_DEADLINE:-540}   # seconds for the whole check: a lent GPU has about ten minutes
+[ "$dry_run" = 1 ] && deadline=${KVCOPY_CHECK_DEADLINE:-1100}  # the CI machine may be slow and busy
+: >"$out/summary.txt"
+# shellcheck source=benchmarks/check_steps.sh
+source benchmarks/check_steps.sh
 
 # The sources, without this checkout's build outputs.
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvcopy-device-check.XXXXXX")
@@ -71,6 +68,32 @@ PY
 )
 [ -z "$missing" ] || fail "missing Python packages: $missing; run benchmarks/fetch_wheelhouse.sh here and carry wheelhouse/"
 
+# Preflight: what would make the build or the GPU steps fail minutes in, found in seconds.
+preflight=$("$python" - "$dry_run" "$stage" <<'PY'
+import importlib.util, os, re, shutil, subprocess, sys, sysconfig
+dry_run, stage = sys.argv[1] == "1", sys.argv[2]
+problems = []
+if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+    problems.append(f"no Python.h under {sysconfig.get_paths()['include']} (install the Python headers)")
+free = shutil.disk_usage(stage).free
+if free < 2 << 30:
+    problems.append(f"only {free / 2**30:.1f} GiB free where the check builds ({stage}); it needs 2")
+import torch
+nvcc = shutil.which("nvcc")
+if torch.version.cuda and nvcc:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+)\.", out)
+    if found and found.group(1) != torch.version.cuda.split(".")[0]:
+        problems.append(f"nvcc is CUDA {found.group(1)}, torch was built with CUDA {torch.version.cuda}: "
+                        "the extension would not load")
+if not dry_run and not torch.cuda.is_available():
+    problems.append("no CUDA device visible (use --dry-run to walk the steps without one)")
+print("; ".join(problems))
+PY
+)
+[ -z "$preflight" ] || fail "preflight: $preflight"
+echo "preflight ok" >>"$out/summary.txt"
+
 has_gpu=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))')
 if [ "$has_gpu" = 1 ]; then
   arch=$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
@@ -88,7 +111,6 @@ if "$python" -c 'import matplotlib' 2>/dev/null; then
   calib_plot=(--plot "$out/calib.png") plan_plot=(--plot "$out/plan.png") bench_plot=(--plot "$out/bench.png")
 fi
 
-gpu_test_files=(tests/test_gpu.py tests/test_engine_gpu.py tests/test_bench_gpu.py)
 step build 240 env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace
 step staged 60 "$python" - "$stage" "$has_gpu" <<'PY'
 import sys, kvcopy
@@ -99,47 +121,48 @@ assert not has_gpu or info["cuda_kernels"], f"a GPU is here but the CUDA kernels
 print(kvcopy.__file__, "cuda_kernels:", info["cuda_kernels"], "archs:", info["cuda_archs"])
 PY
 step info 60 "$python" -m kvcopy info --json
+has_transformers=$("$python" -c 'import importlib.util as u; print(int(u.find_spec("transformers") is not None))')
+[ "$has_transformers" = 1 ] || echo "device_check: transformers is not here: the engine tests and bench_engine are skipped" >&2
 # The default GPU bench set, trimmed to fit the check's minutes: 4 sizes, 5 counts, 5 repeats.
 gpu_bench=(--repeats 5 --counts 1,16,256,1024,2048 --block-tokens 1,4,16,64)
 if [ "$dry_run" = 1 ]; then
-  step gpu_tests_collect 120 "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${gpu_test_files[@]}"
-  step gpu_bench_points 30 "$python" -m kvcopy bench "${gpu_bench[@]}" --list
-  calibrate=(--quick) bench=(--quick) sequential=(--quick) overlap=(--blocks 16 --rounds 1)
+  step gpu_tests_collect 60 "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_gpu.py \
+    tests/test_engine_gpu.py tests/test_bench_gpu.py tests/test_transformers_offload.py
+  step gpu_bench_points 20 "$python" -m kvcopy bench "${gpu_bench[@]}" --list
+  calibrate=(--quick) bench=(--quick) overlap=(--blocks 16 --rounds 1)
+  engine=(--requests 8 --min-prompt 32 --max-prompt 64 --new-tokens 16 --hidden 128 --layers 2)
 else
-  # torch.compile tests last: inductor compiles take most of their time.
-  soft_step gpu_tests 150 "$python" -m pytest -q -p no:cacheprovider -m gpu -k "not torch_compile" \
-    "${gpu_test_files[@]}"
-  calibrate=() sequential=() bench=("${gpu_bench[@]}") overlap=()
+  # Correctness first, each file in its own process; torch.compile tests last (inductor compiles are slow).
+  pytest_step gpu_tests 120 -m gpu -k "not torch_compile" tests/test_gpu.py
+  pytest_step engine_gpu_tests 90 -m gpu -k "not torch_compile" tests/test_engine_gpu.py
+  pytest_step bench_gpu_tests 45 -m gpu tests/test_bench_gpu.py
+  calibrate=() bench=("${gpu_bench[@]}") overlap=()
+  engine=(--dtype bfloat16 --hidden 1024 --layers 8)
 fi
 rm -f "$out/profile.json"  # a reused OUT_DIR: never benchmark against an older run's profile
-soft_step calibrate 120 "$python" -m kvcopy calibrate ${calibrate[@]+"${calibrate[@]}"} --no-progress \
+shortened 90 && calibrate=(--quick)
+soft_step calibrate 90 "$python" -m kvcopy calibrate ${calibrate[@]+"${calibrate[@]}"} --no-progress \
   --out "$out/profile.json" ${calib_plot[@]+"${calib_plot[@]}"}
-soft_step plan 30 "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" \
+soft_step plan 20 "$python" -m kvcopy plan --model llama-3.1-8b --profile "$out/profile.json" \
   ${plan_plot[@]+"${plan_plot[@]}"}
 predictions=()  # the bench reports the calibration's prediction errors when there is one
 [ -f "$out/profile.json" ] && predictions=(--profile "$out/profile.json")
-soft_step bench 180 "$python" -m kvcopy bench "${bench[@]}" --no-progress ${predictions[@]+"${predictions[@]}"} \
+shortened 150 && bench=(--quick)
+soft_step bench 150 "$python" -m kvcopy bench "${bench[@]}" --no-progress ${predictions[@]+"${predictions[@]}"} \
   --csv "$out/bench.csv" ${bench_plot[@]+"${bench_plot[@]}"}
 # Adjacent ids: what merging runs into ranges buys over the unmerged batch.
-soft_step bench_sequential 60 "$python" -m kvcopy bench ${sequential[@]+"${sequential[@]}"} --ids sequential \
-  --no-sweeps --workload llama8b-16 --workload llama70b-tp4-16 --no-progress --csv "$out/bench_sequential.csv"
-soft_step bench_overlap 60 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
+soft_step bench_sequential 40 "$python" -m kvcopy bench --quick --ids sequential --no-sweeps --workload llama8b-16 \
+  --workload llama70b-tp4-16 --no-progress --csv "$out/bench_sequential.csv"
+shortened 45 && overlap=(--blocks 32 --rounds 1)
+soft_step bench_overlap 45 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
   --csv "$out/bench_overlap.csv"
-# transformers' continuous batching through kvcopy (optional: needs transformers from the wheelhouse).
-if "$python" -c 'import transformers' 2>/dev/null; then
-  if [ "$dry_run" = 1 ]; then
-    engine=(--requests 8 --min-prompt 32 --max-prompt 64 --new-tokens 16)
-  else
-    soft_step transformers_tests 150 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/test_transformers_offload.py
-    engine=(--dtype bfloat16 --hidden 1024 --layers 8)
-  fi
-  soft_step bench_engine 180 "$python" benchmarks/bench_engine.py "${engine[@]}" --csv "$out/bench_engine.csv"
-else
-  echo "device_check: transformers is not installed here: the engine tests and bench_engine are skipped" >&2
+if [ "$has_transformers" = 1 ]; then
+  [ "$dry_run" = 0 ] && pytest_step transformers_gpu_tests 90 -m gpu tests/test_transformers_offload.py
+  shortened 120 && engine+=(--requests 16 --max-prompt 512)
+  soft_step bench_engine 120 "$python" benchmarks/bench_engine.py "${engine[@]}" --csv "$out/bench_engine.csv"
 fi
-if [ "$dry_run" = 0 ]; then
-  soft_step gpu_compile_tests 120 "$python" -m pytest -q -p no:cacheprovider -m gpu -k torch_compile \
-    "${gpu_test_files[@]}"
-fi
+[ "$dry_run" = 0 ] && pytest_step gpu_compile_tests 120 -m gpu -k torch_compile tests/test_gpu.py tests/test_engine_gpu.py
+[ ${#skipped[@]} = 0 ] || echo "device_check: skipped for the deadline: ${skipped[*]}" >&2
 [ ${#failed[@]} = 0 ] || fail "failed steps: ${failed[*]} (logs in $out)"
+echo "done in $((SECONDS - started)) s" >>"$out/summary.txt"
 echo "device_check: done in $((SECONDS - started)) s; results in $out"

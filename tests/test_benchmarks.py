@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HAS_CUDA
 from kvcopy.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,13 +128,17 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     )
     env.pop("PYTHON", None)
     result = subprocess.run(["bash", "benchmarks/device_check.sh", "--dry-run", str(out)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, _describe(result)
     assert "device_check: done" in result.stdout
     steps = re.findall(r"^== (\S+) \(", result.stdout, re.M)
     assert {"build", "staged", "calibrate", "plan", "bench", "bench_overlap", "bench_engine"} <= set(steps), steps
     for step in steps:
         assert (out / f"{step}.log").is_file(), step
+    summary = (out / "summary.txt").read_text().splitlines()  # a line as each step ends: what survives a kill
+    assert summary[0] == "preflight ok" and summary[-1].startswith("done in ")
+    assert [line.split()[0] for line in summary[1:-1]] == steps
+    assert all(" ok in " in line for line in summary[1:-1]), summary
     for name in ("profile.json", "bench.csv", "bench_overlap.csv", "bench_engine.csv", "date.txt"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     rows = read_csv(out / "bench.csv")
@@ -144,6 +149,42 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         for plot in ("calib.png", "plan.png", "bench.png"):
             assert (out / plot).read_bytes()[:8] == PNG_MAGIC, plot
     assert not list(tmp_path.glob("kvcopy-device-check.*"))  # the stage is removed
+
+
+def _budget(script: str) -> str:
+    """Runs ``script`` in bash after sourcing the check's step helpers, with a 100 s deadline begun now."""
+    prelude = "source benchmarks/check_steps.sh; out=$(mktemp -d); started=$SECONDS; deadline=100; dry_run=0; "
+    result = subprocess.run(["bash", "-c", prelude + script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, _describe(result)
+    return result.stdout.strip()
+
+
+def test_steps_get_their_cap_or_what_is_left_of_the_deadline() -> None:
+    assert _budget("budget 30 && echo $limit") == "30"  # room for the whole cap
+    assert _budget("started=$((SECONDS - 80)); budget 30 && echo $limit") == "20"  # shortened to what is left
+    assert _budget("started=$((SECONDS - 90)); budget 30 || echo skip") == "skip"  # under MIN_STEP_S: skipped
+    assert _budget("dry_run=1; budget 10 && echo $limit") == "50"  # dry runs get DRY_RUN_SLOWDOWN x the cap
+    assert _budget("started=$((SECONDS - 80)); shortened 30 && echo short") == "short"
+    assert _budget("shortened 30 || echo whole") == "whole"
+
+
+def test_a_skipped_step_is_reported_and_not_run() -> None:
+    out = _budget("started=$((SECONDS - 95)); stage=$out; soft_step late 30 touch ran; "
+                  "echo ${skipped[*]}; cat $out/summary.txt; ls $out")
+    assert out.splitlines()[0] == "late" and "late skipped (deadline)" in out and "ran" not in out.split()
+
+
+def test_preflight_fails_in_seconds_without_a_gpu(tmp_path: Path) -> None:
+    if HAS_CUDA:
+        pytest.skip("this machine has a GPU: the preflight passes here")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               KVCOPY_WHEELHOUSE=str(tmp_path / "none"), TMPDIR=str(tmp_path))
+    result = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "preflight: no CUDA device visible" in result.stderr
+    assert "stopped: preflight" in (tmp_path / "out" / "summary.txt").read_text()
+    assert not (tmp_path / "out" / "build.log").exists()  # failed before building anything
 
 
 # --------------------------------------------------------------------------- unpack_wheelhouse.py
