@@ -222,6 +222,18 @@ PyObject* py_cuda_driver_version(PyObject*, PyObject*) {
   return PyLong_FromLong(version);
 }
 
+// sm_kernel_grid(num_items, num_planes, num_ctas) -> int: the CTAs the SM kernel launches with
+// on the current device (num_ctas <= 0: one wave of the CTAs resident at once).
+PyObject* py_sm_kernel_grid(PyObject*, PyObject* args) {
+  long long num_items, num_planes;
+  int requested;
+  if (!PyArg_ParseTuple(args, "LLi", &num_items, &num_planes, &requested)) return nullptr;
+  int grid = 0;
+  const cudaError_t err = block_copy_grid(num_items, num_planes, requested, &grid);
+  if (err != cudaSuccess) return raise_cuda(err, "sizing the SM kernel's grid");
+  return PyLong_FromLong(grid);
+}
+
 // stream_is_capturing(handle) -> bool: whether the stream is capturing a CUDA graph now
 // (cudaStreamIsCapturing, which is legal during any capture).
 PyObject* py_stream_is_capturing(PyObject*, PyObject* args) {
@@ -257,6 +269,7 @@ PyMethodDef kFastPathMethods[] = {
     {"can_use_host_pointer", py_can_use_host_pointer, METH_VARARGS,
      "Whether kernels on the device may read registered host memory by its host address."},
     {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, "The CUDA driver's version (cudaDriverGetVersion)."},
+    {"sm_kernel_grid", py_sm_kernel_grid, METH_VARARGS, "The SM kernel's grid for a launch (tests)."},
     {"stream_is_capturing", py_stream_is_capturing, METH_VARARGS, "Whether a stream is capturing a graph now."},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif

@@ -5,6 +5,7 @@ Every test here needs a CUDA GPU and is skipped without one.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -765,3 +766,57 @@ def test_callers_pinned_ids_changed_after_the_call_do_not_change_the_copy(method
     d.copy_(d.flip(0))
     stream.synchronize()
     assert_same_bytes(dst_bytes(dst), expected)
+
+
+def test_a_failed_submission_leaves_no_cuda_error_behind():
+    """A copy-engine submission the runtime refuses (a null destination) raises, and the next unrelated torch
+    op does not report kvcopy's error as its own."""
+    fast = kvcopy._ext.extension()
+    table = torch.tensor([[0, 64, 64]], dtype=torch.int64)  # block 0 at address 0: an invalid copy
+    ids = torch.zeros(1, dtype=torch.int64)
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(RuntimeError, match="copy-engine submission failed"):
+        fast.copy_blocks_dma(table.data_ptr(), table.data_ptr(), 1, ids.data_ptr(), ids.data_ptr(), 1, stream,
+                             torch.cuda.current_device())
+    assert torch.ones(4, device="cuda").sum().item() == 4.0
+    torch.cuda.synchronize()
+
+
+def test_sm_kernel_grid_is_one_wave_of_resident_ctas():
+    """The grid comes from the kernel's occupancy (its registers allow one 1024-thread CTA per SM on current
+    GPUs), not a fixed two per SM that would run as two waves."""
+    fast = kvcopy._ext.extension()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    big = 10**7
+    for planes in (2, 64, 256):
+        grid = fast.sm_kernel_grid(big, planes, 0)
+        assert 1 <= grid <= 2 * num_sms and grid % num_sms == 0
+        assert grid == num_sms, f"{grid} CTAs for {num_sms} SMs: more than one wave of 1024-thread CTAs"
+    assert fast.sm_kernel_grid(big, 2, HOST_LINK_CTA_BUDGET) == HOST_LINK_CTA_BUDGET
+    assert fast.sm_kernel_grid(40, 2, 0) == 2  # small work: only the CTAs it needs (32 warps each)
+
+
+def test_other_python_threads_run_while_a_large_copy_is_planned():
+    """The fast path releases the GIL while it plans and submits (2048 blocks x 64 planes into a page-first
+    pool: 131k ranges): a Python thread keeps running meanwhile."""
+    gen = _gen(48)
+    kv = make_vllm(32, 2048, 16, 8, 128, torch.bfloat16, gen, device="cuda")
+    pool = kvcopy.HostKVPool(kv, 2048)
+    ids = torch.randperm(2048).tolist()
+    ticks, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        before = ticks[0]
+        kvcopy.copy_blocks(kv, ids, pool, list(range(2048)), method="copy_engine")
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        thread.join()
+    torch.cuda.synchronize()
+    assert during > 0

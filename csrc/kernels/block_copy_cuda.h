@@ -19,6 +19,11 @@ constexpr int64_t kMaxPlanesPerLaunch = 256;
 // 8, 64 or 256. Host code, for tests and the launch itself.
 int64_t plane_table_capacity(int64_t num_planes);
 
+// The grid the SM kernel would launch with for `num_items` work items (warp-sized chunks) of a
+// launch of `num_planes` planes and a CTA budget (<= 0: one wave of resident CTAs), on the
+// current device. For tests and benchmarks.
+cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas);
+
 // CTAs the SM kernel uses when a host buffer is on one side: a few CTAs
 // saturate PCIe, and decode keeps every other SM (shared/REFERENCE.md).
 constexpr int kHostLinkCtaBudget = 4;

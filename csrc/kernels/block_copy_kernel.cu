@@ -174,6 +174,17 @@ int64_t plane_table_capacity(int64_t num_planes) {
   return kMaxPlanesPerLaunch;
 }
 
+cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas) {
+  switch (plane_table_capacity(num_planes)) {
+    case kSmallTable:
+      return grid_for_work<kSmallTable>(num_items, requested, num_ctas);
+    case kMediumTable:
+      return grid_for_work<kMediumTable>(num_items, requested, num_ctas);
+    default:
+      return grid_for_work<kMaxPlanesPerLaunch>(num_items, requested, num_ctas);
+  }
+}
+
 // The launchers make the stream's device current before calling in.
 cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                                      const int64_t* dst_ids, int64_t num_ids, int64_t src_num_blocks,
