@@ -809,14 +809,20 @@ def test_other_python_threads_run_while_a_large_copy_is_planned():
         while not stop.is_set():
             ticks[0] += 1
 
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # no switch forced by the interpreter: only a released GIL lets `count` run
     thread = threading.Thread(target=count)
     thread.start()
     try:
+        time.sleep(0.01)  # a sleep releases the GIL: the counter starts
         before = ticks[0]
         kvcopy.copy_blocks(kv, ids, pool, list(range(2048)), method="copy_engine")
         during = ticks[0] - before
     finally:
         stop.set()
+        sys.setswitchinterval(interval)
         thread.join()
     torch.cuda.synchronize()
     assert during > 0
