@@ -808,11 +808,12 @@ def test_other_python_threads_run_while_a_large_copy_is_planned():
     def count() -> None:
         while not stop.is_set():
             ticks[0] += 1
+            time.sleep(0)  # hands the GIL back at once: the test's thread never waits long for it
 
     import sys
 
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(10.0)  # no switch forced by the interpreter: only a released GIL lets `count` run
+    sys.setswitchinterval(10.0)  # no switch forced while this thread runs Python: only a released GIL lets `count` in
     thread = threading.Thread(target=count)
     thread.start()
     try:
