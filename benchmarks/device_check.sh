@@ -55,7 +55,8 @@ trap 'rm -rf "$stage"' EXIT
 tar --exclude='*.so' --exclude='__pycache__' --exclude='kvcopy/_build_config.py' -cf - \
   setup.py pyproject.toml README.md kvcopy csrc tests benchmarks | tar -xf - -C "$stage"
 if [ -d "$wheelhouse" ]; then
-  "$python" benchmarks/unpack_wheelhouse.py "$wheelhouse" "$stage/deps" >"$out/wheelhouse.log"
+  "$python" benchmarks/unpack_wheelhouse.py "$wheelhouse" "$stage/deps" >"$out/wheelhouse.log" 2>&1 ||
+    fail "unpacking $wheelhouse failed; see $out/wheelhouse.log"
 fi
 export PYTHONPATH="$stage:$stage/deps${PYTHONPATH:+:$PYTHONPATH}"
 export KVCOPY_PROFILE=none   # no profile from this machine's cache steers "auto"
@@ -65,7 +66,7 @@ import importlib.util
 need = ["torch", "numpy", "setuptools", "pytest", "hypothesis"]
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 PY
-)
+) || fail "could not run $python to look for the packages the check needs"
 [ -z "$missing" ] || fail "missing Python packages: $missing; run benchmarks/fetch_wheelhouse.sh here and carry wheelhouse/"
 
 # Preflight: what would make the build or the GPU steps fail minutes in, found in seconds.
@@ -90,13 +91,14 @@ if not dry_run and not torch.cuda.is_available():
     problems.append("no CUDA device visible (use --dry-run to walk the steps without one)")
 print("; ".join(problems))
 PY
-)
+) || fail "preflight: the check itself failed (is torch importable by $python?)"
 [ -z "$preflight" ] || fail "preflight: $preflight"
 echo "preflight ok" >>"$out/summary.txt"
 
-has_gpu=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))')
+has_gpu=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))') || fail "torch.cuda.is_available() failed"
 if [ "$has_gpu" = 1 ]; then
-  arch=$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+  arch=$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())') ||
+    fail "could not read the GPU's compute capability"
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
   "$python" -c 'import torch; print(torch.cuda.get_device_name())' >"$out/gpu_name.txt"
 elif [ "$dry_run" = 0 ]; then
@@ -121,7 +123,8 @@ assert not has_gpu or info["cuda_kernels"], f"a GPU is here but the CUDA kernels
 print(kvcopy.__file__, "cuda_kernels:", info["cuda_kernels"], "archs:", info["cuda_archs"])
 PY
 step info 60 "$python" -m kvcopy info --json
-has_transformers=$("$python" -c 'import importlib.util as u; print(int(u.find_spec("transformers") is not None))')
+has_transformers=$("$python" -c 'import importlib.util as u; print(int(u.find_spec("transformers") is not None))') ||
+  has_transformers=0
 [ "$has_transformers" = 1 ] || echo "device_check: transformers is not here: the engine tests and bench_engine are skipped" >&2
 # The default GPU bench set, trimmed to fit the check's minutes: 4 sizes, 5 counts, 5 repeats.
 gpu_bench=(--repeats 5 --counts 1,16,256,1024,2048 --block-tokens 1,4,16,64)

@@ -235,13 +235,16 @@ PyObject* py_sm_kernel_grid(PyObject*, PyObject* args) {
 }
 
 // stream_is_capturing(handle) -> bool: whether the stream is capturing a CUDA graph now
-// (cudaStreamIsCapturing, which is legal during any capture).
+// (cudaStreamIsCapturing, which is legal during any capture); False for a stream that no
+// longer exists.
 PyObject* py_stream_is_capturing(PyObject*, PyObject* args) {
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "K", &stream)) return nullptr;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaError_t err = cudaStreamIsCapturing(as_ptr<CUstream_st>(stream), &status);
-  if (err != cudaSuccess) return raise_cuda(err, "cudaStreamIsCapturing");
+  if (cudaStreamIsCapturing(as_ptr<CUstream_st>(stream), &status) != cudaSuccess) {
+    cudaGetLastError();  // a stream destroyed since: it captures nothing
+    Py_RETURN_FALSE;
+  }
   return PyBool_FromLong(status == cudaStreamCaptureStatusActive);
 }
 

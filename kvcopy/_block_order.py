@@ -110,18 +110,28 @@ class BlockOrder:
             for block in blocks:
                 readers.setdefault(block, []).append(transfer)
 
-    def conflict(self, side: str, blocks: Iterable[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
+    def conflict(self, side: str, blocks: Iterable[int], *, writes: bool,
+                 stream: int | None = None) -> tuple[int, Transfer, str] | None:
         """The first (block, transfer, "reads" | "writes") of an unfinished transfer that work reading
-        (``writes=False``) or writing these blocks of ``side`` would conflict with; None if there is none."""
+        (``writes=False``) or writing these blocks of ``side`` would conflict with; None if there is none.
+        Work queued on ``stream`` (a CUDA stream handle) after that stream waited for a transfer
+        (``Transfer.wait_stream``) is ordered after it: no conflict."""
         self.prune()
+
+        def ordered(transfer: Transfer) -> bool:
+            return stream is not None and stream in transfer.joined
+
         writer, readers = self._writer[side], self._readers[side]
         for block in blocks:
-            if block in writer:
+            if block in writer and not ordered(writer[block]):
                 return block, writer[block], "writes"
-            if writes and readers.get(block):
-                return block, readers[block][0], "reads"
-        if self._opaque:
-            return -1, self._opaque[0], "may touch"
+            if writes:
+                reader = next((t for t in readers.get(block, ()) if not ordered(t)), None)
+                if reader is not None:
+                    return block, reader, "reads"
+        opaque = next((t for t in self._opaque if not ordered(t)), None)
+        if opaque is not None:
+            return -1, opaque, "may touch"
         return None
 
 

@@ -88,7 +88,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s sustained, "
           f"{prefill.alpha_s * 1e3:.2f} ms fixed per prefill (R^2 {prefill.r2:.3f})")
     threshold = Planner.from_profile(profile, spec).threshold_tokens()
-    reason = "reloading never wins" if threshold is None else f"reload a cached prefix from {threshold} tokens on"
+    reason = ("recompute wins at the longest prefix" if threshold is None
+              else f"keep a cached prefix from {threshold} tokens on")
     print(f"small-prefix threshold for {spec.name}: {reason}")
     out = Path(args.out) if args.out else DEFAULT_PROFILE_PATH
     profile.save(out)
@@ -108,19 +109,22 @@ def _plan(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile)
     _check_plot(args.plot)
     try:
-        planner = Planner.from_profile(profile, spec, decode_share=args.decode_share)
+        planner = Planner.from_profile(profile, spec, decode_share=args.decode_share, layerwise=args.layerwise)
+        decision = planner.decide(args.prefix, args.new)
     except ValueError as err:
         raise CliError(str(err)) from None
-    decision = planner.decide(args.prefix, args.new)
-    threshold = planner.threshold_tokens()
+    threshold = planner.threshold_tokens(args.new)
     print(f"{spec.name} on {profile.hardware.get('device_name')}: {decision.explanation}")
-    print(f"  reload {decision.t_reload * 1e3:.3f} ms, recompute {decision.t_recompute * 1e3:.3f} ms"
-          + (f", split {decision.t_split * 1e3:.3f} ms ({decision.split_tokens} computed)" if decision.t_split else ""))
-    print(f"  threshold: {'reloading never wins' if threshold is None else f'reload from {threshold} tokens'}")
+    options = [("reload", decision.t_reload), ("layer-wise reload", decision.t_layerwise),
+               ("split", decision.t_split), ("recompute", decision.t_recompute)]
+    print("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in options if t is not None)
+          + (f" (split computes {decision.split_tokens})" if decision.t_split else ""))
+    print(f"  threshold: {'recompute wins at the longest prefix' if threshold is None else f'keep from {threshold} tokens'}")
     if args.plot:
         from .plots import plot_plan
 
-        plot_plan(planner, args.plot, max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024), new_tokens=args.new)
+        plot_plan(planner, args.plot, max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
+                  new_tokens=args.new)
         print(f"plot saved to {args.plot}")
     return 0
 
@@ -234,7 +238,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
     plan.add_argument("--profile", help="profile path (default: ~/.cache/kvcopy/profile.json)")
     plan.add_argument("--prefix", type=int, default=1024, help="cached prefix tokens (default 1024)")
-    plan.add_argument("--new", type=int, default=0, help="new tokens after the prefix (default 0)")
+    plan.add_argument("--new", type=int, default=1,
+                      help="new tokens after the prefix, at least 1: the token a resumed request continues from "
+                           "(default 1)")
+    plan.add_argument("--no-layerwise", dest="layerwise", action="store_false",
+                      help="the engine cannot reload layer by layer: leave that option out")
     plan.add_argument("--decode-share", type=float, default=0.0, help="fraction of the link decode needs")
     plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
     plan.set_defaults(run=_plan)

@@ -16,7 +16,9 @@ The engine also orders its own transfers against each other, per block
 (kvcopy._block_order): a transfer that reads a block an unfinished one
 writes, or writes a block an unfinished one reads or writes, on either side,
 starts after it (its copy stream waits on that transfer's event; on CPU its
-worker waits). Transfers that share no block overlap.
+worker waits). Transfers that share no block overlap. Transfers captured in
+a CUDA graph are the exception: they run at replay, so they are neither
+ordered nor tracked; order replays against eager transfers yourself.
 
 What stays the caller's job (debug mode catches what it can see: the
 caller's own copy_blocks on the engine's cache or pool, and HostKVPool.free):
@@ -140,6 +142,7 @@ class TransferEngine:
             # meanwhile on the shared copy streams must run, not join someone's graph.
             self._capture_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
             self._captures: set[int] = set()  # caller streams seen capturing this engine's transfers
+            self._captures_lock = threading.Lock()
             self._captured_any = False
             self._signal_events = _EventPool(enable_timing=False)
             self._timing_events = _EventPool(enable_timing=True)
@@ -158,14 +161,17 @@ class TransferEngine:
         module = _ext.extension()
         if module is None or not hasattr(module, "stream_is_capturing"):
             return False  # built without CUDA kernels: no way to ask about another thread's stream
-        self._captures = {h for h in self._captures if module.stream_is_capturing(h)}
-        return bool(self._captures)
+        with self._captures_lock:  # done() may run in any thread, beside a submission adding a capture
+            for handle in [h for h in self._captures if not module.stream_is_capturing(h)]:
+                self._captures.discard(handle)
+            return bool(self._captures)
 
     def _stream_for(self, direction: str, capturing: bool) -> torch.cuda.Stream:
         if not capturing:
             return self._streams[direction]
         caller = torch.cuda.current_stream(self.kv.device).cuda_stream
-        self._captures.add(caller)
+        with self._captures_lock:
+            self._captures.add(caller)
         self._captured_any = True
         key = (direction, caller)
         if key not in self._capture_streams:
@@ -296,9 +302,11 @@ class TransferEngine:
         return {src_side: set(src_ids.tolist())}, {dst_side: set(dst_ids.tolist())}
 
     def _caller_conflict(self, side: str, blocks: list[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
-        """Debug mode: what the caller's own work on these blocks would conflict with (kvcopy._block_order)."""
+        """Debug mode: what the caller's own work on these blocks would conflict with (kvcopy._block_order).
+        The caller's work is queued on its current stream, which wait_stream may have ordered already."""
+        stream = torch.cuda.current_stream(self.kv.device).cuda_stream if self._cuda else None
         with self._lock:
-            return self._order.conflict(side, blocks, writes=writes)
+            return self._order.conflict(side, blocks, writes=writes, stream=stream)
 
     def _copy(self, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
               layer: int | None) -> None:

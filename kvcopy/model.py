@@ -144,7 +144,12 @@ class ModelSpec:
     ``num_kv_heads`` is 1 and ``head_dim`` is ``kv_lora_rank + qk_rope_head_dim`` (the head size
     of :meth:`kvcopy.PagedKV.from_mla` and of vLLM's MLA cache). ``layer_types`` says which layers
     slide (empty: all full). ``active_params``: non-embedding parameters used per token (for MoE,
-    the routed experts a token visits, the shared experts and the router). ``rope_scaling`` is
+    the routed experts a token visits, the shared experts and the router). ``expert_params``: the
+    parameters of one routed expert summed over the MoE layers (0 for a dense model), so a
+    forward whose tokens touch ``e`` experts per layer reads ``active_params + (e - k) ·
+    expert_params`` of them. ``weight_dtype``: the checkpoint's dtype, which sets the bytes a
+    forward reads (:meth:`weight_bytes`). ``context_length``: the longest sequence the model takes
+    (``max_position_embeddings``), or None when the config does not say. ``rope_scaling`` is
     canonical JSON (a dict is accepted and canonicalised). ``kv_dtype`` accepts the aliases of
     :meth:`kv_bytes_per_token` and is stored as the torch name.
     """
@@ -168,6 +173,9 @@ class ModelSpec:
     layer_types: tuple[str, ...] = ()
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
+    expert_params: int = 0
+    weight_dtype: str = _DEFAULT_KV_DTYPE
+    context_length: int | None = None
     rope_theta: float | None = None
     rope_scaling: str | None = None
     source: str = ""
@@ -179,6 +187,9 @@ class ModelSpec:
                       "intermediate_size", "vocab_size", "active_params"):
             _positive_int(field, getattr(self, field))
         object.__setattr__(self, "kv_dtype", _dtype_name(self.kv_dtype, "kv_dtype"))
+        object.__setattr__(self, "weight_dtype", _dtype_name(self.weight_dtype, "weight_dtype"))
+        if self.context_length is not None:
+            _positive_int("context_length", self.context_length)
         self._check_attention()
         self._check_layers()
         self._check_experts()
@@ -235,6 +246,12 @@ class ModelSpec:
     def _check_experts(self) -> None:
         if (self.num_experts is None) != (self.num_experts_per_tok is None):
             raise ValueError("num_experts and num_experts_per_tok: give both or neither")
+        _count("expert_params", self.expert_params)
+        if self.expert_params and self.num_experts is None:
+            raise ValueError("expert_params: only for a mixture-of-experts spec (num_experts is None)")
+        if self.num_experts is not None and self.num_experts_per_tok * self.expert_params > self.active_params:
+            raise ValueError(f"expert_params {self.expert_params} x num_experts_per_tok {self.num_experts_per_tok} "
+                             f"exceeds active_params {self.active_params}")
         if self.num_experts is not None:
             _positive_int("num_experts", self.num_experts)
             _positive_int("num_experts_per_tok", self.num_experts_per_tok)
@@ -300,6 +317,31 @@ class ModelSpec:
             else:
                 heads = 1
         return tokens * self.num_layers * self._layer_token_bytes(dtype, heads)
+
+    # ------------------------------------------------------------------ weight reads
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Expected routed experts per MoE layer that ``num_tokens`` tokens use, each choosing
+        ``num_experts_per_tok`` of ``num_experts`` uniformly: ``E · (1 - (1 - k/E)^n)``; 0 for a dense model."""
+        tokens = _count("num_tokens", num_tokens)
+        if self.num_experts is None:
+            return 0.0
+        experts, per_tok = self.num_experts, self.num_experts_per_tok
+        return experts * (1.0 - (1.0 - per_tok / experts) ** tokens)
+
+    def weight_bytes(self, num_tokens: int, cached_tokens: int = 0) -> int:
+        """Bytes one forward of ``num_tokens`` new tokens after ``cached_tokens`` cached ones reads from memory.
+
+        The weights it uses, once each however many tokens share them: every non-expert weight, the
+        routed experts the tokens touch (:meth:`experts_touched`, at most all of them) and the LM head
+        (``vocab_size · hidden_size``; read once per forward), in :attr:`weight_dtype`; plus the KV of the
+        cached prefix, which attention reads (:meth:`kv_bytes`). This is what bounds a short prefill: the
+        memory-bound floor of the Planner's roofline.
+        """
+        tokens = _count("num_tokens", num_tokens)
+        dense = self.active_params - (self.num_experts_per_tok or 0) * self.expert_params
+        params = dense + self.experts_touched(tokens) * self.expert_params + self.vocab_size * self.hidden_size
+        return int(params * _itemsize(self.weight_dtype)) + self.kv_bytes(cached_tokens)
 
     # ------------------------------------------------------------------ FLOPs
 
@@ -494,8 +536,9 @@ def _spec_from_config(
     intermediate = cfg.get_int("ffn_dim" if cfg.model_type == "opt" else "intermediate_size")
     attention = _attention(cfg, hidden)
     layer_types, window = _layer_pattern(cfg, num_layers)
-    mlp, num_experts, per_tok = _mlp(cfg, hidden, intermediate, num_layers)
+    mlp, num_experts, per_tok, expert_params = _mlp(cfg, hidden, intermediate, num_layers)
     active = num_layers * attention["params"] + sum(mlp) + _opt_projections(cfg, hidden)
+    weight_dtype = _config_dtype(cfg)
     theta, scaling = _rope(cfg)
     name = name or data.get("_name_or_path") or fallback_name or cfg.model_type or "unknown"
     try:
@@ -509,7 +552,9 @@ def _spec_from_config(
             intermediate_size=intermediate,
             vocab_size=vocab,
             active_params=active,
-            kv_dtype=dtype or _config_dtype(cfg),
+            kv_dtype=dtype or weight_dtype,
+            weight_dtype=weight_dtype,
+            context_length=cfg.optional_int("max_position_embeddings"),
             attention=attention["kind"],
             kv_lora_rank=attention.get("kv_lora_rank"),
             qk_rope_head_dim=attention.get("qk_rope_head_dim"),
@@ -519,6 +564,7 @@ def _spec_from_config(
             layer_types=layer_types,
             num_experts=num_experts,
             num_experts_per_tok=per_tok,
+            expert_params=expert_params,
             rope_theta=theta,
             rope_scaling=scaling,
             source=source,
@@ -630,13 +676,15 @@ _MOE_STRUCTURE_KEYS = frozenset().union(*(keys for _, keys in _MOE_STYLES.values
 }
 
 
-def _mlp(cfg: _Config, hidden: int, intermediate: int, num_layers: int) -> tuple[list[int], int | None, int | None]:
-    """(active MLP parameters of each layer, num_experts, num_experts_per_tok)."""
+def _mlp(cfg: _Config, hidden: int, intermediate: int,
+         num_layers: int) -> tuple[list[int], int | None, int | None, int]:
+    """(active MLP parameters of each layer, num_experts, num_experts_per_tok, parameters of one routed
+    expert summed over the MoE layers)."""
     matrices = _PLAIN_MLP_MATRICES if cfg.model_type in _PLAIN_MLP_FAMILIES else _GATED_MLP_MATRICES
     dense = matrices * hidden * intermediate
     styles = [style for style, (key, _) in _MOE_STYLES.items() if cfg.is_set(key)]
     if not styles:
-        return [dense] * num_layers, None, None
+        return [dense] * num_layers, None, None, 0
     if len(styles) > 1:
         keys = [_MOE_STYLES[s][0] for s in styles]
         raise cfg.error(f"contradictory expert counts {keys}: expected one of them")
@@ -650,14 +698,15 @@ def _mlp(cfg: _Config, hidden: int, intermediate: int, num_layers: int) -> tuple
         raise cfg.error(f"num_experts_per_tok {per_tok} exceeds the {experts} experts")
     router = hidden * experts
     if style == "mixtral":
-        return [per_tok * dense + router] * num_layers, experts, per_tok
+        return [per_tok * dense + router] * num_layers, experts, per_tok, dense * num_layers
     expert = matrices * hidden * cfg.get_int("moe_intermediate_size")
     if style == "deepseek":
         shared = cfg.get_int("n_shared_experts", default=0, minimum=0)
         first_moe = cfg.get_int("first_k_dense_replace", default=0, minimum=0)
         every = cfg.get_int("moe_layer_freq", default=1)
         moe = (per_tok + shared) * expert + router
-        return [moe if i >= first_moe and i % every == 0 else dense for i in range(num_layers)], experts, per_tok
+        is_moe = [i >= first_moe and i % every == 0 for i in range(num_layers)]
+        return [moe if m else dense for m in is_moe], experts, per_tok, expert * sum(is_moe)
     shared_size = cfg.get_int("shared_expert_intermediate_size", default=0, minimum=0)
     shared = matrices * hidden * shared_size + hidden * _SHARED_EXPERT_GATE_OUTPUTS if shared_size else 0
     step = cfg.get_int("decoder_sparse_step", default=1)
@@ -665,8 +714,8 @@ def _mlp(cfg: _Config, hidden: int, intermediate: int, num_layers: int) -> tuple
     if not isinstance(dense_layers, Sequence) or not all(isinstance(i, int) for i in dense_layers):
         raise cfg.error(f"'mlp_only_layers': expected a list of layer indices, got {dense_layers!r}")
     moe = per_tok * expert + router + shared
-    layers = [moe if i not in dense_layers and (i + 1) % step == 0 else dense for i in range(num_layers)]
-    return layers, experts, per_tok
+    is_moe = [i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers)]
+    return [moe if m else dense for m in is_moe], experts, per_tok, expert * sum(is_moe)
 
 
 def _opt_projections(cfg: _Config, hidden: int) -> int:

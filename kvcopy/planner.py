@@ -1,157 +1,241 @@
-"""Planner: reload, recompute, or split — decided from measured costs (shared/DESIGN.md §1).
+"""Planner: reload, layer-wise reload, split or recompute — decided from measured costs.
 
-Costs, for a prefix of P tokens followed by n new tokens:
+Costs, for a prefix of P cached tokens followed by n >= 1 new tokens (a
+resumed request always computes at least the token it continues from):
 
-- reload:    ``t_load(P) + t_extend(P, n)``, with
-  ``t_load(P) = load_alpha_s + kv_bytes(P) / (load_bytes_per_s * (1 - decode_share))``;
-- recompute: ``t_prefill(P + n)``;
-- split:     compute the first x tokens while the other P - x load, meeting in
-  the middle (the Cake idea): ``max(t_prefill(x), t_load_part(P - x)) + t_extend(P, n)``
-  at the best x.
+- reload:    ``t_load(P) + t_extend(P, n)``: load the prefix, then compute;
+- layerwise: ``max(t_load(P), t_extend(P, n)) + t_load(P) / L``: layer l's
+  blocks load while layers < l compute (only when the engine reloads layer by
+  layer: ``layerwise=True``);
+- split:     compute the first x tokens while the rest of the prefix loads,
+  meeting in the middle (the Cake idea): ``max(t_prefill(x), t_load(rest)) +
+  t_extend(P, n)`` at the best x. On sliding-window layers only the last W
+  tokens are cached, so computing tokens before them saves no load;
+- recompute: ``t_prefill(P + n)``.
 
-``t_prefill`` is linear (``prefill_alpha_s + tokens / prefill_tokens_per_s``)
-or, from FLOPs, ``prefill_alpha_s + prefill_flops(tokens, cached) / prefill_flops_per_s``,
-which carries the quadratic attention term. ``decode_share`` is the fraction of
-the link (or of the SMs, for the SM copy path) that running decode needs: a
-reload gets only the rest, so it is chosen only when it wins without taking
-that share away from more valuable decode work.
+``t_load(bytes) = min over the load options of alpha + bytes / (beta · (1 - decode_share))``:
+the best measured copy method at that size. ``decode_share`` is the fraction
+of the link (or the SMs) that running decode needs; a load gets the rest.
+
+Prefill, per forward of n new tokens after P cached ones, is a roofline:
+``prefill_alpha_s + max(flops(n, P) / prefill_flops_per_s, weight_bytes(n, P) / weight_bytes_per_s)``:
+a short forward is bound by reading the weights (and the cached KV), not by
+FLOPs (ModelSpec.prefill_flops, ModelSpec.weight_bytes). Without
+``weight_bytes_per_s`` there is no memory-bound floor; a linear model
+``prefill_alpha_s + n / prefill_tokens_per_s`` is also accepted.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS"]
+__all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "ACTIONS"]
 
-Action = Literal["reload", "recompute", "split"]
+Action = Literal["reload", "layerwise", "split", "recompute"]
+ACTIONS: tuple[Action, ...] = ("reload", "layerwise", "split", "recompute")
 # Tokens per block when a profile is turned into load costs: the common paged-attention block.
 DEFAULT_BLOCK_TOKENS = 16
-# The threshold search gives up beyond this many tokens (no context is longer).
-_MAX_TOKENS = 1 << 31
+# The longest prefix the threshold considers when the model's config does not give its context length.
+DEFAULT_CONTEXT_TOKENS = 131072
+# Prefix lengths the threshold scan evaluates before bisecting the last sign change: every length up to
+# the first, then geometric steps (a relative step of 1/_SCAN_PER_DOUBLING of a doubling).
+_SCAN_DENSE_UP_TO = 4096
+_SCAN_PER_DOUBLING = 64
+# A split must beat the best other option by at least this fraction when the caller gives no margin.
+_DEFAULT_SPLIT_MARGIN = 0.0
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What to do with a cached prefix, and the predicted seconds of each option."""
+    """What to do with a cached prefix, and the predicted seconds of each option.
+
+    ``t_layerwise`` is None unless the planner was made with ``layerwise=True``;
+    ``t_split`` is None when the prefix is too short to split.
+    """
 
     action: Action
     prefix_tokens: int
     new_tokens: int
     t_reload: float
     t_recompute: float
-    t_split: float | None  # None when the prefix is too short to split
+    t_split: float | None
     split_tokens: int  # tokens to compute in a split (the rest is loaded); 0 unless a split was possible
     explanation: str
+    t_layerwise: float | None = None
+
+
+def _positive_rate(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{name}: expected a positive rate, got {value}")
 
 
 class Planner:
     """Reload-vs-recompute decisions for one model (a ModelSpec) on one machine.
 
     Exactly one of ``prefill_tokens_per_s`` (linear prefill model) and
-    ``prefill_flops_per_s`` (FLOPs model, via ``spec.prefill_flops``) must be given.
+    ``prefill_flops_per_s`` (roofline, via ``spec.prefill_flops``) must be
+    given; ``weight_bytes_per_s`` (only with FLOPs) adds the memory-bound floor.
+    ``load_options``: more (alpha_s, bytes_per_s) copy methods besides the
+    first; a load takes the fastest. ``split_margin``: a split is chosen only
+    when it beats every other option by more than this fraction (the
+    profile's prediction error). ``note``: said in every explanation (e.g.
+    what the prefill was calibrated on).
     """
 
     def __init__(
         self,
-        spec: object,
+        spec: Any,
         *,
         load_alpha_s: float,
         load_bytes_per_s: float,
         prefill_tokens_per_s: float | None = None,
         prefill_flops_per_s: float | None = None,
         prefill_alpha_s: float = 0.0,
+        weight_bytes_per_s: float | None = None,
         decode_share: float = 0.0,
+        layerwise: bool = False,
+        load_options: Sequence[tuple[float, float]] = (),
+        split_margin: float = _DEFAULT_SPLIT_MARGIN,
+        note: str = "",
     ) -> None:
         if (prefill_tokens_per_s is None) == (prefill_flops_per_s is None):
             raise ValueError("prefill_tokens_per_s / prefill_flops_per_s: expected exactly one of them")
+        if weight_bytes_per_s is not None and prefill_flops_per_s is None:
+            raise ValueError("weight_bytes_per_s: only with prefill_flops_per_s (the roofline model)")
         for name, value in (("load_bytes_per_s", load_bytes_per_s), ("prefill_tokens_per_s", prefill_tokens_per_s),
-                            ("prefill_flops_per_s", prefill_flops_per_s)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: expected a positive rate, got {value}")
+                            ("prefill_flops_per_s", prefill_flops_per_s), ("weight_bytes_per_s", weight_bytes_per_s)):
+            _positive_rate(name, value)
         for name, value in (("load_alpha_s", load_alpha_s), ("prefill_alpha_s", prefill_alpha_s)):
             if not value >= 0:
                 raise ValueError(f"{name}: expected seconds >= 0, got {value}")
+        for alpha, beta in load_options:
+            if not alpha >= 0:
+                raise ValueError(f"load_options: expected seconds >= 0, got {alpha}")
+            _positive_rate("load_options", beta)
         if not 0 <= decode_share < 1:
             raise ValueError(f"decode_share: expected a fraction in [0, 1), got {decode_share}")
+        if not 0 <= split_margin < 1:
+            raise ValueError(f"split_margin: expected a fraction in [0, 1), got {split_margin}")
         self.spec = spec
         self.load_alpha_s = float(load_alpha_s)
         self.load_bytes_per_s = float(load_bytes_per_s)
+        self.load_options = ((self.load_alpha_s, self.load_bytes_per_s),) + tuple(
+            (float(a), float(b)) for a, b in load_options)
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.prefill_flops_per_s = prefill_flops_per_s
         self.prefill_alpha_s = float(prefill_alpha_s)
+        self.weight_bytes_per_s = weight_bytes_per_s
         self.decode_share = float(decode_share)
+        self.layerwise = bool(layerwise)
+        self.split_margin = float(split_margin)
+        self.note = note
 
     @classmethod
     def from_profile(
         cls,
-        profile: object,
-        spec: object,
+        profile: Any,
+        spec: Any,
         *,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         decode_share: float = 0.0,
+        layerwise: bool = False,
     ) -> Planner:
-        """Load costs from the profile's best host->device method (host->host on a CPU-only
-        profile) at this model's plane-block size; prefill from its measured FLOP/s."""
+        """Load costs from every measured host->device method (host->host on a CPU-only profile) at
+        this model's plane-block size, the fastest at each size; prefill from the profile's roofline.
+
+        The profile's prefill rates are per FLOP and per byte, so they carry over to another
+        model; its fixed cost is per layer-forward, scaled by the layer count. A planner for a
+        model other than the calibrated one says so in every explanation. The split margin is
+        the largest relative miss of the load fits.
+        """
         direction = "h2d" if "h2d" in profile.links else "h2h"
         if direction not in profile.links:
             raise ValueError(f"profile: no host->device or host->host measurements (has {sorted(profile.links)})")
-        if profile.prefill is None:
+        prefill = profile.prefill
+        if prefill is None:
             raise ValueError("profile: no prefill measurement")
         planes = spec.num_layers * (1 if spec.attention == "mla" else 2)
         plane_block = spec.block_nbytes(block_tokens) / planes
-        nbytes = 64 * spec.block_nbytes(block_tokens)  # a 1024-token prefix: where the choice usually matters
-        method = profile.fastest_method(direction, nbytes, plane_block)
-        link = profile.links[direction][method].link_at(plane_block)
+        fits = [mp.link_at(plane_block) for mp in profile.links[direction].values()]
+        alpha = prefill.alpha_s
+        note = ""
+        if prefill.model != spec.name:
+            if prefill.num_layers:
+                alpha = prefill.alpha_s * spec.num_layers / prefill.num_layers
+            note = f"prefill calibrated on {prefill.model}, scaled to {spec.name}"
+        margin = min(0.5, max((fit.max_abs_residual for fit in fits), default=0.0))
         return cls(
             spec,
-            load_alpha_s=link.alpha_s,
-            load_bytes_per_s=link.beta_bytes_per_s,
-            prefill_flops_per_s=profile.prefill.flops_per_s,
-            prefill_alpha_s=profile.prefill.alpha_s,
+            load_alpha_s=fits[0].alpha_s,
+            load_bytes_per_s=fits[0].beta_bytes_per_s,
+            load_options=[(fit.alpha_s, fit.beta_bytes_per_s) for fit in fits[1:]],
+            prefill_flops_per_s=prefill.flops_per_s,
+            prefill_alpha_s=alpha,
+            weight_bytes_per_s=prefill.weight_bytes_per_s,
             decode_share=decode_share,
+            layerwise=layerwise,
+            split_margin=margin,
+            note=note,
         )
 
     # ------------------------------------------------------------------ costs
 
-    @property
-    def _effective_bytes_per_s(self) -> float:
-        return self.load_bytes_per_s * (1.0 - self.decode_share)
+    def t_load_nbytes(self, nbytes: float) -> float:
+        """Seconds to load ``nbytes`` of KV in one call, with the fastest load option at that size."""
+        share = 1.0 - self.decode_share
+        return min(alpha + nbytes / (beta * share) for alpha, beta in self.load_options)
 
     def t_load(self, tokens: int) -> float:
         """Seconds to reload the KV of ``tokens`` prefix tokens (one call)."""
-        return self.load_alpha_s + self.spec.kv_bytes(tokens) / self._effective_bytes_per_s
+        return self.t_load_nbytes(self.spec.kv_bytes(tokens))
 
     def t_prefill(self, tokens: int, cached_tokens: int = 0) -> float:
-        """Seconds to compute ``tokens`` new tokens after ``cached_tokens`` already in the cache."""
+        """Seconds of one forward computing ``tokens`` new tokens after ``cached_tokens`` cached ones."""
         if tokens <= 0:
             return 0.0
         if self.prefill_tokens_per_s is not None:
             return self.prefill_alpha_s + tokens / self.prefill_tokens_per_s
-        return self.prefill_alpha_s + self.spec.prefill_flops(tokens, cached_tokens) / self.prefill_flops_per_s
+        compute = self.spec.prefill_flops(tokens, cached_tokens) / self.prefill_flops_per_s
+        if self.weight_bytes_per_s is None:
+            return self.prefill_alpha_s + compute
+        memory = self.spec.weight_bytes(tokens, cached_tokens) / self.weight_bytes_per_s
+        return self.prefill_alpha_s + max(compute, memory)
 
-    def _t_load_rest(self, prefix: int, computed: int) -> float:
-        """Seconds to load the prefix's tokens after the first ``computed``."""
-        rest_bytes = self.spec.kv_bytes(prefix) - self.spec.kv_bytes(computed)
-        return self.load_alpha_s + rest_bytes / self._effective_bytes_per_s
+    def _cached_bytes_after(self, prefix: int, computed: int) -> int:
+        """KV bytes of a prefix of ``prefix`` tokens that computing its first ``computed`` does not produce.
+
+        Full layers: the tokens after the computed ones. Sliding layers keep only the last W
+        tokens of the prefix, so computed tokens before those save nothing there.
+        """
+        spec = self.spec
+        per_layer = spec.kv_bytes_per_token() // spec.num_layers
+        sliding = spec.num_sliding_layers
+        full = (spec.num_layers - sliding) * (prefix - computed)
+        if sliding:
+            window = min(prefix, spec.sliding_window)
+            full += sliding * (window - max(0, computed - (prefix - window)))
+        return full * per_layer
 
     def _t_split(self, prefix: int, computed: int) -> float:
         """Compute the first ``computed`` tokens while the rest of the prefix loads."""
-        return max(self.t_prefill(computed), self._t_load_rest(prefix, computed))
+        return max(self.t_prefill(computed), self.t_load_nbytes(self._cached_bytes_after(prefix, computed)))
 
     def _best_split(self, prefix: int) -> tuple[int, float] | None:
         """The x in [1, prefix - 1] minimising the split time.
 
-        Computing x tokens takes longer as x grows and loading the rest shorter,
-        so the best x is where the two cross: the first x at which computing is
-        no faster, or the one before it.
+        Computing x tokens takes longer as x grows and loading the rest no
+        longer, so the best x is where the two cross: the first x at which
+        computing is no faster, or the one before it.
         """
         if prefix < 2:
             return None
         lo, hi = 1, prefix - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.t_prefill(mid) >= self._t_load_rest(prefix, mid):
+            if self.t_prefill(mid) >= self.t_load_nbytes(self._cached_bytes_after(prefix, mid)):
                 hi = mid
             else:
                 lo = mid + 1
@@ -160,80 +244,88 @@ class Planner:
 
     # ------------------------------------------------------------------ decisions
 
-    def t_load_nbytes(self, nbytes: int) -> float:
-        """Seconds to reload ``nbytes`` of KV (one call), for an engine that knows the bytes it moves."""
-        return self.load_alpha_s + nbytes / self._effective_bytes_per_s
-
-    def decide(self, prefix_tokens: int, new_tokens: int = 0, *, load_nbytes: int | None = None) -> Decision:
-        """Reload, recompute or split for a cached prefix of ``prefix_tokens`` and ``new_tokens`` to add.
+    def decide(self, prefix_tokens: int, new_tokens: int = 1, *, load_nbytes: int | None = None) -> Decision:
+        """Reload, layer-wise reload, split or recompute for a cached prefix of ``prefix_tokens`` and
+        ``new_tokens`` (>= 1) to compute after it.
 
         ``load_nbytes``: the bytes a reload would move, when the engine knows them (whole
         blocks, a sliding window's ring); default ``spec.kv_bytes(prefix_tokens)``.
         """
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
-        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
-            raise ValueError(f"new_tokens: expected an int >= 0, got {new_tokens!r}")
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+            raise ValueError(f"new_tokens: a resumed request computes at least the token it continues from; "
+                             f"expected an int >= 1, got {new_tokens!r}")
         if load_nbytes is not None and (isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int)
                                         or load_nbytes < 0):
             raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
-        extend = self.t_prefill(new_tokens, prefix_tokens)
-        t_recompute = self.t_prefill(prefix_tokens + new_tokens)
-        if not prefix_tokens:
-            t_load = 0.0
-        else:
-            t_load = self.t_load(prefix_tokens) if load_nbytes is None else self.t_load_nbytes(load_nbytes)
-        t_reload = t_load + extend
-        split = self._best_split(prefix_tokens)
+        prefix = prefix_tokens
+        extend = self.t_prefill(new_tokens, prefix)
+        t_recompute = self.t_prefill(prefix + new_tokens)
+        if prefix == 0:
+            return Decision("recompute", 0, new_tokens, extend, t_recompute, None, 0, self._note("no cached prefix: "
+                            "compute"), None)
+        load = self.t_load(prefix) if load_nbytes is None else self.t_load_nbytes(load_nbytes)
+        t_reload = load + extend
+        t_layerwise = max(load, extend) + load / self.spec.num_layers if self.layerwise else None
+        split = self._best_split(prefix)
         t_split = split[1] + extend if split else None
-        options = {"reload": t_reload, "recompute": t_recompute}
-        if t_split is not None and t_split < min(t_reload, t_recompute):
+        options: dict[Action, float] = {"reload": t_reload, "recompute": t_recompute}
+        if t_layerwise is not None:
+            options["layerwise"] = t_layerwise
+        best_other = min(options.values())
+        if t_split is not None and t_split < best_other * (1.0 - self.split_margin):
             options["split"] = t_split
-        action: Action = min(options, key=options.get)  # type: ignore[arg-type]
-        if prefix_tokens == 0:
-            action = "recompute"
-        explanation = self._explain(action, prefix_tokens, t_reload, t_recompute, t_split, split)
-        return Decision(
-            action=action, prefix_tokens=prefix_tokens, new_tokens=new_tokens, t_reload=t_reload,
-            t_recompute=t_recompute, t_split=t_split, split_tokens=split[0] if split else 0, explanation=explanation,
-        )
+        action = min(options, key=options.__getitem__)
+        explanation = self._explain(action, prefix, options, split)
+        return Decision(action, prefix, new_tokens, t_reload, t_recompute, t_split, split[0] if split else 0,
+                        explanation, t_layerwise)
 
-    def _explain(self, action: str, prefix: int, t_reload: float, t_recompute: float, t_split: float | None,
+    def _note(self, text: str) -> str:
+        return f"{text} ({self.note})" if self.note else text
+
+    def _explain(self, action: Action, prefix: int, options: dict[Action, float],
                  split: tuple[int, float] | None) -> str:
         us = 1e6
-        if prefix == 0:
-            return "no cached prefix: compute"
-        if action == "split":
-            return (f"split: compute the first {split[0]} of {prefix} tokens while loading the rest, "
-                    f"{t_split * us:.0f} us vs reload {t_reload * us:.0f} us and recompute {t_recompute * us:.0f} us")
-        other = "recompute" if action == "reload" else "reload"
-        mine, theirs = (t_reload, t_recompute) if action == "reload" else (t_recompute, t_reload)
-        return f"{action}: {mine * us:.0f} us vs {other} {theirs * us:.0f} us for {prefix} cached tokens"
+        what = {"split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while the rest "
+                         f"loads)", "layerwise": "layer-wise reload"}.get(action, action)
+        others = ", ".join(f"{name} {t * us:.0f} us" for name, t in options.items() if name != action)
+        return self._note(f"{what}: {options[action] * us:.0f} us vs {others} for {prefix} cached tokens")
 
-    def threshold_tokens(self) -> int | None:
-        """The smallest prefix length n with ``t_reload(n) < t_recompute(n)`` strictly.
+    def _reload_wins(self, prefix: int, new_tokens: int) -> bool:
+        return self.decide(prefix, new_tokens).action != "recompute"
 
-        None if no length up to 2^31 tokens qualifies; 1 if reloading always
-        wins. With a linear prefill model and no sliding-window layers this is
-        the closed form ``ceil((load_alpha_s - prefill_alpha_s) / (1/prefill_tokens_per_s
-        - kv_bytes_per_token/load_bytes_per_s))`` (where that denominator is
-        positive; at an exact integer tie the strict inequality needs one more
-        token). Otherwise a search over n, assuming reload(n) - recompute(n)
-        changes sign at most once beyond the first length where reload wins.
+    def threshold_tokens(self, new_tokens: int = 1, *, max_tokens: int | None = None) -> int | None:
+        """The smallest prefix P from which keeping the cache always pays: for every P' from P up to
+        ``max_tokens`` (default: the model's context length, else DEFAULT_CONTEXT_TOKENS), ``decide``
+        picks an option other than recompute (it beats recompute strictly; a split by the margin),
+        with ``new_tokens`` to compute after it. None when recompute wins at ``max_tokens``.
+
+        Evaluated on every length up to 4096 and on a geometric grid above (64 steps per
+        doubling), then bisected between the last losing and the first winning length of the grid:
+        exact unless the sign changes twice within one grid step.
         """
-
-        def reload_wins(n: int) -> bool:
-            return self.t_load(n) < self.t_prefill(n)
-
-        if reload_wins(1):
+        limit = max_tokens or getattr(self.spec, "context_length", None) or DEFAULT_CONTEXT_TOKENS
+        if not self._reload_wins(limit, new_tokens):
+            return None
+        grid = _scan_grid(limit)
+        last_loss = next((p for p in reversed(grid) if not self._reload_wins(p, new_tokens)), None)
+        if last_loss is None:
             return 1
-        hi = 2
-        while not reload_wins(hi):
-            if hi >= _MAX_TOKENS:
-                return None
-            hi *= 2
-        lo = hi // 2  # reload loses at lo, wins at hi
+        hi = grid[grid.index(last_loss) + 1]
+        lo = last_loss  # loses at lo, wins at hi (and at every grid point above)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if reload_wins(mid) else (mid, hi)
+            lo, hi = (lo, mid) if self._reload_wins(mid, new_tokens) else (mid, hi)
         return hi
+
+
+def _scan_grid(limit: int) -> list[int]:
+    """Prefix lengths for the threshold scan: every length up to _SCAN_DENSE_UP_TO, then geometric, and limit."""
+    grid = list(range(1, min(limit, _SCAN_DENSE_UP_TO) + 1))
+    step = 2 ** (1 / _SCAN_PER_DOUBLING)
+    value = float(grid[-1])
+    while value < limit:
+        value = max(value * step, value + 1)
+        grid.append(min(limit, math.ceil(value)))
+    return sorted(set(grid))

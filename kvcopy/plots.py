@@ -55,18 +55,20 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
-def plot_plan(planner: Planner, path: str | os.PathLike[str], *, max_tokens: int, new_tokens: int = 0) -> None:
-    """Reload, recompute and split time against prefix length, with the crossover marked."""
+def plot_plan(planner: Planner, path: str | os.PathLike[str], *, max_tokens: int, new_tokens: int = 1) -> None:
+    """Reload, layer-wise reload, split and recompute time against prefix length, with the threshold marked."""
     plt = _pyplot()
     lengths = np.unique(np.geomspace(1, max_tokens, 200).astype(int))
     decisions = [planner.decide(int(n), new_tokens) for n in lengths]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(lengths, [d.t_reload for d in decisions], label="reload")
-    ax.plot(lengths, [d.t_recompute for d in decisions], label="recompute")
+    if planner.layerwise:
+        ax.plot(lengths, [d.t_layerwise for d in decisions], "-.", label="layer-wise reload")
     ax.plot(lengths, [d.t_split if d.t_split is not None else np.nan for d in decisions], "--", label="split")
-    threshold = planner.threshold_tokens()
+    ax.plot(lengths, [d.t_recompute for d in decisions], label="recompute")
+    threshold = planner.threshold_tokens(new_tokens)
     if threshold is not None and threshold <= max_tokens:
-        ax.axvline(threshold, color="gray", ls=":", label=f"reload wins from {threshold} tokens")
+        ax.axvline(threshold, color="gray", ls=":", label=f"keeping the cache pays from {threshold} tokens")
     ax.set(xscale="log", yscale="log", xlabel="cached prefix tokens", ylabel="seconds",
            title=f"{planner.spec.name}: reload vs recompute")
     ax.grid(True, which="both", alpha=0.3)

@@ -85,13 +85,23 @@ class MethodProfile:
 
 @dataclass(frozen=True)
 class PrefillProfile:
-    """``t = alpha_s + flops / flops_per_s`` for prefill-shaped work of ``model``."""
+    """A roofline for prefill-shaped work of ``model``, per forward:
+    ``alpha_s + max(flops / flops_per_s, weight_bytes / weight_bytes_per_s)``.
+
+    ``alpha_s``: the fixed seconds of a forward of ``num_layers`` layers (the
+    fit's intercept). ``weight_bytes_per_s``: how fast a forward of a few
+    tokens reads its weights; None in profiles written before it was measured
+    (the planner then has no memory-bound floor). ``num_layers``: the layer
+    count the fixed cost is for (None in older profiles: not scaled).
+    """
 
     model: str
     alpha_s: float
     flops_per_s: float
     r2: float
     points: tuple[tuple[float, float], ...] = ()  # (flops, seconds)
+    weight_bytes_per_s: float | None = None
+    num_layers: int | None = None
 
 
 @dataclass

@@ -50,6 +50,10 @@ class CudaSignal:
         return not self._query_is_unsafe() and self.event.query()
 
     def wait(self, timeout: float | None) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("wait(): this thread's stream is capturing a CUDA graph, which a host wait would "
+                               "invalidate (or, for a capture of this engine's transfers, never see end); use "
+                               "wait_stream() inside a capture")
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._query_is_unsafe():
             if deadline is not None and time.monotonic() >= deadline:
@@ -118,6 +122,7 @@ class Transfer:
         self._layers = layers
         self._timer = timer  # (start, end) CUDA events, or the [start, end] perf_counter stamps a CPU worker fills
         self._keepalive = keepalive  # what the copy reads or writes must outlive it (caches, pinned pools, ids)
+        self.joined: set[int] = set()  # streams made to wait for the whole transfer (wait_stream)
 
     @property
     def layerwise(self) -> bool:
@@ -134,6 +139,8 @@ class Transfer:
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Work queued on ``stream`` (default: current) after this call runs after the transfer."""
         self._done.wait_stream(stream)
+        if isinstance(self._done, CudaSignal):  # debug mode: that stream's later work is ordered after this one
+            self.joined.add((stream or torch.cuda.current_stream(self._done.event.device)).cuda_stream)
 
     def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Like :meth:`wait_stream`, for one layer of a layer-wise reload."""

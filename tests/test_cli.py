@@ -131,7 +131,8 @@ def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
     # The printed threshold is the saved profile's.
     planner = kvcopy.Planner.from_profile(loaded, kvcopy.ModelSpec.preset("llama-3.1-8b"))
     threshold = planner.threshold_tokens()
-    expected = "reloading never wins" if threshold is None else f"reload a cached prefix from {threshold} tokens on"
+    expected = ("recompute wins at the longest prefix" if threshold is None
+                else f"keep a cached prefix from {threshold} tokens on")
     assert threshold_line.group(1) == expected
     # Each measured method has a row with its fit.
     for direction, method, mp in ((d, m, mp) for d in directions for m, mp in loaded.links[d].items()):
@@ -153,15 +154,18 @@ def test_plan_preset_prints_the_decision_and_plots(env, profile_path, home):
     result = run(env, "plan", "--model", "llama-3.1-8b", "--profile", str(profile_path), "--prefix", "2048",
                  "--plot", str(plot))
     assert result.returncode == 0, _describe(result)
-    planner = kvcopy.Planner.from_profile(Profile.load(profile_path), kvcopy.ModelSpec.preset("llama-3.1-8b"))
+    planner = kvcopy.Planner.from_profile(Profile.load(profile_path), kvcopy.ModelSpec.preset("llama-3.1-8b"),
+                                          layerwise=True)
     decision = planner.decide(2048)
     threshold = planner.threshold_tokens()
     out = result.stdout
     assert out.startswith("llama-3.1-8b on ")
     assert decision.explanation in out
-    assert re.search(r"\b(reload|recompute|split)\b", out)
-    assert f"reload {decision.t_reload * 1e3:.3f} ms, recompute {decision.t_recompute * 1e3:.3f} ms" in out
-    expected = "reloading never wins" if threshold is None else f"reload from {threshold} tokens"
+    assert re.search(r"\b(reload|layer-wise reload|recompute|split)\b", out)
+    assert (f"reload {decision.t_reload * 1e3:.3f} ms, layer-wise reload {decision.t_layerwise * 1e3:.3f} ms"
+            in out)
+    assert f"recompute {decision.t_recompute * 1e3:.3f} ms" in out
+    expected = "recompute wins at the longest prefix" if threshold is None else f"keep from {threshold} tokens"
     assert f"threshold: {expected}" in out
     assert f"plot saved to {plot}" in out
     assert_png(plot)
@@ -172,7 +176,7 @@ def test_plan_with_new_tokens_and_decode_share(env, profile_path):
                  "--new", "64", "--decode-share", "0.5")
     assert result.returncode == 0, _describe(result)
     planner = kvcopy.Planner.from_profile(Profile.load(profile_path), kvcopy.ModelSpec.preset("qwen3-8b"),
-                                          decode_share=0.5)
+                                          decode_share=0.5, layerwise=True)
     decision = planner.decide(512, 64)
     assert decision.explanation in result.stdout
     assert f"reload {decision.t_reload * 1e3:.3f} ms" in result.stdout
@@ -187,7 +191,7 @@ def test_plan_with_a_config_file_and_its_directory(env, profile_path, home):
         "dir": ("plan", "--model", str(model_dir), "--profile", str(profile_path), "--prefix", "300"),
     })
     spec = kvcopy.ModelSpec.from_hf_config(model_dir / "config.json")
-    decision = kvcopy.Planner.from_profile(Profile.load(profile_path), spec).decide(300)
+    decision = kvcopy.Planner.from_profile(Profile.load(profile_path), spec, layerwise=True).decide(300)
     for result in results.values():
         assert result.returncode == 0, _describe(result)
         assert result.stdout.startswith("tiny-llama on "), result.stdout

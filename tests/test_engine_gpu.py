@@ -798,3 +798,30 @@ def test_close_waits_for_replays_of_captured_transfers(res):
     eng.close()
     assert replay_stream.query(), "close() returned while a replay of a captured transfer was still queued"
     pool.close()
+
+
+def test_debug_mode_accepts_the_callers_copy_after_wait_stream(res):
+    kv, pool = res.setup(seed=25)
+    eng = res.engine(kv, pool, debug=True)
+    eng.reload([0], [1]).wait()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t = eng.reload([0], [1])
+    t.wait_stream()  # the caller's stream now runs after the reload: its own copy is ordered
+    kvcopy.copy_blocks(pool, [2], kv, [1])
+    expected = reference_copy(pool, [2], kv, [1])
+    torch.cuda.synchronize()
+    assert_same_bytes(dst_bytes(kv), expected)
+
+
+def test_a_host_wait_inside_a_capture_is_refused(res):
+    kv, pool = res.setup(seed=26)
+    eng = res.engine(kv, pool)
+    eng.reload([0], [1]).wait()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        t = eng.reload(torch.tensor([0], device="cuda"), torch.tensor([2], device="cuda"))
+        with pytest.raises(RuntimeError, match="use wait_stream"):
+            t.wait()
+        t.wait_stream()

@@ -1,8 +1,8 @@
-"""Planner: reload / recompute / split decisions and the small-prefix threshold.
+"""Planner: reload / layer-wise / split / recompute decisions, the roofline prefill, the threshold.
 
-Expected values are computed here independently of the planner: from the
-closed forms, from ``spec.kv_bytes`` / ``spec.prefill_flops``, from the model
-formulas, and by brute force over every prefix length or split point.
+Expected values are computed here independently of the planner: from
+``spec.kv_bytes`` / ``spec.prefill_flops`` / ``spec.weight_bytes``, from the
+model formulas, and by brute force over every prefix length or split point.
 """
 
 from __future__ import annotations
@@ -27,22 +27,46 @@ MISTRAL_SWA = kvcopy.ModelSpec.from_hf_config({**MISTRAL_CONFIG, "sliding_window
 MISTRAL_FULL = kvcopy.ModelSpec.from_hf_config(MISTRAL_CONFIG, name="mistral-full")
 
 
-def linear(spec=LLAMA, *, la, bw, r, pa=0.0, share=0.0) -> Planner:
+MIXTRAL = kvcopy.ModelSpec.preset("mixtral-8x7b")
+DEEPSEEK = kvcopy.ModelSpec.preset("deepseek-v3")
+
+
+def linear(spec=LLAMA, *, la, bw, r, pa=0.0, share=0.0, **kw) -> Planner:
     return Planner(spec, load_alpha_s=la, load_bytes_per_s=bw, prefill_tokens_per_s=r, prefill_alpha_s=pa,
-                   decode_share=share)
+                   decode_share=share, **kw)
 
 
-def flops(spec=LLAMA, *, la, bw, fps, pa=0.0, share=0.0) -> Planner:
+def flops(spec=LLAMA, *, la, bw, fps, pa=0.0, share=0.0, wbps=None, **kw) -> Planner:
     return Planner(spec, load_alpha_s=la, load_bytes_per_s=bw, prefill_flops_per_s=fps, prefill_alpha_s=pa,
-                   decode_share=share)
+                   weight_bytes_per_s=wbps, decode_share=share, **kw)
 
 
-def first_win(reload, recompute, limit):
-    """Smallest n in [1, limit] with reload(n) < recompute(n) strictly, else None."""
-    for n in range(1, limit + 1):
-        if reload(n) < recompute(n):
-            return n
-    return None
+def h200_like(spec=LLAMA, **kw) -> Planner:
+    """Published H200 + PCIe Gen5 figures: 50 GB/s loads with 20 us per call, 500 TFLOP/s prefill,
+    4.8 TB/s weight reads (not measured)."""
+    return flops(spec, la=20e-6, bw=50e9, fps=5e14, wbps=4.8e12, **kw)
+
+
+def wins(planner: Planner, prefix: int, new: int = 1) -> bool:
+    """decide() keeps the cache: an option that beats recompute (a split by the margin)."""
+    d = planner.decide(prefix, new)
+    keep = [t for t in (d.t_reload, d.t_layerwise) if t is not None]
+    if d.t_split is not None and d.t_split < min(keep + [d.t_recompute]) * (1 - planner.split_margin):
+        keep.append(d.t_split)
+    assert (d.action != "recompute") == (min(keep) < d.t_recompute), d
+    return d.action != "recompute"
+
+
+def brute_threshold(planner: Planner, limit: int, new: int = 1) -> int | None:
+    """The smallest P such that every P' in [P, limit] wins, scanning every length."""
+    if not wins(planner, limit, new):
+        return None
+    threshold = limit
+    for prefix in range(limit - 1, 0, -1):
+        if not wins(planner, prefix, new):
+            break
+        threshold = prefix
+    return threshold
 
 
 def model_flops(spec, tokens: int, cached: int = 0) -> float:
@@ -51,167 +75,109 @@ def model_flops(spec, tokens: int, cached: int = 0) -> float:
         tokens * cached + tokens * tokens / 2)
 
 
-# --------------------------------------------------------------------------- threshold, linear prefill
-
-LINEAR_CASES = [
-    dict(la=3e-3, bw=10e9, r=5000, pa=0.5e-3),
-    dict(la=20e-3, bw=25e9, r=12000, pa=0.0),
-    dict(la=0.25, bw=3e9, r=1500, pa=0.05),
-    dict(la=1e-4, bw=50e9, r=2e5, pa=2e-5),
-]
+# --------------------------------------------------------------------------- the roofline prefill
 
 
-@pytest.mark.parametrize("case", LINEAR_CASES)
-def test_threshold_matches_the_closed_form(case):
-    planner = linear(**case)
-    denominator = 1 / case["r"] - B_TOK / case["bw"]
-    assert denominator > 0
-    ratio = (case["la"] - case["pa"]) / denominator
-    assert ratio > 1 and abs(ratio - round(ratio)) > 1e-3  # not an integer tie
-    expected = math.ceil(ratio)
-    assert planner.threshold_tokens() == expected
-    # Brute force, with the planner's own costs and independently.
-    assert first_win(planner.t_load, planner.t_prefill, expected + 10) == expected
-    assert first_win(lambda n: case["la"] + LLAMA.kv_bytes(n) / case["bw"],
-                     lambda n: case["pa"] + n / case["r"], expected + 10) == expected
-    # decide() agrees on either side of the threshold (no new tokens).
-    below, at = planner.decide(expected - 1), planner.decide(expected)
-    assert below.t_reload >= below.t_recompute
-    assert at.t_reload < at.t_recompute
-
-
-@pytest.mark.parametrize("la,pa", [(2.0**-7, 0.0), (2.0**-6, 2.0**-7), (2.0**-4, 2.0**-4 - 2.0**-7)])
-def test_threshold_at_an_exact_integer_tie_needs_one_more_token(la, pa):
-    """Powers of two make every cost exact: at n = 8 reload and recompute tie, so 9 is the answer."""
-    planner = linear(la=la, bw=2.0**27, r=2.0**9, pa=pa)  # B/bw = 2^-10, 1/r = 2^-9: denominator 2^-10
-    assert (la - pa) / (2.0**-9 - B_TOK / 2.0**27) == 8.0
-    assert planner.t_load(8) == planner.t_prefill(8)
-    assert planner.t_load(9) < planner.t_prefill(9)
-    assert planner.threshold_tokens() == 9
-
-
-@pytest.mark.parametrize("r", [2.0**10, 2.0**11, 1500.0])
-def test_threshold_is_none_when_reloading_never_wins(r):
-    """Per-token load cost >= per-token compute (denominator <= 0) and a bigger load fixed cost."""
-    planner = linear(la=2e-3, bw=2.0**27, r=r, pa=1e-3)
-    assert 1 / r - B_TOK / 2.0**27 <= 0
-    assert planner.threshold_tokens() is None
-    for n in (1, 1000, 10**6, 2**31):
-        assert planner.t_load(n) >= planner.t_prefill(n)
-
-
-@pytest.mark.parametrize("la,pa", [(0.0, 1e-3), (1e-4, 1e-3), (1e-3, 1e-3)])
-def test_threshold_is_one_when_reloading_always_wins(la, pa):
-    planner = linear(la=la, bw=10e9, r=5000, pa=pa)
-    assert 1 / 5000 - B_TOK / 10e9 > 0
-    assert planner.threshold_tokens() == 1
-    assert planner.t_load(1) < planner.t_prefill(1)
-
-
-def test_threshold_is_one_when_reload_wins_only_short_prefixes():
-    """load_alpha < prefill_alpha but denominator <= 0: reload wins up to some length, then loses;
-    the threshold is the smallest winning length, 1."""
-    planner = linear(la=1e-3, bw=2.0**27, r=2.0**11, pa=2e-3)
-    assert planner.threshold_tokens() == 1
-    assert planner.t_load(10**6) > planner.t_prefill(10**6)
-
-
-# --------------------------------------------------------------------------- threshold, FLOPs prefill
-
-FLOPS_CASES = [
-    dict(la=5e-3, bw=1e9, fps=1e14, pa=1e-3),  # the linear terms nearly cancel: attention decides
-    dict(la=4e-3, bw=5e8, fps=1e14, pa=0.0),  # linear terms alone never let reload win
-    dict(la=30e-3, bw=20e9, fps=4e14, pa=5e-3),
-]
-
-
-@pytest.mark.parametrize("case", FLOPS_CASES)
-def test_flops_threshold_is_the_smallest_winning_length(case):
-    planner = flops(**case)
-    threshold = planner.threshold_tokens()
-    assert threshold is not None and threshold > 1
-    # Every shorter prefix loses, this one wins: the planner's own costs ...
-    for n in range(1, threshold):
-        assert not planner.t_load(n) < planner.t_prefill(n), n
-    assert planner.t_load(threshold) < planner.t_prefill(threshold)
-    # ... and costs computed independently from the spec, and from the model formula.
-    def reload(n):
-        return case["la"] + LLAMA.kv_bytes(n) / case["bw"]
-
-    def recompute(n):
-        return case["pa"] + LLAMA.prefill_flops(n) / case["fps"]
-
-    def recompute_formula(n):
-        return case["pa"] + model_flops(LLAMA, n) / case["fps"]
-
-    assert first_win(reload, recompute, threshold + 5) == threshold
-    assert first_win(lambda n: case["la"] + n * B_TOK / case["bw"], recompute_formula, threshold + 5) == threshold
-    for n in range(threshold, threshold + 2000, 97):  # and it keeps winning
-        assert planner.t_load(n) < planner.t_prefill(n)
-
-
-def test_flops_threshold_counts_the_quadratic_attention_term():
-    """With the linear part alone reloading never wins here; attention makes it win, at the root
-    of c·n² + (a - b)·n = la - pa."""
-    case = FLOPS_CASES[1]
-    planner = flops(**case)
-    a = 2 * LLAMA.active_params / case["fps"]
-    b = B_TOK / case["bw"]
-    assert a < b
-    c = 2 * LLAMA.num_layers * LLAMA.num_attention_heads * LLAMA.head_dim / case["fps"]
-    root = ((b - a) + math.sqrt((b - a) ** 2 + 4 * c * (case["la"] - case["pa"]))) / (2 * c)
-    assert planner.threshold_tokens() == math.floor(root) + 1
-
-
-def test_t_prefill_flops_model_matches_spec():
-    planner = flops(la=0.0, bw=1e9, fps=2e14, pa=3e-3)
-    for tokens, cached in ((1, 0), (100, 0), (4096, 0), (64, 1000), (1000, 64)):
-        expected = 3e-3 + LLAMA.prefill_flops(tokens, cached) / 2e14
-        assert planner.t_prefill(tokens, cached) == pytest.approx(expected, rel=1e-12)
-        assert planner.t_prefill(tokens, cached) == pytest.approx(3e-3 + model_flops(LLAMA, tokens, cached) / 2e14,
-                                                                   rel=1e-12)
+@pytest.mark.parametrize("spec", [LLAMA, MISTRAL_SWA, MIXTRAL, DEEPSEEK], ids=lambda s: s.name)
+def test_prefill_is_the_slower_of_compute_and_weight_reads(spec):
+    planner = flops(spec, la=0.0, bw=1e9, fps=4e14, wbps=3e12, pa=1e-4)
+    for tokens, cached in ((1, 0), (16, 0), (100, 0), (4096, 0), (8, 2000), (1000, 64)):
+        compute = spec.prefill_flops(tokens, cached) / 4e14
+        memory = spec.weight_bytes(tokens, cached) / 3e12
+        assert planner.t_prefill(tokens, cached) == pytest.approx(1e-4 + max(compute, memory), rel=1e-12)
     assert planner.t_prefill(0) == 0.0
-    assert planner.t_prefill(0, 100) == 0.0
-    assert planner.t_load(1000) == pytest.approx(LLAMA.kv_bytes(1000) / 1e9)
+    without_floor = flops(spec, la=0.0, bw=1e9, fps=4e14, pa=1e-4)
+    assert without_floor.t_prefill(1) == pytest.approx(1e-4 + spec.prefill_flops(1) / 4e14, rel=1e-12)
 
 
-# --------------------------------------------------------------------------- threshold, sliding window
+def test_weight_bytes_of_a_dense_model_from_its_parameters():
+    """Every non-embedding weight and the LM head once per forward, in the checkpoint's dtype, plus the
+    cached KV; the same for one token or a thousand."""
+    weights = (LLAMA.active_params + LLAMA.vocab_size * LLAMA.hidden_size) * 2  # bf16
+    assert LLAMA.weight_bytes(1) == LLAMA.weight_bytes(1000) == weights
+    assert 15e9 < weights < 17e9  # an 8B model reads ~16 GB per forward
+    assert LLAMA.weight_bytes(1, 4096) == weights + 4096 * B_TOK
 
 
-def test_sliding_window_threshold_by_brute_force():
-    """Per-token loading is dearer than computing, so a full-attention model never reloads; with a
-    256-token window every layer keeps at most 256 tokens, the load cost stops growing and
-    reloading wins from some length on."""
-    la, bw, r, pa = 1e-3, 5e8, 5000, 0.0
-    assert B_TOK / bw > 1 / r
-    assert MISTRAL_SWA.num_sliding_layers == MISTRAL_SWA.num_layers
-    assert MISTRAL_SWA.kv_bytes(10 * WINDOW) == MISTRAL_SWA.kv_bytes(WINDOW) == WINDOW * B_TOK
-    assert linear(MISTRAL_FULL, la=la, bw=bw, r=r, pa=pa).threshold_tokens() is None
-    planner = linear(MISTRAL_SWA, la=la, bw=bw, r=r, pa=pa)
-    threshold = planner.threshold_tokens()
-    expected = first_win(lambda n: la + min(n, WINDOW) * B_TOK / bw, lambda n: pa + n / r, 10**5)
-    assert expected is not None and expected > WINDOW
-    assert threshold == expected
-    assert first_win(planner.t_load, planner.t_prefill, 10**5) == expected
-    assert expected == math.floor(r * (la + WINDOW * B_TOK / bw - pa)) + 1
+def test_weight_bytes_of_a_moe_model_grow_with_the_experts_touched():
+    spec = MIXTRAL  # 8 experts, 2 per token
+    assert spec.experts_touched(1) == pytest.approx(2)
+    assert spec.experts_touched(2) == pytest.approx(8 * (1 - 0.75**2))
+    assert spec.experts_touched(10_000) == pytest.approx(8)
+    one, many = spec.weight_bytes(1), spec.weight_bytes(10_000)
+    assert many - one == pytest.approx(6 * spec.expert_params * 2, rel=1e-9)  # the 6 experts a token skips
+    assert one == pytest.approx((spec.active_params + spec.vocab_size * spec.hidden_size) * 2, rel=1e-9)
 
 
-@pytest.mark.parametrize("la,bw,fps,pa", [(5e-3, 1e9, 1e14, 1e-3), (0.2, 2e9, 5e13, 0.0)])
-def test_sliding_window_flops_threshold_by_brute_force(la, bw, fps, pa):
-    planner = flops(MISTRAL_SWA, la=la, bw=bw, fps=fps, pa=pa)
-    threshold = planner.threshold_tokens()
-    expected = first_win(lambda n: la + MISTRAL_SWA.kv_bytes(n) / bw,
-                         lambda n: pa + MISTRAL_SWA.prefill_flops(n) / fps, 200_000)
-    assert threshold == expected
-    assert first_win(planner.t_load, planner.t_prefill, 200_000) == expected
+def test_the_roofline_knee_of_a_dense_8b_model():
+    """Compute catches up with reading 16 GB of weights at ~100-200 tokens on an H200-like machine."""
+    planner = h200_like()
+    floor = LLAMA.weight_bytes(1) / 4.8e12
+    assert planner.t_prefill(1) == pytest.approx(floor)
+    assert planner.t_prefill(64) == pytest.approx(floor)  # still memory-bound
+    assert planner.t_prefill(1024) > 2 * floor  # compute-bound
+    knee = next(n for n in range(1, 2000) if LLAMA.prefill_flops(n) / 5e14 > LLAMA.weight_bytes(n) / 4.8e12)
+    assert 100 <= knee <= 200
 
 
-def test_sliding_window_below_the_window_is_like_full_attention():
-    case = dict(la=3e-3, bw=10e9, r=5000, pa=0.5e-3)  # threshold 14, well inside the window
-    assert linear(MISTRAL_SWA, **case).threshold_tokens() == linear(MISTRAL_FULL, **case).threshold_tokens() == 14
+# --------------------------------------------------------------------------- the threshold
+
+THRESHOLD_CASES = [
+    pytest.param(LLAMA, dict(la=20e-6, bw=50e9, fps=5e14, wbps=4.8e12), id="llama-h200"),
+    pytest.param(LLAMA, dict(la=3e-3, bw=10e9, fps=2e14, pa=0.5e-3), id="llama-big-load-cost"),
+    pytest.param(MISTRAL_SWA, dict(la=1e-3, bw=5e8, fps=1e14, wbps=2e12), id="mistral-window-slow-link"),
+    pytest.param(MIXTRAL, dict(la=20e-6, bw=50e9, fps=5e14, wbps=4.8e12), id="mixtral-h200"),
+    pytest.param(DEEPSEEK, dict(la=20e-6, bw=50e9, fps=5e14, wbps=4.8e12), id="deepseek-h200"),
+    pytest.param(LLAMA, dict(la=1e-4, bw=2.0**27, fps=1e14, pa=1e-3), id="llama-loses-long-prefixes"),
+]
+
+
+@pytest.mark.parametrize(("spec", "kw"), THRESHOLD_CASES)
+@pytest.mark.parametrize("new", [1, 64])
+def test_threshold_matches_a_brute_force_scan_of_decide(spec, kw, new):
+    limit = 3000
+    planner = flops(spec, **kw)
+    expected = brute_threshold(planner, limit, new)
+    assert planner.threshold_tokens(new, max_tokens=limit) == expected
+
+
+def test_threshold_on_an_h200_like_machine_is_past_the_roofline_knee():
+    """Short prefixes are as cheap to recompute as one token's forward: keeping them does not pay."""
+    threshold = h200_like().threshold_tokens(max_tokens=8192)
+    assert threshold is not None and 64 <= threshold <= 400
+    without_floor = flops(la=20e-6, bw=50e9, fps=5e14).threshold_tokens(max_tokens=8192)
+    assert without_floor is not None and without_floor < threshold
+
+
+def test_threshold_is_none_when_recompute_wins_at_the_longest_prefix():
+    """Loading a token costs 25x computing it and a split gains less than the 10% margin: at 4096 cached
+    tokens with 64 new ones recompute wins, so there is no threshold, whatever shorter prefixes do."""
+    planner = flops(la=1e-4, bw=2.0**25, fps=1e14, pa=1e-3, split_margin=0.1)
+    assert planner.decide(4096, 64).action == "recompute"
+    assert planner.threshold_tokens(64, max_tokens=4096) is None
+    assert brute_threshold(planner, 4096, 64) is None
+
+
+def test_threshold_scans_up_to_the_models_context_length():
+    short = kvcopy.ModelSpec.from_hf_config({**MISTRAL_CONFIG, "max_position_embeddings": 1024}, name="short")
+    assert short.context_length == 1024
+    planner = flops(short, la=1e-4, bw=2.0**27, fps=1e14, pa=1e-3)
+    assert planner.threshold_tokens() == brute_threshold(planner, 1024)
+
+
+def test_threshold_is_one_when_reloading_always_wins():
+    planner = linear(la=0.0, bw=10e9, r=5000, pa=1e-3)
+    assert planner.threshold_tokens(max_tokens=2000) == 1
 
 
 # --------------------------------------------------------------------------- decisions
+
+
+def test_decide_needs_at_least_one_new_token():
+    planner = linear(la=0.0, bw=1e9, r=1e3)
+    assert planner.decide(10).new_tokens == 1
+    with pytest.raises(ValueError, match="at least the token it continues from"):
+        planner.decide(10, 0)
 
 
 def test_tiny_prefix_with_a_big_load_fixed_cost_recomputes():
@@ -219,102 +185,118 @@ def test_tiny_prefix_with_a_big_load_fixed_cost_recomputes():
     for prefix in (1, 2, 4, 16):
         d = planner.decide(prefix)
         assert d.action == "recompute", d
-        assert d.t_recompute == pytest.approx(prefix / 5000)
-        assert d.t_reload == pytest.approx(10e-3 + LLAMA.kv_bytes(prefix) / 10e9)
-        assert d.t_recompute < d.t_reload
-        assert d.t_split is None or d.t_split >= 10e-3
-        assert d.prefix_tokens == prefix and d.new_tokens == 0
-        assert "recompute" in d.explanation
+        assert d.t_recompute == pytest.approx((prefix + 1) / 5000)
+        assert d.t_reload == pytest.approx(10e-3 + LLAMA.kv_bytes(prefix) / 10e9 + 1 / 5000)
+        assert d.prefix_tokens == prefix and d.new_tokens == 1
+        assert d.explanation.startswith("recompute")
 
 
 def test_long_prefixes_reload_when_a_prefill_has_a_big_fixed_cost():
-    """Every prefill (and so every split) pays 0.2 s; loading a few thousand tokens is cheaper."""
+    """Every forward (and so every split) pays 0.2 s; loading a few thousand tokens is cheaper."""
     planner = linear(la=1e-4, bw=25e9, r=1e5, pa=0.2)
-    assert planner.threshold_tokens() == 1
     for prefix in (1024, 4096, 16384):
         d = planner.decide(prefix)
         assert d.action == "reload", d
-        assert d.t_reload == pytest.approx(1e-4 + prefix * B_TOK / 25e9)
-        assert d.t_reload < d.t_recompute
-        assert d.t_split is not None and d.t_split >= 0.2 > d.t_reload
+        assert d.t_reload == pytest.approx(1e-4 + prefix * B_TOK / 25e9 + 0.2 + 1e-5)
+        assert d.t_split is not None and d.t_split >= 0.4 > d.t_reload
         assert str(prefix) in d.explanation and d.explanation.startswith("reload")
 
 
-def test_long_prefixes_reload_with_the_flops_model():
-    planner = flops(la=1e-4, bw=25e9, fps=1e14, pa=0.5)
-    for prefix in (2048, 8192):
-        d = planner.decide(prefix)
-        assert d.action == "reload", d
-        assert d.t_recompute == pytest.approx(0.5 + LLAMA.prefill_flops(prefix) / 1e14)
+@pytest.mark.parametrize("prefix,new", [(1, 1), (500, 100), (4096, 1), (4096, 3000)])
+def test_new_tokens_add_the_extend_cost(prefix, new):
+    la, bw, fps, pa, wbps = 2e-3, 10e9, 2e14, 1e-3, 2e12
+    d = flops(la=la, bw=bw, fps=fps, pa=pa, wbps=wbps).decide(prefix, new)
+    extend = pa + max(model_flops(LLAMA, new, prefix) / fps, LLAMA.weight_bytes(new, prefix) / wbps)
+    assert d.new_tokens == new
+    assert d.t_reload == pytest.approx(la + LLAMA.kv_bytes(prefix) / bw + extend, rel=1e-12)
+    assert d.t_recompute == pytest.approx(
+        pa + max(model_flops(LLAMA, prefix + new) / fps, LLAMA.weight_bytes(prefix + new) / wbps), rel=1e-12)
 
 
-def test_reload_beats_recompute_beyond_the_threshold():
-    planner = linear(la=3e-3, bw=10e9, r=5000, pa=0.5e-3)
-    threshold = planner.threshold_tokens()
-    for prefix in (threshold, 10 * threshold, 1000 * threshold):
-        d = planner.decide(prefix)
-        assert d.t_reload < d.t_recompute
-        assert d.action in ("reload", "split")
-        assert d.action == "reload" or d.t_split < d.t_reload
+def test_load_nbytes_overrides_the_prefix_bytes():
+    planner = linear(la=1e-3, bw=1e9, r=1e4)
+    d = planner.decide(100, 1, load_nbytes=5_000_000)
+    assert d.t_reload == pytest.approx(1e-3 + 5e-3 + 1e-4)
 
 
-def _split_costs(planner, spec, prefix, *, la, bw, share=0.0):
-    """Independent split time for every x in [1, prefix - 1]."""
-    def prefill(x):
-        if planner.prefill_tokens_per_s is not None:
-            return planner.prefill_alpha_s + x / planner.prefill_tokens_per_s
-        return planner.prefill_alpha_s + spec.prefill_flops(x) / planner.prefill_flops_per_s
-
-    return {x: max(prefill(x), la + (spec.kv_bytes(prefix) - spec.kv_bytes(x)) / (bw * (1 - share)))
-            for x in range(1, prefix)}
+def test_the_load_takes_the_fastest_option_at_each_size():
+    """A method with a small fixed cost wins small loads; a fast one wins large loads."""
+    planner = linear(la=1e-6, bw=1e9, r=1e4, load_options=[(100e-6, 50e9)])
+    small, large = 16384, 4096 * B_TOK
+    assert planner.t_load_nbytes(small) == pytest.approx(1e-6 + small / 1e9)
+    assert planner.t_load_nbytes(large) == pytest.approx(100e-6 + large / 50e9)
+    assert planner.t_load(4096) == planner.t_load_nbytes(large)
 
 
-@pytest.mark.parametrize("prefix", [10, 999, 1000, 4096])
+def _split_costs(planner, spec, prefix):
+    """Independent split time for every x in [1, prefix - 1]: full layers still load the tokens after x,
+    sliding layers the part of their last W tokens that x does not cover."""
+    per_layer = spec.kv_bytes_per_token() // spec.num_layers
+    costs = {}
+    for x in range(1, prefix):
+        rest = 0
+        for kind in spec.layer_types:
+            if kind == "sliding_attention":
+                window = min(prefix, spec.sliding_window)
+                rest += window - max(0, x - (prefix - window))
+            else:
+                rest += prefix - x
+        costs[x] = max(planner.t_prefill(x), planner.t_load_nbytes(rest * per_layer))
+    return costs
+
+
+@pytest.mark.parametrize("prefix", [10, 999, 4096])
 def test_split_beats_both_when_load_and_compute_are_comparable(prefix):
     """Loading a token takes as long as computing one: compute the first half while the rest loads."""
     bw = B_TOK * 5000.0
-    planner = linear(la=0.0, bw=bw, r=5000)
-    d = planner.decide(prefix)
+    d = linear(la=0.0, bw=bw, r=5000).decide(prefix)
     assert d.action == "split", d
-    assert 0 < d.split_tokens < prefix
-    assert d.t_split < min(d.t_reload, d.t_recompute)
-    assert d.t_reload == pytest.approx(prefix / 5000)
-    assert d.t_recompute == pytest.approx(prefix / 5000)
-    x = d.split_tokens
-    assert d.t_split == pytest.approx(max(x / 5000, (LLAMA.kv_bytes(prefix) - LLAMA.kv_bytes(x)) / bw), rel=1e-12)
-    costs = _split_costs(planner, LLAMA, prefix, la=0.0, bw=bw)
-    assert d.t_split == pytest.approx(min(costs.values()), rel=1e-12)
-    assert abs(x - prefix / 2) <= 1
-    assert d.t_split == pytest.approx(math.ceil(prefix / 2) / 5000, rel=1e-12)
-    assert f"first {x} of {prefix}" in d.explanation
+    assert d.t_split == pytest.approx(min(_split_costs(linear(la=0.0, bw=bw, r=5000), LLAMA, prefix).values())
+                                      + 1 / 5000, rel=1e-12)
+    assert abs(d.split_tokens - prefix / 2) <= 1
+    assert f"first {d.split_tokens} of {prefix}" in d.explanation
 
 
-@pytest.mark.parametrize("kind,kw", [
-    ("linear", dict(la=2e-3, bw=8e9, r=20000, pa=1e-3)),
-    ("flops", dict(la=2e-3, bw=8e9, fps=3e14, pa=1e-3)),
-    ("flops", dict(la=0.0, bw=2e9, fps=1e14, pa=0.0)),
-])
-@pytest.mark.parametrize("prefix", [2, 3, 64, 777, 3000])
-def test_split_point_is_the_best_one(kind, kw, prefix):
-    planner = linear(**kw) if kind == "linear" else flops(**kw)
+@pytest.mark.parametrize("spec", [LLAMA, MISTRAL_SWA], ids=lambda s: s.name)
+@pytest.mark.parametrize("prefix", [2, 64, 777, 3000])
+def test_split_point_is_the_best_one(spec, prefix):
+    planner = flops(spec, la=2e-3, bw=8e9, fps=3e14, pa=1e-3, wbps=3e12)
     d = planner.decide(prefix)
-    costs = _split_costs(planner, LLAMA, prefix, la=kw["la"], bw=kw["bw"])
-    assert d.t_split is not None
-    assert d.t_split == pytest.approx(min(costs.values()), rel=1e-12)
-    assert d.t_split == pytest.approx(costs[d.split_tokens], rel=1e-12)
-    assert 1 <= d.split_tokens <= prefix - 1
-    best = min(d.t_reload, d.t_recompute, d.t_split)
-    assert {"reload": d.t_reload, "recompute": d.t_recompute, "split": d.t_split}[d.action] == best
+    costs = _split_costs(planner, spec, prefix)
+    extend = planner.t_prefill(1, prefix)
+    assert d.t_split == pytest.approx(min(costs.values()) + extend, rel=1e-12)
+    assert d.t_split == pytest.approx(costs[d.split_tokens] + extend, rel=1e-12)
 
 
-def test_split_on_a_sliding_window_model_by_brute_force():
-    la, bw, r = 1e-3, 5e8, 5000
-    planner = linear(MISTRAL_SWA, la=la, bw=bw, r=r)
-    for prefix in (100, 300, 2000):
+def test_split_on_a_long_sliding_window_prefix_saves_nothing():
+    """Beyond the window the first tokens are not cached in sliding layers: computing them saves no load,
+    so a split is never cheaper than a reload there (it used to claim it was)."""
+    planner = flops(MISTRAL_SWA, la=1e-3, bw=5e8, fps=1e14, wbps=2e12)
+    for prefix in (1000, 32768):
         d = planner.decide(prefix)
-        costs = _split_costs(planner, MISTRAL_SWA, prefix, la=la, bw=bw)
-        assert d.t_split == pytest.approx(min(costs.values()), rel=1e-12)
-        assert d.t_reload == pytest.approx(la + min(prefix, WINDOW) * B_TOK / bw)
+        assert d.t_split >= d.t_reload
+        assert d.action != "split"
+
+
+def test_a_split_must_beat_the_others_by_the_margin():
+    bw = B_TOK * 5000.0
+    exact = linear(la=0.0, bw=bw, r=5000).decide(1000)
+    assert exact.action == "split"
+    gain = 1 - exact.t_split / min(exact.t_reload, exact.t_recompute)
+    assert linear(la=0.0, bw=bw, r=5000, split_margin=gain * 0.9).decide(1000).action == "split"
+    assert linear(la=0.0, bw=bw, r=5000, split_margin=gain * 1.1).decide(1000).action != "split"
+
+
+def test_layerwise_reload_overlaps_the_load_with_the_new_tokens():
+    planner = flops(la=1e-4, bw=25e9, fps=2e14, pa=1e-3, wbps=3e12, layerwise=True)
+    for prefix, new in ((4096, 512), (1024, 64), (50, 2000)):
+        d = planner.decide(prefix, new)
+        load = 1e-4 + LLAMA.kv_bytes(prefix) / 25e9
+        extend = planner.t_prefill(new, prefix)
+        assert d.t_layerwise == pytest.approx(max(load, extend) + load / LLAMA.num_layers, rel=1e-12)
+        assert d.t_layerwise <= d.t_reload
+    assert planner.decide(4096, 512).action == "layerwise"
+    assert flops(la=1e-4, bw=25e9, fps=2e14, pa=1e-3).decide(4096, 512).t_layerwise is None
 
 
 def test_a_prefix_too_short_to_split():
@@ -325,38 +307,14 @@ def test_a_prefix_too_short_to_split():
 
 def test_empty_prefix_recomputes():
     planner = linear(la=0.0, bw=1e12, r=10.0)  # reloading would be free
-    d = planner.decide(0)
-    assert d.action == "recompute"
-    assert d.t_split is None and d.split_tokens == 0
-    assert d.t_reload == 0.0 and d.t_recompute == 0.0
-    assert "no cached prefix" in d.explanation
     d = planner.decide(0, 50)
     assert d.action == "recompute"
+    assert d.t_split is None and d.split_tokens == 0
     assert d.t_recompute == pytest.approx(50 / 10.0)
-    assert d.t_reload == pytest.approx(d.t_recompute)  # only the new tokens to compute either way
+    assert "no cached prefix" in d.explanation
 
 
-# --------------------------------------------------------------------------- new tokens, decode share
-
-
-@pytest.mark.parametrize("prefix,new", [(1, 1), (500, 100), (4096, 1), (4096, 3000)])
-def test_new_tokens_add_the_extend_cost(prefix, new):
-    la, bw, r, pa = 2e-3, 10e9, 8000, 1e-3
-    d = linear(la=la, bw=bw, r=r, pa=pa).decide(prefix, new)
-    assert d.new_tokens == new
-    assert d.t_reload == pytest.approx(la + LLAMA.kv_bytes(prefix) / bw + pa + new / r, rel=1e-12)
-    assert d.t_recompute == pytest.approx(pa + (prefix + new) / r, rel=1e-12)
-    base = linear(la=la, bw=bw, r=r, pa=pa).decide(prefix)
-    assert d.t_reload > base.t_reload
-    if base.t_split is not None:
-        assert d.t_split == pytest.approx(base.t_split + pa + new / r, rel=1e-12)
-
-    fps = 2e14
-    d = flops(la=la, bw=bw, fps=fps, pa=pa).decide(prefix, new)
-    extend = pa + LLAMA.prefill_flops(new, prefix) / fps
-    assert extend == pytest.approx(pa + model_flops(LLAMA, new, prefix) / fps, rel=1e-12)
-    assert d.t_reload == pytest.approx(la + LLAMA.kv_bytes(prefix) / bw + extend, rel=1e-12)
-    assert d.t_recompute == pytest.approx(pa + LLAMA.prefill_flops(prefix + new) / fps, rel=1e-12)
+# --------------------------------------------------------------------------- decode share
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5, 0.9, 0.999])
@@ -365,24 +323,14 @@ def test_decode_share_slows_the_byte_term_only(share):
     base = linear(la=la, bw=bw, r=5000)
     shared = linear(la=la, bw=bw, r=5000, share=share)
     for prefix in (16, 1024, 100_000):
-        d0, d = base.decide(prefix), shared.decide(prefix)
-        assert d.t_reload - la == pytest.approx((d0.t_reload - la) / (1 - share), rel=1e-12)
-        assert d.t_reload == pytest.approx(la + LLAMA.kv_bytes(prefix) / (bw * (1 - share)), rel=1e-12)
-        assert d.t_recompute == d0.t_recompute
-    t0, t = base.threshold_tokens(), shared.threshold_tokens()
-    assert t is None or t >= t0
+        assert shared.t_load(prefix) == pytest.approx(la + LLAMA.kv_bytes(prefix) / (bw * (1 - share)), rel=1e-12)
+        assert shared.decide(prefix).t_recompute == base.decide(prefix).t_recompute
 
 
 def test_decode_share_can_flip_a_reload():
     kw = dict(la=1e-4, bw=25e9, r=1e5, pa=0.2)
     assert linear(**kw).decide(4096).action == "reload"
-    d = linear(**kw, share=0.9).decide(4096)
-    assert d.action != "reload"
-    assert d.t_reload > min(d.t_recompute, d.t_split)
-    # Taken far enough, not even a split is worth it: recompute.
-    kw = dict(la=1e-4, bw=1e9, r=1e5, pa=0.2)
-    assert linear(**kw).decide(16).action == "reload"
-    assert linear(**kw, share=0.9995).decide(16).action == "recompute"
+    assert linear(**kw, share=0.9).decide(4096).action != "reload"
 
 
 # --------------------------------------------------------------------------- validation
@@ -391,6 +339,10 @@ def test_decode_share_can_flip_a_reload():
 @pytest.mark.parametrize("kwargs", [
     dict(load_alpha_s=0.0, load_bytes_per_s=1e9),  # neither prefill rate
     dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_flops_per_s=1e12),  # both
+    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, weight_bytes_per_s=1e12),  # no roofline
+    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, weight_bytes_per_s=0.0),
+    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, load_options=[(0.0, -1.0)]),
+    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, split_margin=1.0),
     dict(load_alpha_s=-1e-6, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
     dict(load_alpha_s=0.0, load_bytes_per_s=0.0, prefill_tokens_per_s=1e3),
     dict(load_alpha_s=0.0, load_bytes_per_s=-1e9, prefill_tokens_per_s=1e3),
@@ -410,7 +362,8 @@ def test_bad_arguments_are_value_errors(kwargs):
         Planner(LLAMA, **kwargs)
 
 
-@pytest.mark.parametrize("prefix,new", [(-1, 0), (1.5, 0), (True, 0), ("10", 0), (10, -1), (10, 2.0), (10, False)])
+@pytest.mark.parametrize("prefix,new", [(-1, 1), (1.5, 1), (True, 1), ("10", 1), (10, -1), (10, 0), (10, 2.0),
+                                        (10, False)])
 def test_decide_rejects_bad_token_counts(prefix, new):
     with pytest.raises(ValueError):
         linear(la=0.0, bw=1e9, r=1e3).decide(prefix, new)

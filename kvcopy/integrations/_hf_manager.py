@@ -22,6 +22,7 @@ to their KV* and moves it:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable
@@ -113,15 +114,13 @@ class KvcopyOffloadingManager(OffloadingManager):
 
     def _wait_for_offloads(self, device_units: set[int], host_reads: dict[str, set[int]]) -> None:
         """Makes the compute stream wait for unfinished offloads that read ``device_units`` or write host
-        blocks in ``host_reads``; forgets finished ones."""
-        live = [o for o in self._offloads if not o.transfer.done()]
-        waited = set()
+        blocks in ``host_reads``; forgets finished ones. An offload waited for stays listed until it is
+        done: the host blocks it writes are still in use until then."""
+        self._offloads = [o for o in self._offloads if not o.transfer.done()]
         with stream_context(self._compute_stream):
-            for offload in live:
+            for offload in self._offloads:
                 if offload.device_units & device_units or offload.host_ids & host_reads.get(offload.allocator, set()):
                     offload.transfer.wait_stream()
-                    waited.add(offload)
-        self._offloads = [o for o in live if o not in waited]
 
     def _ordered_fork_copy(self, perform_cache_copy: Any) -> Any:
         def ordered(copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
@@ -217,15 +216,17 @@ class KvcopyOffloadingManager(OffloadingManager):
                                 for f in requests_in_batch for name in allocators))
         self._wait_for_offloads(written, {name: set(ids) for name, ids in host_ids.items()})
         transfers: dict[str, Transfer] = {}
-        with stream_context(self._compute_stream):
-            for name, ids in device_ids.items():
+        try:
+            with stream_context(self._compute_stream):
+                for name, ids in device_ids.items():
+                    if ids:
+                        transfers[name] = self._engines[name].reload(host_ids[name], ids)
+                        transfers[name].wait_stream()  # the forward that reads them comes after
+        finally:  # also when a submission fails: these host blocks belong to no request any more
+            for name, ids in releases.items():
                 if ids:
-                    transfers[name] = self._engines[name].reload(host_ids[name], ids)
-                    transfers[name].wait_stream()  # the forward that reads them comes after
-                if releases[name]:
                     reload = [transfers[name]] if name in transfers else []
-                    self._session.release(name, releases[name],
-                                          after=reload + self._offloads_writing(name, releases[name]))
+                    self._session.release(name, ids, after=reload + self._offloads_writing(name, ids))
         for request_id, counts in restored.items():
             resume = self._resuming.get(request_id)
             if resume is not None:
@@ -255,7 +256,8 @@ class KvcopyOffloadingManager(OffloadingManager):
         for resume in self._caught_up:
             if wait:
                 for transfer, _ in resume.copy_shares:
-                    transfer.wait()
+                    with contextlib.suppress(Exception):  # a failed reload: its error went to generation
+                        transfer.wait()
             if all(transfer.done() for transfer, _ in resume.copy_shares):
                 copy_s = sum((transfer.elapsed or 0.0) * share for transfer, share in resume.copy_shares)
                 resume.decision.measured_s = copy_s + resume.compute_s

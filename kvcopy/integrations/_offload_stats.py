@@ -27,7 +27,8 @@ class OffloadDecision:
     (its share of one reload transfer, by bytes) plus the forward passes that
     processed its tokens until it caught up, each forward's seconds split by
     the share of the batch's tokens that were this request's. None until then,
-    or if it was preempted again before catching up.
+    if it was preempted again before catching up, or if it caught up in the
+    engine's last forward (whose end is not observed).
     """
 
     request_id: str
@@ -51,8 +52,9 @@ class OffloadStats:
     preempted requests whose KV was dropped (by decision, or because the host
     pool was full) and re-prefilled; ``offloaded_blocks``: blocks copied to the
     host; ``host_blocks_in_use``: host blocks holding KV now (0 once nothing
-    is offloaded and every copy has finished); ``decisions``: one record per
-    preempted request, in order.
+    is offloaded and every copy has finished; reading it queries the copies'
+    events, so do not read it while another thread captures a CUDA graph in
+    global mode); ``decisions``: one record per preempted request, in order.
     """
 
     offloaded_requests: int = 0
