@@ -43,6 +43,12 @@ _MIN_ID_SETS = 16
 _MAX_ID_SETS = 4096
 # A prefill fit missing a point by more than this (relative) is timed again.
 PREFILL_REFIT_RESIDUAL = 0.1
+# Token counts timed for prefill's memory-bound floor: forwards this short read all their weights and
+# compute almost nothing, so their time is the fixed cost plus the weight reads.
+PREFILL_FLOOR_TOKENS = (1, 4)
+# Rounds over every prefill token count, each count's time its fastest round: interleaved, a busy spell
+# slows one round of every count instead of every repeat of one, and the minimum drops it.
+PREFILL_ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,8 @@ class _Sweep:
 
 
 # Full: 4 KiB (a 16-token fp8 head slice) to 256 KiB plane-blocks, 1 to 1024 blocks, up to 512 MiB per call.
-_FULL_GPU = _Sweep((4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 << 20, 10, (512, 1024, 2048, 4096))
+_FULL_GPU = _Sweep((4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 << 20, 10,
+                   (512, 1024, 2048, 4096, 8192))
 _FULL_CPU = _Sweep((4096, 32768, 262144), (1, 4, 16, 64, 256), 256 << 20, 7, (32, 64, 128, 256))
 # Quick: a few shapes, about ten seconds on a 2-core CPU.
 _QUICK_GPU = _Sweep((4096, 32768, 262144), (1, 16, 256), 256 << 20, 5, (512, 2048))
@@ -163,12 +170,13 @@ def _contiguous_peaks(device: torch.device, nbytes: int, repeats: int) -> dict[s
 
 def _layer_forward(
     spec: object, device: torch.device
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], float], torch.dtype]:
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], float], torch.dtype, int]:
     """One decoder layer shaped like ``spec``: q/k/v/o projections, causal SDPA, gated MLP.
 
     Returns the forward, the FLOPs it executes for n tokens (so the fitted
     rate is a real rate, whatever the model's MoE routing or MLA projections;
-    the planner then divides the model's own FLOPs by it), and the dtype.
+    the planner then divides the model's own FLOPs by it), the dtype, and
+    the bytes of its weights (what a forward of a few tokens reads).
     MLA models are timed as a layer with their hidden size and query heads,
     KV heads equal to query heads (the decompressed attention of prefill);
     MoE models with one dense MLP of their intermediate size.
@@ -205,50 +213,69 @@ def _layer_forward(
         # 2 FLOPs per weight per token; causal QK^T and AV: n^2/2 pairs x head_dim x 2 FLOPs x 2 products per head
         return 2.0 * n * weights + 2.0 * heads * head_dim * n * n
 
-    return forward, executed_flops, dtype
+    return forward, executed_flops, dtype, weights * dtype.itemsize
 
 
 def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: bool) -> PrefillProfile:
-    """Times one layer at each token count and fits ``t = alpha + flops / flops_per_s``.
+    """Times one layer at each token count and fits the roofline of one forward.
 
-    When the fit fails or misses a point by more than PREFILL_REFIT_RESIDUAL
-    (another tenant slowed some sizes), every size is timed again and the
-    faster of the two medians kept: a slowdown only ever adds time.
+    ``t = alpha + flops / flops_per_s`` is fitted over the sweep's token counts
+    (compute-bound); the memory-bound floor comes from the fastest forward of
+    PREFILL_FLOOR_TOKENS tokens: ``weight_bytes / (t_floor - alpha)`` (None when
+    the floor is within the fixed cost: no weight-read bound measurable). Each
+    count is timed in PREFILL_ROUNDS interleaved rounds and keeps its fastest;
+    when the fit fails or misses a point by more than PREFILL_REFIT_RESIDUAL,
+    one more round is timed.
     """
-    forward, executed_flops, dtype = _layer_forward(spec, device)
-    flops = [executed_flops(tokens) for tokens in sweep.prefill_tokens]
-    seconds = _time_prefill_pass(forward, dtype, spec, device, sweep, progress)
-    try:
-        fit = fit_alpha_beta(flops, seconds)
-    except ValueError:
-        fit = None
+    forward, executed_flops, dtype, weight_bytes = _layer_forward(spec, device)
+    counts = tuple(sweep.prefill_tokens)
+    timed = PREFILL_FLOOR_TOKENS + counts
+    flops = [executed_flops(tokens) for tokens in counts]
+    best: dict[int, float] = {}
+    bar = progress_bar(PREFILL_ROUNDS * len(timed), progress, "calibrating prefill", "forward")
+
+    def one_round() -> None:
+        for tokens, seconds in _time_prefill_round(forward, dtype, spec, device, timed, sweep, bar).items():
+            best[tokens] = min(seconds, best.get(tokens, seconds))
+
+    for _ in range(PREFILL_ROUNDS):
+        one_round()
+    fit = _prefill_fit(flops, [best[t] for t in counts])
     if fit is None or fit.max_abs_residual > PREFILL_REFIT_RESIDUAL:
-        again = _time_prefill_pass(forward, dtype, spec, device, sweep, progress)
-        seconds = [min(a, b) for a, b in zip(seconds, again)]
-        try:
-            fit = fit_alpha_beta(flops, seconds)
-        except ValueError as err:
-            raise ValueError(f"prefill timings did not grow with the token count, twice ({err}); is the machine "
-                             f"busy?") from None
+        one_round()
+        fit = _prefill_fit(flops, [best[t] for t in counts])
+        if fit is None:
+            bar.close()
+            raise ValueError("prefill timings did not grow with the token count, twice; is the machine busy?")
+    bar.close()
+    memory_s = min(best[t] for t in PREFILL_FLOOR_TOKENS) - fit.alpha
     return PrefillProfile(
         model=spec.name,
-        alpha_s=fit.alpha * spec.num_layers,  # every layer pays its launch overhead once per prefill
+        alpha_s=fit.alpha * spec.num_layers,  # every layer pays its launch overhead once per forward
         flops_per_s=fit.beta,
         r2=fit.r2,
-        points=tuple(zip(flops, seconds)),
+        points=tuple(zip(flops, (best[t] for t in counts))),
+        weight_bytes_per_s=weight_bytes / memory_s if memory_s > 0 else None,
+        num_layers=spec.num_layers,
     )
 
 
-def _time_prefill_pass(forward: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, spec: object,
-                       device: torch.device, sweep: _Sweep, progress: bool) -> list[float]:
-    """Median seconds of one layer forward at each of the sweep's token counts."""
-    bar = progress_bar(len(sweep.prefill_tokens), progress, "calibrating prefill", "size")
-    seconds = []
-    for tokens in sweep.prefill_tokens:
+def _prefill_fit(flops: list[float], seconds: list[float]) -> LinearFit | None:
+    try:
+        return fit_alpha_beta(flops, seconds)
+    except ValueError:
+        return None
+
+
+def _time_prefill_round(forward: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, spec: object,
+                        device: torch.device, counts: Sequence[int], sweep: _Sweep, bar: object) -> dict[int, float]:
+    """Median seconds of one layer forward at each token count, one after the other."""
+    seconds = {}
+    for tokens in counts:
         x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)
-        seconds.append(measure(lambda x=x: forward(x), warmup=1, repeats=max(3, sweep.repeats // 2), device=device).median)
+        seconds[tokens] = measure(lambda x=x: forward(x), warmup=1, repeats=max(3, sweep.repeats // 2),
+                                  device=device).median
         bar.update()
-    bar.close()
     return seconds
 
 

@@ -85,8 +85,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         if peak:
             print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
     prefill = profile.prefill
-    print(f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s sustained, "
-          f"{prefill.alpha_s * 1e3:.2f} ms fixed per prefill (R^2 {prefill.r2:.3f})")
+    floor = (f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
+             if prefill.weight_bytes_per_s else "no weight-read floor measurable")
+    print(f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s compute (R^2 "
+          f"{prefill.r2:.3f}), {floor}, {prefill.alpha_s * 1e3:.2f} ms fit intercept per forward")
     threshold = Planner.from_profile(profile, spec).threshold_tokens()
     reason = ("recompute wins at the longest prefix" if threshold is None
               else f"keep a cached prefix from {threshold} tokens on")

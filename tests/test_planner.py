@@ -447,3 +447,44 @@ def test_from_profile_plans_for_mla_and_sliding_specs():
         if threshold is not None:
             assert planner.t_load(threshold) < planner.t_prefill(threshold)
             assert threshold == 1 or not planner.t_load(threshold - 1) < planner.t_prefill(threshold - 1)
+
+
+def test_from_profile_scales_a_prefill_calibrated_on_another_model():
+    p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))}})
+    p.prefill = PrefillProfile(model="llama-3.1-8b", alpha_s=0.032, flops_per_s=2e13, r2=1.0,
+                               weight_bytes_per_s=1e11, num_layers=32)
+    same = Planner.from_profile(p, LLAMA)
+    assert same.note == "" and same.prefill_alpha_s == 0.032 and same.weight_bytes_per_s == 1e11
+    big = kvcopy.ModelSpec.preset("llama-3.1-70b")
+    other = Planner.from_profile(p, big)
+    assert other.prefill_alpha_s == pytest.approx(0.032 * big.num_layers / 32)  # per-layer fixed cost
+    assert (other.prefill_flops_per_s, other.weight_bytes_per_s) == (2e13, 1e11)  # rates carry over
+    assert "prefill calibrated on llama-3.1-8b, scaled to llama-3.1-70b" in other.decide(1000).explanation
+    # FLOPs and weight bytes scale it: a 70B forward reads ~9x the weights of an 8B one.
+    assert other.t_prefill(1) / same.t_prefill(1) == pytest.approx(
+        (0.032 * 80 / 32 + big.weight_bytes(1) / 1e11) / (0.032 + LLAMA.weight_bytes(1) / 1e11), rel=1e-9)
+
+
+def test_from_profile_loads_with_the_fastest_method_at_each_size():
+    small_fast = _fit(2e-6, 5e9)  # little fixed cost, slow
+    big_fast = _fit(200e-6, 50e9)  # DMA-like: fixed cost, fast
+    p = _profile({"h2d": {"cuda": MethodProfile(small_fast), "copy_engine": MethodProfile(big_fast)}})
+    planner = Planner.from_profile(p, LLAMA)
+    for tokens in (1, 16, 1024, 16384):
+        nbytes = LLAMA.kv_bytes(tokens)
+        assert planner.t_load(tokens) == pytest.approx(min(small_fast.predict(nbytes), big_fast.predict(nbytes)))
+    assert planner.t_load(1) == pytest.approx(small_fast.predict(B_TOK))
+    assert planner.t_load(16384) == pytest.approx(big_fast.predict(16384 * B_TOK))
+
+
+def test_a_profile_written_before_the_roofline_still_loads(tmp_path):
+    p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))}})
+    data = p.to_dict()
+    del data["prefill"]["weight_bytes_per_s"], data["prefill"]["num_layers"]
+    path = tmp_path / "old.json"
+    path.write_text(__import__("json").dumps(data))
+    old = Profile.load(path)
+    assert old.prefill.weight_bytes_per_s is None and old.prefill.num_layers is None
+    planner = Planner.from_profile(old, LLAMA)
+    assert planner.weight_bytes_per_s is None  # no memory-bound floor: prefill as before
+    assert planner.t_prefill(1) == pytest.approx(0.03 + LLAMA.prefill_flops(1) / 2e13)

@@ -278,8 +278,13 @@ def test_load_json_that_is_not_an_object_is_a_value_error(tmp_path, text):
 
 # Synthetic link costs per method: alpha s, beta bytes/s.
 FAKE_LINKS = {"torch": (40e-6, 5e9), "cpu": (8e-6, 30e9), "triton": (1e-3, 1e8)}
-FAKE_PREFILL = (2e-3, 3e11)  # alpha s per layer, FLOP/s
+FAKE_PREFILL = (2e-3, 3e11, 2e10)  # alpha s per layer, FLOP/s, weight bytes/s
 FAKE_PEAK_S = 4e-3
+
+
+def _fake_layer_weight_bytes(spec) -> int:
+    """What the fake layer "reads" per forward: one layer's share of the model's weights."""
+    return spec.weight_bytes(1) // spec.num_layers
 
 
 @pytest.fixture
@@ -303,7 +308,7 @@ def fake_timer(monkeypatch):
         def executed_flops(tokens):  # the fake layer "executes" the model's per-layer FLOPs
             return spec.prefill_flops(tokens) / spec.num_layers
 
-        return forward, executed_flops, torch.float32
+        return forward, executed_flops, torch.float32, _fake_layer_weight_bytes(spec)
 
     def fake_measure(fn, *, warmup=3, repeats=10, device=None, inner=1):
         state["last"] = None
@@ -318,7 +323,8 @@ def fake_timer(monkeypatch):
             t = alpha + nbytes / beta
         else:
             _, tokens, spec = what
-            t = FAKE_PREFILL[0] + spec.prefill_flops(tokens) / spec.num_layers / FAKE_PREFILL[1]
+            compute = spec.prefill_flops(tokens) / spec.num_layers / FAKE_PREFILL[1]
+            t = FAKE_PREFILL[0] + max(compute, _fake_layer_weight_bytes(spec) / FAKE_PREFILL[2])
             t *= state["prefill_slow"].pop(tokens, 1.0)  # a transient slowdown: the first timing only
         return Timing(median=t, p20=t * 0.9, p80=t * 1.1, repeats=repeats)
 
@@ -356,6 +362,9 @@ def test_calibrator_turns_timings_into_exact_fits(fake_timer):
     assert p.prefill.flops_per_s == pytest.approx(FAKE_PREFILL[1], rel=1e-6)
     assert p.prefill.alpha_s == pytest.approx(FAKE_PREFILL[0] * spec.num_layers, rel=1e-6)
     assert len(p.prefill.points) >= 2
+    # The memory-bound floor: the fastest few-token forward, less the fixed cost.
+    assert p.prefill.weight_bytes_per_s == pytest.approx(FAKE_PREFILL[2], rel=1e-6)
+    assert p.prefill.num_layers == spec.num_layers
     # Peak: bytes of the contiguous copy over its time.
     assert p.peaks["h2h"] > 0
     assert p.hardware["calibration_planes"] == CAL_PLANES
@@ -710,7 +719,9 @@ def test_timed_layer_executes_the_dense_models_flops():
         "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
         "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000,
     })
-    forward, executed, dtype = calibrator._layer_forward(spec, torch.device("cpu"))
+    forward, executed, dtype, weight_bytes = calibrator._layer_forward(spec, torch.device("cpu"))
     assert forward(torch.randn(5, 256, dtype=dtype)).shape == (5, 256)
     for n in (1, 17, 128):
         assert executed(n) == pytest.approx(spec.prefill_flops(n) / spec.num_layers, rel=1e-9)
+    # Its weights are one layer's: the model's non-embedding weights over the layers, in the timed dtype.
+    assert weight_bytes == spec.active_params // spec.num_layers * dtype.itemsize
