@@ -22,13 +22,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["ModelSpec"]
+from .model_presets import PRESETS
+
+__all__ = ["ModelSpec", "SUPPORTED_FAMILIES"]
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -39,29 +42,50 @@ _ATTENTION_KINDS = ("mha", "mla")
 _DEFAULT_KV_DTYPE = "bfloat16"
 _KV_PLANES = 2  # K and V; MLA stores one latent instead
 _FLOPS_PER_MAC = 2  # one multiply plus one add
-_GATED_MLP_MATRICES = 3  # gate, up, down (SwiGLU / GeGLU)
-_PLAIN_MLP_MATRICES = 2  # fc1, fc2
 _SHARED_EXPERT_GATE_OUTPUTS = 1  # Qwen2-MoE gates its shared expert with a hidden -> 1 projection
 _CONFIG_FILE = "config.json"
 
-# Families whose MLP is two matrices (up, down) with no gate; every other model_type is read
-# as Llama-style (gated MLP; q, k, v, o projections).
-_PLAIN_MLP_FAMILIES = frozenset({"opt", "gpt_neox", "phi", "starcoder2"})
-_GEMMA2_FAMILIES = frozenset({"gemma2"})  # layer i slides when i is even (HF: (i + 1) % 2 != 0)
 
-# Keys that Hugging Face's config class fills with a default when config.json omits them, and
-# that the hub's configs do omit (Gemma 3's text_config, 4B and up). From transformers'
-# Gemma3TextConfig defaults.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma3_text": {
-        "vocab_size": 262208,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 6,
-    },
+
+@dataclass(frozen=True)
+class _Family:
+    """How one family's config.json is read (model_type -> _Family in _FAMILIES).
+
+    ``mlp_matrices``: 3 for a gated MLP (gate, up, down), 2 for a plain one (up, down).
+    ``intermediate_key``: the key of the MLP width; ``intermediate_default``: the width as a multiple
+    of hidden_size when the config omits it (None: required). ``aliases``: older key -> the key read.
+    ``defaults``: keys the family's HF config class fills when config.json omits them.
+    ``slides``: which layers slide when a window is set and no layer_types says: "all", "even" (Gemma 2),
+    or "by_keys" (Qwen's max_window_layers, Gemma 3's sliding_window_pattern; else all).
+    ``kv_heads``: "num_key_value_heads" (absent: MHA) or "falcon" (multi_query / num_kv_heads).
+    """
+
+    mlp_matrices: int = 3
+    intermediate_key: str = "intermediate_size"
+    intermediate_default: int | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    slides: str = "by_keys"
+    kv_heads: str = "num_key_value_heads"
+
+
+_GATED = _Family()
+_PLAIN = _Family(mlp_matrices=2)
+_FALCON = _Family(mlp_matrices=2, intermediate_key="ffn_hidden_size", intermediate_default=4, kv_heads="falcon",
+                  aliases={"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_head_kv": "num_kv_heads"})
+# Every family kvcopy reads; any other model_type is an error unless the caller says how to read it (assume=).
+_FAMILIES: dict[str, _Family] = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3",
+                     "deepseek_v2", "deepseek_v3"), _GATED),
+    "gemma2": _Family(slides="even"),  # layer i slides when i is even (HF: (i + 1) % 2 != 0)
+    # Keys that Gemma3TextConfig fills with a default and the hub's configs omit (4B and up).
+    **dict.fromkeys(("gemma3", "gemma3_text"), _Family(defaults={"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                     "head_dim": 256, "sliding_window": 4096, "sliding_window_pattern": 6})),
+    "opt": _Family(mlp_matrices=2, intermediate_key="ffn_dim"),
+    **dict.fromkeys(("gpt_neox", "phi", "starcoder2"), _PLAIN),
+    **dict.fromkeys(("falcon", "RefinedWeb", "RefinedWebModel"), _FALCON),
 }
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted(_FAMILIES))
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -399,8 +423,12 @@ class ModelSpec:
         *,
         name: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
+        assume: str | None = None,
     ) -> ModelSpec:
         """A spec from a Hugging Face ``config.json``: its path, its directory, or its dict.
+
+        Only the families in :data:`SUPPORTED_FAMILIES` are read; any other ``model_type`` is a
+        ValueError listing them, unless ``assume`` names the family whose rules to read it with.
 
         A missing required key or a contradictory config is a ValueError naming the key;
         malformed JSON is a ValueError naming the file; a missing file is FileNotFoundError.
@@ -431,14 +459,14 @@ class ModelSpec:
         """
         config, origin, directory = _read_config(path_or_dict)
         return _spec_from_config(config, origin, name=name, fallback_name=directory, kv_dtype=kv_dtype,
-                                 source=origin)
+                                 source=origin, assume=assume)
 
     @classmethod
     def preset(cls, name: str, *, kv_dtype: torch.dtype | str | None = None) -> ModelSpec:
         """A spec for a common model, from its public config.json embedded here (see ``source``)."""
-        if name not in _PRESETS:
-            raise ValueError(f"preset: unknown model {name!r}; known: {', '.join(sorted(_PRESETS))}")
-        repo, config = _PRESETS[name]
+        if name not in PRESETS:
+            raise ValueError(f"preset: unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
+        repo, config = PRESETS[name]
         source = f"https://huggingface.co/{repo}/blob/main/config.json"
         return _spec_from_config(config, f"preset {name!r}", name=name, fallback_name=None, kv_dtype=kv_dtype,
                                  source=source)
@@ -446,7 +474,7 @@ class ModelSpec:
     @staticmethod
     def preset_names() -> tuple[str, ...]:
         """The names :meth:`preset` knows."""
-        return tuple(sorted(_PRESETS))
+        return tuple(sorted(PRESETS))
 
 
 # --------------------------------------------------------------------------- reading config.json
@@ -525,18 +553,23 @@ def _spec_from_config(
     fallback_name: str | None,
     kv_dtype: torch.dtype | str | None,
     source: str,
+    assume: str | None = None,
 ) -> ModelSpec:
     dtype = _dtype_name(kv_dtype, "kv_dtype") if kv_dtype is not None else None
     data = _unwrap_text_config(dict(raw))
-    data = {**_FAMILY_DEFAULTS.get(data.get("model_type"), {}), **data}
+    family = _family_of(data.get("model_type"), assume, origin)
+    data = {**family.defaults, **{family.aliases.get(k, k): v for k, v in data.items()}}
     cfg = _Config(data, origin)
     num_layers = cfg.get_int("num_hidden_layers")
     hidden = cfg.get_int("hidden_size")
     vocab = cfg.get_int("vocab_size")
-    intermediate = cfg.get_int("ffn_dim" if cfg.model_type == "opt" else "intermediate_size")
-    attention = _attention(cfg, hidden)
-    layer_types, window = _layer_pattern(cfg, num_layers)
-    mlp, num_experts, per_tok, expert_params = _mlp(cfg, hidden, intermediate, num_layers)
+    if family.intermediate_default is not None and not cfg.is_set(family.intermediate_key):
+        intermediate = family.intermediate_default * hidden
+    else:
+        intermediate = cfg.get_int(family.intermediate_key)
+    attention = _attention(cfg, hidden, family)
+    layer_types, window = _layer_pattern(cfg, num_layers, family)
+    mlp, num_experts, per_tok, expert_params = _mlp(cfg, hidden, intermediate, num_layers, family)
     active = num_layers * attention["params"] + sum(mlp) + _opt_projections(cfg, hidden)
     weight_dtype = _config_dtype(cfg)
     theta, scaling = _rope(cfg)
@@ -573,6 +606,20 @@ def _spec_from_config(
         raise cfg.error(str(err)) from None
 
 
+def _family_of(model_type: object, assume: str | None, origin: str) -> _Family:
+    """The reading rules of a config's family; ValueError for a family kvcopy does not read."""
+    if model_type in _FAMILIES:
+        return _FAMILIES[model_type]  # type: ignore[index]
+    if assume is not None:
+        if assume not in _FAMILIES:
+            raise ValueError(f"assume: expected one of the supported families {', '.join(SUPPORTED_FAMILIES)}, "
+                             f"got {assume!r}")
+        return _FAMILIES[assume]
+    raise ValueError(f"config {origin}: model_type {model_type!r} is not supported (its KV cache and FLOPs would be "
+                     f"guessed); supported: {', '.join(SUPPORTED_FAMILIES)}. To read it with one family's rules "
+                     f"anyway, pass assume='llama' (or another of them)")
+
+
 def _config_dtype(cfg: _Config) -> str:
     key = "torch_dtype" if cfg.has("torch_dtype") else "dtype"
     value = cfg.data.get(key)
@@ -587,12 +634,18 @@ def _config_dtype(cfg: _Config) -> str:
 # --------------------------------------------------------------------------- attention
 
 
-def _attention(cfg: _Config, hidden: int) -> dict[str, Any]:
+def _attention(cfg: _Config, hidden: int, family: _Family) -> dict[str, Any]:
     """Head counts and sizes, and the attention parameters of one layer."""
     heads = cfg.get_int("num_attention_heads")
     if cfg.has("kv_lora_rank"):
         return _mla_attention(cfg, hidden, heads)
-    kv_heads = cfg.get_int("num_key_value_heads", default=heads)  # absent (or null): MHA
+    if family.kv_heads == "falcon":  # Falcon-40B style: num_kv_heads; Falcon-7B: multi-query, one KV head
+        if cfg.data.get("new_decoder_architecture"):
+            kv_heads = cfg.get_int("num_kv_heads", default=heads)
+        else:
+            kv_heads = 1 if cfg.data.get("multi_query", True) else heads
+    else:
+        kv_heads = cfg.get_int("num_key_value_heads", default=heads)  # absent (or null): MHA
     if heads % kv_heads:
         raise cfg.error(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if cfg.has("head_dim"):
@@ -625,7 +678,7 @@ def _mla_attention(cfg: _Config, hidden: int, heads: int) -> dict[str, Any]:
     }
 
 
-def _layer_pattern(cfg: _Config, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+def _layer_pattern(cfg: _Config, num_layers: int, family: _Family) -> tuple[tuple[str, ...], int | None]:
     """(layer types, window); see ModelSpec.from_hf_config for each family's reading."""
     explicit = cfg.data.get("layer_types")
     if explicit is not None:
@@ -645,7 +698,7 @@ def _layer_pattern(cfg: _Config, num_layers: int) -> tuple[tuple[str, ...], int 
     if "use_sliding_window" in cfg.data:  # Qwen2/Qwen3: the first max_window_layers layers are full
         first = cfg.get_int("max_window_layers", minimum=0)
         slides = [i >= first for i in range(num_layers)]
-    elif cfg.model_type in _GEMMA2_FAMILIES:
+    elif family.slides == "even":
         slides = [i % 2 == 0 for i in range(num_layers)]
     elif cfg.has("sliding_window_pattern") or cfg.has("_sliding_window_pattern"):
         key = "sliding_window_pattern" if cfg.has("sliding_window_pattern") else "_sliding_window_pattern"
@@ -676,11 +729,11 @@ _MOE_STRUCTURE_KEYS = frozenset().union(*(keys for _, keys in _MOE_STYLES.values
 }
 
 
-def _mlp(cfg: _Config, hidden: int, intermediate: int,
-         num_layers: int) -> tuple[list[int], int | None, int | None, int]:
+def _mlp(cfg: _Config, hidden: int, intermediate: int, num_layers: int,
+         family: _Family) -> tuple[list[int], int | None, int | None, int]:
     """(active MLP parameters of each layer, num_experts, num_experts_per_tok, parameters of one routed
     expert summed over the MoE layers)."""
-    matrices = _PLAIN_MLP_MATRICES if cfg.model_type in _PLAIN_MLP_FAMILIES else _GATED_MLP_MATRICES
+    matrices = family.mlp_matrices
     dense = matrices * hidden * intermediate
     styles = [style for style, (key, _) in _MOE_STYLES.items() if cfg.is_set(key)]
     if not styles:
@@ -726,6 +779,9 @@ def _opt_projections(cfg: _Config, hidden: int) -> int:
     return 0 if embed == hidden else 2 * embed * hidden
 
 
+_ROPE_EXTRA_KEYS = ("rope_local_base_freq", "rotary_pct", "partial_rotary_factor")
+
+
 def _rope(cfg: _Config) -> tuple[float | None, str | None]:
     """(rope_theta, canonical JSON of rope_scaling); newer configs nest both in rope_parameters."""
     params = cfg.data.get("rope_parameters")
@@ -742,64 +798,10 @@ def _rope(cfg: _Config) -> tuple[float | None, str | None]:
             scaling = None
     if scaling is not None and not isinstance(scaling, Mapping):
         raise cfg.error(f"'rope_scaling': expected an object or null, got {scaling!r}")
+    # Other keys that change what RoPE does to the cached keys: the base of the local (sliding) layers
+    # (Gemma 3) and the share of each head that rotates (GPT-NeoX, Phi): part of the positional identity.
+    extras = {key: cfg.data[key] for key in _ROPE_EXTRA_KEYS if cfg.data.get(key) is not None}
+    if extras:
+        scaling = {**(scaling or {}), **extras}
     canonical = json.dumps(dict(scaling), sort_keys=True) if scaling is not None else None
     return (float(theta) if theta is not None else None), canonical
-
-
-# --------------------------------------------------------------------------- presets
-
-# Each: (Hugging Face repo, the keys of its public config.json that this module reads, copied
-# from https://huggingface.co/<repo>/blob/main/config.json).
-_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", {
-        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-        "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "torch_dtype": "bfloat16",
-    }),
-    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", {
-        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
-        "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "torch_dtype": "bfloat16",
-    }),
-    "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", {
-        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
-        "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064, "rope_theta": 1000000.0,
-        "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28, "torch_dtype": "bfloat16",
-    }),
-    "qwen3-8b": ("Qwen/Qwen3-8B", {
-        "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
-        "num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-        "rope_theta": 1000000, "sliding_window": None, "use_sliding_window": False, "max_window_layers": 36,
-        "torch_dtype": "bfloat16",
-    }),
-    "mistral-7b": ("mistralai/Mistral-7B-v0.1", {
-        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-        "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000, "rope_theta": 10000.0,
-        "sliding_window": 4096, "torch_dtype": "bfloat16",
-    }),
-    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", {
-        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
-        "vocab_size": 32000, "rope_theta": 1000000.0, "sliding_window": None, "torch_dtype": "bfloat16",
-    }),
-    "gemma-2-9b": ("google/gemma-2-9b-it", {
-        "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
-        "num_hidden_layers": 42, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
-        "rope_theta": 10000.0, "sliding_window": 4096, "sliding_window_size": 4096, "query_pre_attn_scalar": 256,
-        "torch_dtype": "bfloat16",
-    }),
-    "deepseek-v3": ("deepseek-ai/DeepSeek-V3", {
-        "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128,
-        "num_hidden_layers": 61, "num_key_value_heads": 128, "vocab_size": 129280, "kv_lora_rank": 512,
-        "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-        "first_k_dense_replace": 3, "moe_layer_freq": 1, "rope_theta": 10000,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 4096, "type": "yarn"},
-        "torch_dtype": "bfloat16",
-    }),
-}

@@ -687,19 +687,52 @@ def test_explicit_head_dim_allows_indivisible_hidden():
     assert spec({**LLAMA_31_8B, "hidden_size": 4100, "head_dim": 128}).head_dim == 128
 
 
-def test_unknown_model_type():
-    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257}
-    with pytest.raises(ValueError, match="model_type 'gpt2'.*missing required key 'num_hidden_layers'"):
-        spec(gpt2)
-    # An unknown type with the Llama keys is read as Llama-style.
-    assert spec({**LLAMA_31_8B, "model_type": "my_llama"}).kv_bytes_per_token() == 131072
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "my_llama", None])
+def test_an_unsupported_model_type_is_an_error_listing_the_supported_ones(model_type):
+    config = {**LLAMA_31_8B, "model_type": model_type}
+    with pytest.raises(ValueError, match=rf"model_type {model_type!r} is not supported.*supported: .*falcon.*llama"):
+        spec(config)
+    # The caller may say how to read it: with the Llama rules, it is Llama's cache.
+    assert ModelSpec.from_hf_config(config, assume="llama").kv_bytes_per_token() == 131072
+    with pytest.raises(ValueError, match="assume: expected one of the supported families"):
+        ModelSpec.from_hf_config(config, assume="mamba")
+
+
+FALCON_7B = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
+             "multi_query": True, "new_decoder_architecture": False, "vocab_size": 65024, "torch_dtype": "bfloat16"}
+FALCON_40B = {"model_type": "falcon", "hidden_size": 8192, "num_attention_heads": 128, "num_hidden_layers": 60,
+              "num_kv_heads": 8, "new_decoder_architecture": True, "vocab_size": 65024, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(("config", "per_token"), [
+    (FALCON_7B, 8192), (FALCON_40B, 122880),
+    # The original RefinedWeb names of the same models.
+    ({"model_type": "RefinedWebModel", "hidden_size": 4544, "n_head": 71, "n_layer": 32, "multi_query": True,
+      "vocab_size": 65024, "torch_dtype": "bfloat16"}, 8192),
+    ({"model_type": "RefinedWeb", "hidden_size": 8192, "n_head": 128, "n_head_kv": 8, "n_layer": 60,
+      "new_decoder_architecture": True, "vocab_size": 65024, "torch_dtype": "bfloat16"}, 122880),
+])
+def test_falcon_kv_bytes(config, per_token):
+    """Falcon-7B caches one multi-query KV head; Falcon-40B 8 (2 x layers x heads x 64 x 2 bytes)."""
+    s = spec(config)
+    assert s.kv_bytes_per_token() == per_token
+    assert s.head_dim == 64 and s.intermediate_size == 4 * s.hidden_size  # ffn_hidden_size's default
+
+
+def test_falcon_7b_parameters():
+    """About 6.9B non-embedding parameters: q/k/v/o with one KV head and a 4x plain MLP per layer."""
+    s = spec(FALCON_7B)
+    per_layer = 2 * 4544 * 64 * (71 + 1) + 2 * 4544 * 4 * 4544
+    assert s.active_params == 32 * per_layer
 
 
 def test_unknown_moe_layout_is_rejected():
     llama4_like = {**LLAMA_31_8B, "model_type": "llama4_text", "num_local_experts": 16, "num_experts_per_tok": 1,
                    "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384}
-    with pytest.raises(ValueError, match="interleave_moe_layer_step"):
+    with pytest.raises(ValueError, match="llama4_text' is not supported"):
         spec(llama4_like)
+    with pytest.raises(ValueError, match="interleave_moe_layer_step"):  # read as Llama-style: still refused
+        spec(llama4_like, assume="llama")
     with pytest.raises(ValueError, match="contradictory"):
         spec({**MIXTRAL_8X7B, "n_routed_experts": 8})
 
@@ -780,3 +813,12 @@ def test_direct_construction_is_validated_and_frozen():
     ]:
         with pytest.raises(ValueError, match=match):
             ModelSpec(**{**base, **bad})
+
+
+@pytest.mark.parametrize(("key", "a", "b"), [("rope_local_base_freq", 10000.0, 20000.0), ("rotary_pct", 0.25, 0.5),
+                                             ("partial_rotary_factor", 0.5, 1.0)])
+def test_rope_keys_that_change_the_cached_keys_are_part_of_the_identity(key, a, b):
+    one, other = spec({**LLAMA_31_8B, key: a}), spec({**LLAMA_31_8B, key: b})
+    assert json.loads(one.rope_scaling)[key] == a
+    assert one.identity() != other.identity()
+    assert spec(LLAMA_31_8B).identity() != one.identity()
