@@ -111,12 +111,13 @@ def _plan(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile)
     _check_plot(args.plot)
     try:
-        planner = Planner.from_profile(profile, spec, decode_share=args.decode_share, layerwise=args.layerwise)
+        planner = Planner.from_profile(profile, spec, decode_share=args.decode_share, layerwise=args.layerwise,
+                                       tp=args.tp)
         decision = planner.decide(args.prefix, args.new)
     except ValueError as err:
         raise CliError(str(err)) from None
     threshold = planner.threshold_tokens(args.new)
-    print(f"{spec.name} on {profile.hardware.get('device_name')}: {decision.explanation}")
+    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {decision.explanation}")
     options = [("reload", decision.t_reload), ("layer-wise reload", decision.t_layerwise),
                ("split", decision.t_split), ("recompute", decision.t_recompute)]
     print("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in options if t is not None)
@@ -243,6 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--new", type=int, default=1,
                       help="new tokens after the prefix, at least 1: the token a resumed request continues from "
                            "(default 1)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: plan for one rank (default 1)")
     plan.add_argument("--no-layerwise", dest="layerwise", action="store_false",
                       help="the engine cannot reload layer by layer: leave that option out")
     plan.add_argument("--decode-share", type=float, default=0.0, help="fraction of the link decode needs")

@@ -173,7 +173,8 @@ class ModelSpec:
     forward whose tokens touch ``e`` experts per layer reads ``active_params + (e - k) ·
     expert_params`` of them. ``weight_dtype``: the checkpoint's dtype, which sets the bytes a
     forward reads (:meth:`weight_bytes`). ``context_length``: the longest sequence the model takes
-    (``max_position_embeddings``), or None when the config does not say. ``rope_scaling`` is
+    (``max_position_embeddings``), or None when the config does not say. ``tp``: the tensor-parallel
+    ranks this spec is one rank of (:meth:`shard`); its heads and parameters are that rank's. ``rope_scaling`` is
     canonical JSON (a dict is accepted and canonicalised). ``kv_dtype`` accepts the aliases of
     :meth:`kv_bytes_per_token` and is stored as the torch name.
     """
@@ -200,6 +201,7 @@ class ModelSpec:
     expert_params: int = 0
     weight_dtype: str = _DEFAULT_KV_DTYPE
     context_length: int | None = None
+    tp: int = 1
     rope_theta: float | None = None
     rope_scaling: str | None = None
     source: str = ""
@@ -214,6 +216,7 @@ class ModelSpec:
         object.__setattr__(self, "weight_dtype", _dtype_name(self.weight_dtype, "weight_dtype"))
         if self.context_length is not None:
             _positive_int("context_length", self.context_length)
+        _positive_int("tp", self.tp)
         self._check_attention()
         self._check_layers()
         self._check_experts()
@@ -400,6 +403,35 @@ class ModelSpec:
         if sliding:
             pairs += sliding * _attended_pairs(cached, new, self.sliding_window)
         return float(_FLOPS_PER_MAC * self.active_params * new) + self._attention_flops_per_pair() * pairs
+
+    # ------------------------------------------------------------------ tensor parallelism
+
+    def shard(self, tp: int) -> ModelSpec:
+        """The spec of one of ``tp`` tensor-parallel ranks (this spec must be unsharded).
+
+        Query heads are split; KV heads too when there are at least as many as ranks (``tp`` must
+        divide them), else each rank holds one, replicated; MLA latents are replicated on every rank.
+        Parameters (so FLOPs and weight bytes) and the LM head's vocabulary are split evenly.
+        ``shard(1)`` is the spec itself.
+        """
+        ranks = _positive_int("tp", tp)
+        if ranks == 1:
+            return self
+        if self.tp != 1:
+            raise ValueError(f"tp: this spec is already one of {self.tp} ranks; shard the unsharded spec")
+        if self.num_attention_heads % ranks:
+            raise ValueError(f"tp: {ranks} ranks cannot split {self.num_attention_heads} attention heads evenly")
+        kv_heads = self.num_kv_heads
+        if self.attention == "mha":
+            if kv_heads >= ranks and kv_heads % ranks:
+                raise ValueError(f"tp: {ranks} ranks cannot split {kv_heads} KV heads evenly; expected a divisor of "
+                                 f"num_kv_heads, or more ranks than heads (replicated)")
+            kv_heads = max(1, kv_heads // ranks)
+        return dataclasses.replace(
+            self, name=f"{self.name}@tp{ranks}", tp=ranks, num_attention_heads=self.num_attention_heads // ranks,
+            num_kv_heads=kv_heads, active_params=-(-self.active_params // ranks),
+            expert_params=-(-self.expert_params // ranks), vocab_size=-(-self.vocab_size // ranks),
+        )
 
     # ------------------------------------------------------------------ identity
 

@@ -142,6 +142,7 @@ class Planner:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         decode_share: float = 0.0,
         layerwise: bool = False,
+        tp: int = 1,
     ) -> Planner:
         """Load costs from every measured host->device method (host->host on a CPU-only profile) at
         this model's plane-block size, the fastest at each size; prefill from the profile's roofline.
@@ -149,8 +150,10 @@ class Planner:
         The profile's prefill rates are per FLOP and per byte, so they carry over to another
         model; its fixed cost is per layer-forward, scaled by the layer count. A planner for a
         model other than the calibrated one says so in every explanation. The split margin is
-        the largest relative miss of the load fits.
+        the largest relative miss of the load fits. ``tp``: plan for one of that many
+        tensor-parallel ranks (``spec.shard(tp)``: its KV heads, FLOPs and weight bytes).
         """
+        spec = spec.shard(tp)
         direction = "h2d" if "h2d" in profile.links else "h2h"
         if direction not in profile.links:
             raise ValueError(f"profile: no host->device or host->host measurements (has {sorted(profile.links)})")
@@ -162,10 +165,12 @@ class Planner:
         fits = [mp.link_at(plane_block) for mp in profile.links[direction].values()]
         alpha = prefill.alpha_s
         note = ""
-        if prefill.model != spec.name:
+        if prefill.model != spec.name.split("@")[0]:
             if prefill.num_layers:
                 alpha = prefill.alpha_s * spec.num_layers / prefill.num_layers
             note = f"prefill calibrated on {prefill.model}, scaled to {spec.name}"
+        elif spec.tp > 1:
+            note = f"one of {spec.tp} tensor-parallel ranks"
         margin = min(0.5, max((fit.max_abs_residual for fit in fits), default=0.0))
         return cls(
             spec,

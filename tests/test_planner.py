@@ -488,3 +488,41 @@ def test_a_profile_written_before_the_roofline_still_loads(tmp_path):
     planner = Planner.from_profile(old, LLAMA)
     assert planner.weight_bytes_per_s is None  # no memory-bound floor: prefill as before
     assert planner.t_prefill(1) == pytest.approx(0.03 + LLAMA.prefill_flops(1) / 2e13)
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+def test_shard_splits_heads_flops_and_weights():
+    big = kvcopy.ModelSpec.preset("llama-3.1-70b")
+    rank = big.shard(4)
+    assert (rank.tp, rank.num_attention_heads, rank.num_kv_heads) == (4, 16, 2)
+    assert rank.block_nbytes(16) / (2 * rank.num_layers) == 8192  # the bench's llama70b-tp4-16 plane-blocks
+    assert rank.kv_bytes_per_token() == big.kv_bytes_per_token() // 4
+    assert rank.prefill_flops(512) == pytest.approx(big.prefill_flops(512) / 4, rel=1e-3)
+    assert rank.weight_bytes(1) == pytest.approx(big.weight_bytes(1) / 4, rel=1e-3)
+    assert big.shard(1) is big
+    eight = big.shard(16)  # 8 KV heads over 16 ranks: one replicated head each
+    assert eight.num_kv_heads == 1 and eight.kv_bytes_per_token() == big.kv_bytes_per_token() // 8
+    with pytest.raises(ValueError, match="already one of 4 ranks"):
+        rank.shard(2)
+    with pytest.raises(ValueError, match="cannot split 64 attention heads"):
+        big.shard(6)
+    odd_kv = kvcopy.ModelSpec.from_hf_config({**MISTRAL_CONFIG, "num_key_value_heads": 4}).shard(8)
+    assert odd_kv.num_kv_heads == 1  # 4 KV heads over 8 ranks: replicated
+    with pytest.raises(ValueError, match="cannot split 8 KV heads"):
+        kvcopy.ModelSpec.from_hf_config({**MISTRAL_CONFIG, "num_attention_heads": 48, "head_dim": 128}).shard(6)
+
+
+def test_shard_replicates_mla_latents():
+    rank = DEEPSEEK.shard(8)
+    assert rank.kv_bytes_per_token() == DEEPSEEK.kv_bytes_per_token()
+    assert rank.prefill_flops(100) == pytest.approx(DEEPSEEK.prefill_flops(100) / 8, rel=1e-3)
+
+
+def test_from_profile_plans_for_one_rank():
+    p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))}})
+    big = kvcopy.ModelSpec.preset("llama-3.1-70b")
+    planner = Planner.from_profile(p, big, tp=4)
+    assert planner.spec.tp == 4 and planner.spec.num_kv_heads == 2
+    assert planner.t_load(1000) == pytest.approx(7e-6 + big.kv_bytes(1000) / 4 / 9e9)
