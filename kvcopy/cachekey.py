@@ -1,8 +1,11 @@
 """CacheKey: a stable fingerprint of everything that makes a saved KV cache reusable.
 
 A saved cache is valid only for the exact same token prefix under the same model
-configuration (shared/DESIGN.md §1): model and layer structure, tokenizer,
-positional scaling (RoPE), adapter (LoRA), KV dtype and scale policy. A
+configuration: model and layer structure, the weights themselves, positional
+scaling (RoPE), adapter (LoRA), KV dtype, scale policy and scale values, and
+the tensor-parallel rank that holds it. The tokenizer is recorded but not
+hashed: the block hashes are over token ids, and the KV of the same ids is the
+same whatever tokenizer produced them. A
 :class:`CacheKey` hashes all of those into :attr:`CacheKey.context_hash`, and
 :meth:`CacheKey.block_hashes` chains that hash through the prefix one full block
 of tokens at a time, so a shared prefix matches block by block. A
@@ -20,17 +23,19 @@ import enum
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-__all__ = ["BlockIndex", "CacheKey", "FORMAT_VERSION", "SupportsIdentity", "TokenIds"]
+__all__ = ["BlockIndex", "CacheKey", "FORMAT_VERSION", "SupportsIdentity", "TokenIds", "weights_fingerprint"]
 
 # Bumped whenever the encoding of a key or a block changes, so that hashes
 # written by an older kvcopy can never match ones computed under new rules.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Hashed along with the fields: a digest of some other JSON document with the
 # same fields can never collide with a CacheKey's by construction.
 _DOMAIN = "kvcopy.CacheKey"
@@ -47,6 +52,11 @@ _INT64_MAX = 2**63 - 1
 _HASH_HEX_CHARS = 64
 # Hex digits of the context hash shown by repr: enough to tell keys apart by eye.
 _REPR_HASH_CHARS = 12
+# weights_fingerprint reads this much of a checkpoint file at every stride (and its header, size and
+# name): enough to tell fine-tunes and quantisations apart without reading hundreds of GB.
+_FINGERPRINT_SAMPLE_BYTES = 1 << 20
+_FINGERPRINT_STRIDE_BYTES = 64 << 20
+_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -166,6 +176,44 @@ def _check_kv_dtype(value: object) -> str:
     return _check_str(value, "kv_dtype")
 
 
+def _fingerprint_of(value: object, name: str) -> str | None:
+    """A string as given; bytes or a tensor's bytes as their SHA-256 hex; None as None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _check_str(value, name)
+    if isinstance(value, torch.Tensor):
+        value = value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return hashlib.sha256(bytes(value)).hexdigest()
+    raise TypeError(f"{name}: expected a str, bytes, a tensor or None, got {type(value).__name__}")
+
+
+def weights_fingerprint(directory: str | os.PathLike[str]) -> str:
+    """A SHA-256 (hex) naming the weights in a local checkpoint directory.
+
+    Over every checkpoint file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.gguf``, by name): its
+    name, its size, and 1 MiB at every 64 MiB of it from the start (the safetensors header included),
+    so reading it costs about 1.5% of the checkpoint. Two checkpoints that differ anywhere in the
+    sampled bytes (a fine-tune changes every tensor; so does a quantisation) get different
+    fingerprints. FileNotFoundError without such a file.
+    """
+    root = Path(directory)
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES) if (
+        root.is_dir()) else []
+    if not files:
+        raise FileNotFoundError(f"{root}: no checkpoint files ({', '.join(_CHECKPOINT_SUFFIXES)}) to fingerprint")
+    digest = hashlib.sha256(b"kvcopy.weights_fingerprint/1")
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            for offset in range(0, size, _FINGERPRINT_STRIDE_BYTES):
+                f.seek(offset)
+                digest.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def _model_identity(model: object) -> dict[str, Any]:
     if isinstance(model, Mapping):
         identity: object = model
@@ -226,9 +274,17 @@ class CacheKey:
 
     ``model``: a dict or an object with ``identity() -> dict`` (e.g. a
     ``kvcopy.ModelSpec``) naming the model and its layer structure; see
-    :class:`SupportsIdentity`. ``tokenizer``: a string identity of the
-    tokenizer, the caller's choice (name and revision, or a hash of
-    tokenizer.json). ``block_tokens``: tokens per cache block.
+    :class:`SupportsIdentity`. ``weights_id``: what identifies the weights —
+    a revision or commit hash, or :func:`weights_fingerprint` of a local
+    checkpoint. Required unless the identity's ``name`` carries a revision
+    (``"org/model@rev"``): a bare family or directory name does not identify
+    weights (two fine-tunes share it), and a key built on one is a ValueError.
+    ``block_tokens``: tokens per cache block. ``tokenizer``: recorded, not
+    hashed (the blocks hash token ids). ``tp_rank``: which tensor-parallel
+    rank's shard the cache holds; the rank count is the identity's ``tp``
+    (``ModelSpec.shard``), 1 when absent. ``scales``: the KV quantisation
+    scales in effect (a tensor or bytes, hashed, or the caller's fingerprint
+    string); None when the cache is not scaled.
 
     ``rope_theta``, ``rope_scaling`` and ``kv_dtype`` default to the model
     identity's entries of those names and may be overridden (rope scaling at
@@ -261,24 +317,46 @@ class CacheKey:
         "_rope_scaling",
         "_rope_theta",
         "_scale_policy",
+        "_scales",
         "_tokenizer",
+        "_tp_rank",
+        "_tp_size",
+        "_weights_id",
     )
 
     def __init__(
         self,
         model: SupportsIdentity | Mapping[str, Any],
         *,
-        tokenizer: str,
         block_tokens: int,
+        weights_id: str | None = None,
+        tokenizer: str | None = None,
         kv_dtype: str | torch.dtype | None = None,
         scale_policy: str = "none",
+        scales: str | bytes | torch.Tensor | None = None,
         adapter: str | None = None,
+        tp_rank: int = 0,
         rope_theta: float | None | Literal[_FromModel.FROM_MODEL] = _FROM_MODEL,
         rope_scaling: Mapping[str, Any] | None | Literal[_FromModel.FROM_MODEL] = _FROM_MODEL,
     ) -> None:
         identity = _model_identity(model)
-        self._tokenizer = _check_str(tokenizer, "tokenizer")
+        self._tokenizer = None if tokenizer is None else _check_str(tokenizer, "tokenizer")
         self._block_tokens = _check_block_tokens(block_tokens)
+        if weights_id is None:
+            name = identity.get("name")
+            if not (isinstance(name, str) and "@" in name.strip("@")):
+                raise ValueError(f"weights_id: the model is named {name!r}, which does not identify its weights "
+                                 f"(fine-tunes share a name); pass weights_id= a revision, a commit hash or "
+                                 f"kvcopy.cachekey.weights_fingerprint(checkpoint_dir)")
+            weights_id = name
+        self._weights_id = _check_str(weights_id, "weights_id")
+        tp_size = identity.get("tp", 1)
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"model: expected the identity's 'tp' to be a positive int, got {tp_size!r}")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank: expected an int in [0, {tp_size}) (the identity's tp), got {tp_rank!r}")
+        self._tp_size, self._tp_rank = tp_size, tp_rank
+        self._scales = _fingerprint_of(scales, "scales")
         if kv_dtype is None:
             if identity.get("kv_dtype") is None:
                 raise ValueError("kv_dtype: not given and the model identity has no 'kv_dtype' entry")
@@ -301,12 +379,15 @@ class CacheKey:
             "domain": _DOMAIN,
             "format": FORMAT_VERSION,
             "model_identity": self._model_identity,
-            "tokenizer": self._tokenizer,
+            "weights_id": self._weights_id,
             "rope_theta": self._rope_theta,
             "rope_scaling": self._rope_scaling,
             "adapter": self._adapter,
             "kv_dtype": self._kv_dtype,
             "scale_policy": self._scale_policy,
+            "scales": self._scales,
+            "tp_size": self._tp_size,
+            "tp_rank": self._tp_rank,
             "block_tokens": self._block_tokens,
         }
 
@@ -318,8 +399,26 @@ class CacheKey:
         return json.loads(_canonical_json(self._model_identity))
 
     @property
-    def tokenizer(self) -> str:
+    def tokenizer(self) -> str | None:
+        """The tokenizer recorded with the key (not part of its hash)."""
         return self._tokenizer
+
+    @property
+    def weights_id(self) -> str:
+        return self._weights_id
+
+    @property
+    def tp_rank(self) -> int:
+        return self._tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp_size
+
+    @property
+    def scales(self) -> str | None:
+        """The fingerprint of the KV scales in effect, or None."""
+        return self._scales
 
     @property
     def block_tokens(self) -> int:
@@ -353,7 +452,8 @@ class CacheKey:
 
     # ------------------------------------------------------------------ blocks
 
-    def block_hashes(self, token_ids: TokenIds, *, parent: str | None = None) -> list[str]:
+    def block_hashes(self, token_ids: TokenIds, *, parent: str | None = None,
+                     extra_keys: Sequence[str | bytes | None] | None = None) -> list[str]:
         """The chained hash (hex) of each FULL block of ``token_ids``.
 
         ``h_0 = sha256(context || tokens of block 0)``,
@@ -376,6 +476,12 @@ class CacheKey:
         tensor (a device tensor is copied to the host, which waits for it);
         values must fit int64. The hashes of equal ids are the same whichever
         container or integer dtype holds them.
+
+        ``extra_keys``: one entry per full block, hashed into that block after
+        its tokens (and so into every later one): what else decides the block's
+        KV, e.g. the hash of an image or audio clip whose placeholder tokens
+        the block holds, or any bytes the engine gives. None (or a None entry)
+        adds nothing; ``h_i = sha256(h_{i-1} || tokens || sha256(extra_i))``.
         """
         data = memoryview(_token_bytes(token_ids))
         if parent is None:
@@ -383,10 +489,16 @@ class CacheKey:
         else:
             prev = _hash_bytes(parent, "parent")
         step = self._block_tokens * _TOKEN_DTYPE.itemsize
+        num_blocks = len(data) // step
+        if extra_keys is not None and len(extra_keys) != num_blocks:
+            raise ValueError(f"extra_keys: expected one entry per full block ({num_blocks}), got {len(extra_keys)}")
+        extras = [None] * num_blocks if extra_keys is None else [_extra_digest(e, i) for i, e in enumerate(extra_keys)]
         hashes: list[str] = []
-        for start in range(0, len(data) - step + 1, step):
+        for i in range(num_blocks):
             h = hashlib.sha256(prev)
-            h.update(data[start : start + step])
+            h.update(data[i * step : (i + 1) * step])
+            if extras[i] is not None:
+                h.update(extras[i])
             prev = h.digest()
             hashes.append(h.hexdigest())
         return hashes
@@ -402,6 +514,7 @@ class CacheKey:
         out = json.loads(_canonical_json(self._fields()))
         del out["domain"]
         out["rope_theta"] = self._rope_theta  # as a float: the canonical form writes 10000.0 as 10000
+        out["tokenizer"] = self._tokenizer  # recorded, not hashed
         out["context_hash"] = self._context_hash
         return out
 
@@ -416,8 +529,8 @@ class CacheKey:
         if not isinstance(data, Mapping):
             raise TypeError(f"data: expected a dict, got {type(data).__name__}")
         expected = {
-            "format", "model_identity", "tokenizer", "rope_theta", "rope_scaling",
-            "adapter", "kv_dtype", "scale_policy", "block_tokens", "context_hash",
+            "format", "model_identity", "weights_id", "tokenizer", "rope_theta", "rope_scaling", "adapter",
+            "kv_dtype", "scale_policy", "scales", "tp_size", "tp_rank", "block_tokens", "context_hash",
         }  # fmt: skip
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"data: expected format {FORMAT_VERSION}, got {data.get('format')!r}")
@@ -429,13 +542,19 @@ class CacheKey:
             raise TypeError(f"data['model_identity']: expected a dict, got {type(identity).__name__}")
         if any(k in identity for k in _SEPARATE_FIELDS):
             raise ValueError(f"data['model_identity']: must not hold {_SEPARATE_FIELDS} (they are fields of their own)")
+        if identity.get("tp", 1) != data["tp_size"]:
+            raise ValueError(f"data['tp_size']: {data['tp_size']!r} but the model identity's tp is "
+                             f"{identity.get('tp', 1)!r}")
         key = cls(
             identity,
+            weights_id=data["weights_id"],
             tokenizer=data["tokenizer"],
             block_tokens=data["block_tokens"],
             kv_dtype=data["kv_dtype"],
             scale_policy=data["scale_policy"],
+            scales=data["scales"],
             adapter=data["adapter"],
+            tp_rank=data["tp_rank"],
             rope_theta=data["rope_theta"],
             rope_scaling=data["rope_scaling"],
         )
@@ -457,9 +576,19 @@ class CacheKey:
 
     def __repr__(self) -> str:
         return (
-            f"CacheKey({self._context_hash[:_REPR_HASH_CHARS]}, tokenizer={self._tokenizer!r}, "
+            f"CacheKey({self._context_hash[:_REPR_HASH_CHARS]}, weights_id={self._weights_id!r}, "
             f"kv_dtype={self._kv_dtype!r}, block_tokens={self._block_tokens})"
         )
+
+
+def _extra_digest(value: object, index: int) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"extra_keys[{index}]: expected str, bytes or None, got {type(value).__name__}")
+    return hashlib.sha256(bytes(value)).digest()
 
 
 def _hash_bytes(value: object, name: str) -> bytes:

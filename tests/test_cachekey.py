@@ -43,8 +43,12 @@ def _identity() -> dict:
 TOKENIZER = "meta-llama/Meta-Llama-3-8B@r1"
 
 
+WEIGHTS = "meta-llama/Meta-Llama-3-8B@5f0b02c"
+
+
 def _key(model=None, **kw) -> CacheKey:
     kw.setdefault("tokenizer", TOKENIZER)
+    kw.setdefault("weights_id", WEIGHTS)
     kw.setdefault("block_tokens", 4)
     return CacheKey(_identity() if model is None else model, **kw)
 
@@ -69,13 +73,13 @@ from kvcopy.cachekey import CacheKey
 m = {"name": "llama-3-8b", "num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "kv_dtype": "bfloat16",
      "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-k = CacheKey(m, tokenizer="meta-llama/Meta-Llama-3-8B@r1", block_tokens=4)
+k = CacheKey(m, weights_id="meta-llama/Meta-Llama-3-8B@5f0b02c", block_tokens=4)
 print(json.dumps([k.context_hash, k.block_hashes(list(range(10)))]))
 """
-EXPECTED_CONTEXT = "9f81bfaa8cbba3cd31c3364c7abebb087d31dd128037c8af4566b604fb95a882"
+EXPECTED_CONTEXT = "d50263df43b687b586bca0f254342fed46b503bc36ac3dc6f2559e1ab660b126"
 EXPECTED_BLOCKS = [
-    "d63c8afa9365a379d06da72c21008099bff207ddbe75682e6db240aed475be34",
-    "e0f51f056cf2ee4fa63357b6486d03feed8173f729dfe5b66fa2c254dbfafecc",
+    "df2f86367f1ba856c581fbd883129729e543ffa8eec5831b961ffc38cfd4eb9d",
+    "1158ace77fb0a21d577e1285b711e2487cb8e9c281a24af174981fba0c7d1027",
 ]
 
 
@@ -97,9 +101,9 @@ def test_digest_follows_the_documented_encoding():
     """Recomputed here from the spec: sha256 of canonical JSON, then a chain over int64 LE tokens."""
     key = _key({"name": "m", "kv_dtype": "fp8_e4m3"}, block_tokens=2, rope_theta=10000)
     payload = (
-        '{"adapter":null,"block_tokens":2,"domain":"kvcopy.CacheKey","format":1,"kv_dtype":"fp8_e4m3",'
+        '{"adapter":null,"block_tokens":2,"domain":"kvcopy.CacheKey","format":2,"kv_dtype":"fp8_e4m3",'
         '"model_identity":{"name":"m"},"rope_scaling":null,"rope_theta":10000,"scale_policy":"none",'
-        '"tokenizer":"meta-llama/Meta-Llama-3-8B@r1"}'
+        '"scales":null,"tp_rank":0,"tp_size":1,"weights_id":"meta-llama/Meta-Llama-3-8B@5f0b02c"}'
     )
     context = hashlib.sha256(payload.encode("ascii")).digest()
     assert key.context_hash == context.hex()
@@ -124,7 +128,11 @@ SENSITIVE = {
     "model name": lambda: _key(_with(name="llama-3.1-8b")),
     "layer_types": lambda: _key(_with(layer_types=["sliding_attention", "full_attention"])),
     "new identity entry": lambda: _key(_with(sliding_window=4096)),
-    "tokenizer": lambda: _key(tokenizer=TOKENIZER + "-fixed"),
+    "weights_id": lambda: _key(weights_id=WEIGHTS + "-finetuned"),
+    "scales": lambda: _key(scales=torch.tensor([0.5, 0.25])),
+    "scale fingerprint": lambda: _key(scales="sha256:abc"),
+    "tp": lambda: _key(_with(tp=2)),
+    "tp_rank": lambda: _key(_with(tp=2), tp_rank=1),
     "rope_theta in identity": lambda: _key(_with(rope_theta=10000.0)),
     "rope_theta override": lambda: _key(rope_theta=1_000_000.0),
     "rope_scaling factor": lambda: _key(_with(rope_scaling={**_identity()["rope_scaling"], "factor": 16.0})),
@@ -269,7 +277,9 @@ def test_to_dict_round_trips_through_json():
 def test_from_dict_refuses_bad_records():
     data = _key().to_dict()
     with pytest.raises(ValueError, match="context_hash"):
-        CacheKey.from_dict({**data, "tokenizer": "other"})
+        CacheKey.from_dict({**data, "weights_id": "other"})
+    with pytest.raises(ValueError, match="tp_size"):
+        CacheKey.from_dict({**data, "tp_size": 2})
     with pytest.raises(ValueError, match="format"):
         CacheKey.from_dict({**data, "format": FORMAT_VERSION + 1})
     with pytest.raises(ValueError, match="unknown"):
@@ -289,6 +299,74 @@ def test_eq_hash_repr():
     assert a == b
 
 
+# --------------------------------------------------------------------------- weights, ranks, scales, extra keys
+
+
+def test_the_tokenizer_is_recorded_but_not_hashed():
+    """The blocks hash token ids: the same ids are the same KV whatever tokenizer made them."""
+    a, b = _key(tokenizer="tok-a"), _key(tokenizer="tok-b")
+    assert a == b and a.block_hashes(range(8)) == b.block_hashes(range(8))
+    assert a.tokenizer == "tok-a" and a.to_dict()["tokenizer"] == "tok-a"
+    assert _key(tokenizer=None) == a
+
+
+def test_a_name_with_a_revision_identifies_the_weights():
+    named = _key(_with(name="meta-llama/Meta-Llama-3-8B@5f0b02c"), weights_id=None)
+    assert named.weights_id == "meta-llama/Meta-Llama-3-8B@5f0b02c"
+    for bare in ("llama-3-8b", "llama", "/models/my-finetune", "@"):
+        with pytest.raises(ValueError, match="does not identify its weights"):
+            _key(_with(name=bare), weights_id=None)
+
+
+def test_weights_fingerprint_tells_checkpoints_apart(tmp_path):
+    from kvcopy.cachekey import weights_fingerprint
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    for folder, seed in ((base, 0), (tuned, 1)):
+        folder.mkdir()
+        rng = np.random.default_rng(seed)
+        (folder / "model-00001.safetensors").write_bytes(b"header" + rng.bytes(3 << 20))
+        (folder / "config.json").write_text("{}")  # not a checkpoint file: not read
+    assert weights_fingerprint(base) == weights_fingerprint(base)
+    assert weights_fingerprint(base) != weights_fingerprint(tuned)
+    (base / "config.json").write_text('{"changed": true}')
+    first = weights_fingerprint(base)
+    assert first == weights_fingerprint(base)
+    with pytest.raises(FileNotFoundError, match="no checkpoint files"):
+        weights_fingerprint(tmp_path / "nowhere")
+    assert _key(weights_id=first) != _key(weights_id=weights_fingerprint(tuned))
+
+
+def test_each_tensor_parallel_rank_has_its_own_key():
+    keys = {_key(_with(tp=4), tp_rank=rank).context_hash for rank in range(4)}
+    assert len(keys) == 4
+    assert _key(_with(tp=4)).tp_size == 4 and _key().tp_size == 1
+
+
+def test_scales_are_part_of_the_key():
+    scales = torch.tensor([0.5, 0.25, 2.0])
+    assert _key(scales=scales) == _key(scales=scales.clone())
+    assert _key(scales=scales) != _key(scales=scales * 2)
+    assert _key(scales=scales) != _key()
+    assert _key(scales=scales.numpy().tobytes()) == _key(scales=scales)  # bytes hash like the tensor's
+
+
+def test_extra_keys_chain_into_their_block_and_every_later_one():
+    key = _key()
+    tokens = list(range(12))  # 3 blocks of 4
+    plain = key.block_hashes(tokens)
+    assert key.block_hashes(tokens, extra_keys=[None, None, None]) == plain
+    image = key.block_hashes(tokens, extra_keys=[None, "image:sha256:aa", None])
+    other = key.block_hashes(tokens, extra_keys=[None, "image:sha256:bb", None])
+    assert image[0] == plain[0] and image[1] != plain[1] and image[2] != plain[2]
+    assert image[1:] != other[1:]
+    assert key.block_hashes(tokens, extra_keys=[None, b"image:sha256:aa", None]) == image
+    with pytest.raises(ValueError, match="one entry per full block"):
+        key.block_hashes(tokens, extra_keys=[None])
+    with pytest.raises(TypeError, match=r"extra_keys\[0\]"):
+        key.block_hashes(tokens, extra_keys=[3, None, None])
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -300,7 +378,12 @@ def test_eq_hash_repr():
         (dict(block_tokens=4.0), TypeError, "block_tokens"),
         (dict(block_tokens=True), TypeError, "block_tokens"),
         (dict(tokenizer=""), ValueError, "tokenizer"),
-        (dict(tokenizer=None), TypeError, "tokenizer"),
+        (dict(tokenizer=3), TypeError, "tokenizer"),
+        (dict(weights_id=""), ValueError, "weights_id"),
+        (dict(weights_id=None), ValueError, "weights_id.*does not identify its weights"),
+        (dict(tp_rank=1), ValueError, "tp_rank"),
+        (dict(tp_rank=-1), ValueError, "tp_rank"),
+        (dict(scales=1.5), TypeError, "scales"),
         (dict(adapter=""), ValueError, "adapter"),
         (dict(scale_policy=3), TypeError, "scale_policy"),
         (dict(rope_theta=float("nan")), ValueError, "rope_theta"),
