@@ -49,6 +49,8 @@ PREFILL_FLOOR_TOKENS = (1, 4)
 # Rounds over every prefill token count, each count's time its fastest round: interleaved, a busy spell
 # slows one round of every count instead of every repeat of one, and the minimum drops it.
 PREFILL_ROUNDS = 2
+# A token count whose forward takes this many times the few-token floor is past the roofline knee.
+PREFILL_COMPUTE_BOUND = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,10 @@ class _Sweep:
 # Full: 4 KiB (a 16-token fp8 head slice) to 256 KiB plane-blocks, 1 to 1024 blocks, up to 512 MiB per call.
 _FULL_GPU = _Sweep((4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 << 20, 10,
                    (512, 1024, 2048, 4096, 8192))
-_FULL_CPU = _Sweep((4096, 32768, 262144), (1, 4, 16, 64, 256), 256 << 20, 7, (32, 64, 128, 256))
+_FULL_CPU = _Sweep((4096, 32768, 262144), (1, 4, 16, 64, 256), 256 << 20, 7, (64, 128, 256, 384))
 # Quick: a few shapes, about ten seconds on a 2-core CPU.
 _QUICK_GPU = _Sweep((4096, 32768, 262144), (1, 16, 256), 256 << 20, 5, (512, 2048))
-_QUICK_CPU = _Sweep((4096, 32768, 262144), (1, 8, 64), 64 << 20, 5, (32, 96, 256))
+_QUICK_CPU = _Sweep((4096, 32768, 262144), (1, 8, 64), 64 << 20, 5, (64, 160, 256))
 
 
 def _hardware(device: torch.device) -> dict[str, object]:
@@ -220,7 +222,8 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
     """Times one layer at each token count and fits the roofline of one forward.
 
     ``t = alpha + flops / flops_per_s`` is fitted over the sweep's token counts
-    (compute-bound); the memory-bound floor comes from the fastest forward of
+    that are compute-bound (PREFILL_COMPUTE_BOUND times the floor; else the two
+    largest); the memory-bound floor comes from the fastest forward of
     PREFILL_FLOOR_TOKENS tokens: ``weight_bytes / (t_floor - alpha)`` (None when
     the floor is within the fixed cost: no weight-read bound measurable). Each
     count is timed in PREFILL_ROUNDS interleaved rounds and keeps its fastest;
@@ -238,12 +241,20 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
         for tokens, seconds in _time_prefill_round(forward, dtype, spec, device, timed, sweep, bar).items():
             best[tokens] = min(seconds, best.get(tokens, seconds))
 
+    def compute_fit() -> LinearFit | None:
+        # Only counts clearly past the roofline knee (twice the floor's time) say how fast compute is: a
+        # memory-bound count on the line would tilt it, and its intercept would be the weight reads.
+        floor = min(best[t] for t in PREFILL_FLOOR_TOKENS)
+        bound = [i for i, t in enumerate(counts) if best[t] >= PREFILL_COMPUTE_BOUND * floor]
+        chosen = bound if len(bound) >= 2 else list(range(len(counts)))[-2:]
+        return _prefill_fit([flops[i] for i in chosen], [best[counts[i]] for i in chosen])
+
     for _ in range(PREFILL_ROUNDS):
         one_round()
-    fit = _prefill_fit(flops, [best[t] for t in counts])
+    fit = compute_fit()
     if fit is None or fit.max_abs_residual > PREFILL_REFIT_RESIDUAL:
         one_round()
-        fit = _prefill_fit(flops, [best[t] for t in counts])
+        fit = compute_fit()
         if fit is None:
             bar.close()
             raise ValueError("prefill timings did not grow with the token count, twice; is the machine busy?")
