@@ -1,7 +1,8 @@
 """End to end: transformers' continuous batching under memory pressure, its own paths against kvcopy's.
 
 A random-weight Llama (built from a config) serves ``--requests`` prompts of
-``--min-prompt``..``--max-prompt`` tokens, ``--new-tokens`` each (default 64 requests, 256-1024 prompt tokens, 128 new), greedy, on
+``--min-prompt``..``--max-prompt`` tokens, ``--new-tokens`` each (default 64
+requests, 256-1024 prompt tokens, 128 new), greedy, on
 a paged cache holding ``--cache-fraction`` of what they need at once, so
 transformers preempts requests again and again. Paths, in one run:
 
@@ -55,8 +56,9 @@ COLUMNS = ("path", "requests", "prompt_tokens", "generated_tokens", "cache_block
            "preemptions", "resume_median_s", "resume_max_s", "same_tokens", "note") + IDENTITY_COLUMNS
 
 
-class _TorchWithoutPinning:
-    """``torch`` for transformers' offloading module with ``pin_memory`` dropped from ``torch.empty``."""
+class TorchWithoutPinning:
+    """``torch`` for transformers' offloading module with ``pin_memory`` dropped from ``torch.empty``
+    (pinning needs an NVIDIA driver): transformers' own CPU offload, runnable on a CPU. The tests use it too."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)
@@ -91,7 +93,7 @@ def preemption_clock() -> Iterator[list[tuple[str, float]]]:
 @contextlib.contextmanager
 def unpinned_transformers_offload() -> Iterator[None]:
     real = offloading_manager.torch
-    offloading_manager.torch = _TorchWithoutPinning()
+    offloading_manager.torch = TorchWithoutPinning()
     try:
         yield
     finally:

@@ -122,7 +122,8 @@ def _plan(args: argparse.Namespace) -> int:
                ("split", decision.t_split), ("recompute", decision.t_recompute)]
     print("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in options if t is not None)
           + (f" (split computes {decision.split_tokens})" if decision.t_split else ""))
-    print(f"  threshold: {'recompute wins at the longest prefix' if threshold is None else f'keep from {threshold} tokens'}")
+    keep = "recompute wins at the longest prefix" if threshold is None else f"keep from {threshold} tokens"
+    print(f"  threshold: {keep}")
     if args.plot:
         from .plots import plot_plan
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,8 @@ class _Family:
     mlp_matrices: int = 3
     intermediate_key: str = "intermediate_size"
     intermediate_default: int | None = None
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclass_field(default_factory=dict)
+    defaults: Mapping[str, Any] = dataclass_field(default_factory=dict)
     slides: str = "by_keys"
     kv_heads: str = "num_key_value_heads"
 
@@ -72,15 +73,17 @@ class _Family:
 _GATED = _Family()
 _PLAIN = _Family(mlp_matrices=2)
 _FALCON = _Family(mlp_matrices=2, intermediate_key="ffn_hidden_size", intermediate_default=4, kv_heads="falcon",
-                  aliases={"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_head_kv": "num_kv_heads"})
+                  aliases={"n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+                           "n_head_kv": "num_kv_heads"})
 # Every family kvcopy reads; any other model_type is an error unless the caller says how to read it (assume=).
 _FAMILIES: dict[str, _Family] = {
     **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3",
                      "deepseek_v2", "deepseek_v3"), _GATED),
     "gemma2": _Family(slides="even"),  # layer i slides when i is even (HF: (i + 1) % 2 != 0)
     # Keys that Gemma3TextConfig fills with a default and the hub's configs omit (4B and up).
-    **dict.fromkeys(("gemma3", "gemma3_text"), _Family(defaults={"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4,
-                                     "head_dim": 256, "sliding_window": 4096, "sliding_window_pattern": 6})),
+    **dict.fromkeys(("gemma3", "gemma3_text"), _Family(defaults={
+        "vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "sliding_window": 4096, "sliding_window_pattern": 6})),
     "opt": _Family(mlp_matrices=2, intermediate_key="ffn_dim"),
     **dict.fromkeys(("gpt_neox", "phi", "starcoder2"), _PLAIN),
     **dict.fromkeys(("falcon", "RefinedWeb", "RefinedWebModel"), _FALCON),

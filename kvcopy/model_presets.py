@@ -30,7 +30,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", {
         "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
         "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064, "rope_theta": 1000000.0,
-        "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
+        "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28,
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
     }),
     "qwen3-8b": ("Qwen/Qwen3-8B", {
         "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
@@ -46,7 +47,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", {
         "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
         "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
-        "vocab_size": 32000, "rope_theta": 1000000.0, "sliding_window": None, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
+        "vocab_size": 32000, "rope_theta": 1000000.0, "sliding_window": None,
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
     }),
     "gemma-2-9b": ("google/gemma-2-9b-it", {
         "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,

@@ -51,7 +51,8 @@ def copy_ranges(
         raise ValueError("src_ids/dst_ids: expected ids on the host: the planner reads them there")
     module = _ext.extension()
     if module is None:
-        raise RuntimeError(f"copy_ranges: the compiled extension is not loaded ({_ext.build_info()['extension_error']})")
+        error = _ext.build_info()["extension_error"]
+        raise RuntimeError(f"copy_ranges: the compiled extension is not loaded ({error})")
     planned = module.plan_copy_ranges(src_kv.plane_table.data_ptr(), dst_kv.plane_table.data_ptr(), src_kv.num_planes,
                                       src_t.data_ptr(), dst_t.data_ptr(), src_t.numel(), method == "copy_engine")
     return [ByteRange(*r) for r in planned]
