@@ -234,6 +234,12 @@ PyObject* py_sm_kernel_grid(PyObject*, PyObject* args) {
   return PyLong_FromLong(grid);
 }
 
+// dma_side_streams_alive() -> int: side streams held for threads that used the copy engines on the
+// legacy default stream (each is destroyed when its thread exits).
+PyObject* py_dma_side_streams_alive(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(static_cast<long long>(dma_side_streams_alive()));
+}
+
 // stream_is_capturing(handle) -> bool: whether the stream is capturing a CUDA graph now
 // (cudaStreamIsCapturing, which is legal during any capture); False for a stream that no
 // longer exists.
@@ -273,6 +279,7 @@ PyMethodDef kFastPathMethods[] = {
      "Whether kernels on the device may read registered host memory by its host address."},
     {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, "The CUDA driver's version (cudaDriverGetVersion)."},
     {"sm_kernel_grid", py_sm_kernel_grid, METH_VARARGS, "The SM kernel's grid for a launch (tests)."},
+    {"dma_side_streams_alive", py_dma_side_streams_alive, METH_NOARGS, "Side streams held for threads (tests)."},
     {"stream_is_capturing", py_stream_is_capturing, METH_VARARGS, "Whether a stream is capturing a graph now."},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "Destroys a stream made by create_copy_stream."},
 #endif

@@ -827,3 +827,21 @@ def test_other_python_threads_run_while_a_large_copy_is_planned():
         thread.join()
     torch.cuda.synchronize()
     assert during > 0
+
+
+def test_the_side_stream_of_a_thread_is_freed_when_the_thread_exits():
+    """copy_engine on torch's legacy default stream submits from a side stream of the calling thread; a thread
+    that exits must not leave its stream and events behind."""
+    fast = kvcopy._ext.extension()
+    src, dst, src_ids, dst_ids = _sides("h2d", "vllm", torch.bfloat16, _gen(49))
+    before = fast.dma_side_streams_alive()
+
+    def copy_on_the_default_stream() -> None:
+        kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method="copy_engine")
+        torch.cuda.synchronize()
+
+    threads = [threading.Thread(target=copy_on_the_default_stream) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+        thread.join()
+    assert fast.dma_side_streams_alive() == before

@@ -50,6 +50,10 @@ cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
                                   const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
                                   cudaStream_t stream);
 
+// Side streams the copy-engine path holds for host threads that submitted on the legacy default
+// stream (one per thread and device, destroyed when the thread exits). For tests.
+int64_t dma_side_streams_alive();
+
 // Baselines for benchmarks: the same copies, one range per (block, plane) with
 // nothing merged, submitted either as one cudaMemcpyBatchAsync (the batched
 // call without kvcopy's coalescing) or as one cudaMemcpyAsync each (vLLM's

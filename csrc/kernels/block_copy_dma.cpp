@@ -1,4 +1,5 @@
 // Copy-engine (DMA) submission of block copies. Torch-free host code.
+#include <atomic>
 #include <unordered_map>
 #include <vector>
 
@@ -7,6 +8,9 @@
 
 namespace kvcopy {
 namespace {
+
+// Side streams alive (ThreadSideStreams below); stays 0 where the batched call is not compiled in.
+std::atomic<int64_t> g_side_streams_alive{0};
 
 struct DmaCopies {
   std::vector<void*> dsts;
@@ -87,7 +91,10 @@ struct ThreadSideStreams {
       const SideStream& side = entry.second;
       if (side.before != nullptr) cudaEventDestroy(side.before);
       if (side.after != nullptr) cudaEventDestroy(side.after);
-      if (side.stream != nullptr) cudaStreamDestroy(side.stream);
+      if (side.stream != nullptr) {
+        cudaStreamDestroy(side.stream);
+        --g_side_streams_alive;
+      }
     }
     cudaGetLastError();
   }
@@ -106,6 +113,7 @@ cudaError_t side_stream_for_current_device(SideStream** out) {
       side = SideStream{};
       return err;
     }
+    ++g_side_streams_alive;
   }
   *out = &side;
   return cudaSuccess;
@@ -136,6 +144,8 @@ cudaError_t submit_batched(DmaCopies& copies, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int64_t dma_side_streams_alive() { return g_side_streams_alive.load(); }
 
 cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                                   const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
