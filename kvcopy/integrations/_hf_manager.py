@@ -212,9 +212,11 @@ class KvcopyOffloadingManager(OffloadingManager):
                     restored_blocks = state.position_offset // allocator.tokens_per_page
                     if restored_blocks:
                         future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
-        written = set().union(*(self._units(name, allocators[name].block_table.get(f.state.request_id, []))
-                                for f in requests_in_batch for name in allocators))
-        self._wait_for_offloads(written, {name: set(ids) for name, ids in host_ids.items()})
+        self._offloads = [o for o in self._offloads if not o.transfer.done()]
+        if self._offloads:  # what this batch writes: every block of its requests (built only when it matters)
+            written = set().union(*(self._units(name, allocators[name].block_table.get(f.state.request_id, []))
+                                    for f in requests_in_batch for name in allocators))
+            self._wait_for_offloads(written, {name: set(ids) for name, ids in host_ids.items()})
         transfers: dict[str, Transfer] = {}
         try:
             with stream_context(self._compute_stream):
