@@ -257,3 +257,13 @@ def test_unpack_wheelhouse_shadows_installed_distributions_older_than_the_minimu
     monkeypatch.setattr(unpack_wheelhouse, "MIN_VERSIONS", {"pytest": (999,)})
     assert unpack_wheelhouse.missing_wheels(tmp_path) == [tmp_path / "pytest-999.0-py3-none-any.whl"]
     assert [unpack_wheelhouse._release(v) for v in ("77.0.3", "2.1rc1", "x")] == [(77, 0, 3), (2, 1), ()]
+
+
+def test_decision_table_labels_itself_not_measured(tmp_path: Path) -> None:
+    out = tmp_path / "decisions.md"
+    result = _run("benchmarks/decision_table.py", "--out", str(out))
+    assert result.returncode == 0, _describe(result)
+    text = out.read_text()
+    assert "NOT MEASURED" in text.splitlines()[0]
+    for label in ("llama-3.1-8b", "llama-3.1-70b tp 4", "llama-3.1-70b tp 8", "deepseek-v3 tp 8"):
+        assert f"| {label} | 4096 |" in text and f"- {label}: " in text
