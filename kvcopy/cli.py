@@ -20,6 +20,13 @@ class CliError(Exception):
     """A user error: printed without a traceback, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvcopy <command>: argument --x: ...``, exit status 2 (see --help)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
     from .model import ModelSpec
 
@@ -50,12 +57,71 @@ def _load_profile(path: str | None):  # noqa: ANN202 - a Profile
 
 
 def _check_plot(path: str | None) -> None:
-    """Before any work: --plot needs matplotlib."""
+    """Before any work: --plot needs matplotlib and a folder to write into."""
     if path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CliError("--plot: needs matplotlib (pip install 'kvcopy[plot]')") from None
+        _check_folder("--plot", path)
+
+
+def _check_folder(option: str, path: str, *, make: bool = False) -> None:
+    """Before any work: the folder an output goes into exists (with ``make``, made; an error if it cannot be)."""
+    folder = Path(path).resolve().parent
+    if make:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CliError(f"{option}: cannot make the folder {folder}: {err.strerror}") from None
+    if not folder.is_dir():
+        raise CliError(f"{option}: no such directory: {folder}")
+    if Path(path).is_dir():
+        raise CliError(f"{option}: {path} is a folder; expected a file path")
+
+
+def _device(text: str | None) -> str | None:
+    """--device as torch names it, or the option's error."""
+    import torch
+
+    if text is None:
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device: expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device: expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device: {text} asked for, but no CUDA device is visible")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {value}")
+    return value
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -63,11 +129,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .planner import Planner
     from .profile import DEFAULT_PROFILE_PATH
 
+    from .methods import METHODS
+
     spec = _load_model(args.model)
+    if args.out:
+        _check_folder("--out", args.out, make=True)  # a profile's folder is made, as Profile.save does
     _check_plot(args.plot)
-    methods = args.methods.split(",") if args.methods else None
+    device = _device(args.device)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    unknown = [m for m in methods or [] if m not in METHODS]
+    if unknown:
+        raise CliError(f"--methods: unknown method {unknown[0]!r}; known: {', '.join(METHODS)}")
     try:
-        profile = calibrate(args.device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec)
+        profile = calibrate(device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec)
     except ValueError as err:
         raise CliError(str(err)) from None
     hw = profile.hardware
@@ -106,6 +180,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from .planner import Planner
+    from .timing import seconds_text
 
     spec = _load_model(args.model)
     profile = _load_profile(args.profile)
@@ -113,17 +188,23 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         planner = Planner.from_profile(profile, spec, decode_share=args.decode_share, layerwise=args.layerwise,
                                        tp=args.tp)
-        decision = planner.decide(args.prefix, args.new)
     except ValueError as err:
-        raise CliError(str(err)) from None
+        raise CliError(f"--tp: {err}" if str(err).startswith("tp:") else str(err)) from None
+    decision = planner.decide(args.prefix, args.new)
     threshold = planner.threshold_tokens(args.new)
-    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {decision.explanation}")
-    options = [("reload", decision.t_reload), ("layer-wise reload", decision.t_layerwise),
-               ("split", decision.t_split), ("recompute", decision.t_recompute)]
-    print("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in options if t is not None)
-          + (f" (split computes {decision.split_tokens})" if decision.t_split else ""))
+    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} cached tokens, "
+          f"{args.new} new")
+    print(f"decision: {decision.action} ({decision.explanation})")
+    options = [("reload", decision.t_reload, "load the prefix, then compute the new tokens"),
+               ("layer-wise reload", decision.t_layerwise, "each layer's blocks load while earlier layers compute"),
+               ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest loads"),
+               ("recompute", decision.t_recompute, "prefill the prefix and the new tokens")]
+    for name, seconds, what in options:
+        if seconds is not None:
+            mark = "*" if name.startswith(decision.action.replace("layerwise", "layer-wise")) else " "
+            print(f"  {mark} {name:<18} {seconds_text(seconds):>10}  {what}")
     keep = "recompute wins at the longest prefix" if threshold is None else f"keep from {threshold} tokens"
-    print(f"  threshold: {keep}")
+    print(f"threshold: {keep}")
     if args.plot:
         from .plots import plot_plan
 
@@ -176,8 +257,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot and not (config.counts or config.block_tokens):
         raise CliError("--plot: draws the sweeps; drop --no-sweeps")
     _check_plot(args.plot)
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise CliError(f"--plot: no such directory: {Path(args.plot).parent}")
     profile = _load_profile(args.profile) if args.profile else None
     identity = machine_identity(config.device)
     try:  # opened first: a bad path fails before minutes of measuring, and each point is saved as it ends
@@ -224,10 +303,20 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcopy", description="Paged KV-cache block copies between GPU and host.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    from ._version import __version__
+    from .model import ModelSpec
 
-    calibrate = commands.add_parser("calibrate", help="measure copy costs and prefill throughput; save a profile")
+    presets = ", ".join(ModelSpec.preset_names())
+    parser = _Parser(prog="kvcopy", description="Paged KV-cache block copies between GPU and host.")
+    parser.add_argument("--version", action="version", version=f"kvcopy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure copy costs and prefill throughput; save a profile",
+        description="Measures this machine: the fixed cost and bandwidth of each copy method in each direction "
+                    "(host to device and back on a GPU, host to host on a CPU), the contiguous-copy peak, and "
+                    "prefill throughput on one layer of a model's shape. Saves the profile that method='auto' and "
+                    f"the planner use. Model presets: {presets}.")
     calibrate.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
     calibrate.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about 10 s on a CPU)")
     calibrate.add_argument("--out", help="profile path (default: ~/.cache/kvcopy/profile.json)")
@@ -238,22 +327,31 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--no-progress", action="store_true", help="no progress bar")
     calibrate.set_defaults(run=_calibrate)
 
-    plan = commands.add_parser("plan", help="reload, recompute or split for a model and prefix, from a profile")
+    plan = commands.add_parser(
+        "plan", help="reload, recompute or split for a model and prefix, from a profile",
+        description="Decides, for a model and a cached prefix, between reloading it, reloading layer by layer, "
+                    "splitting (compute the front while the back loads) and recomputing it, from a calibrated "
+                    f"profile; prints each option's time and the small-prefix threshold. Model presets: {presets}.")
     plan.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
     plan.add_argument("--profile", help="profile path (default: ~/.cache/kvcopy/profile.json)")
-    plan.add_argument("--prefix", type=int, default=1024, help="cached prefix tokens (default 1024)")
-    plan.add_argument("--new", type=int, default=1,
+    plan.add_argument("--prefix", type=_non_negative_int, default=1024, help="cached prefix tokens (default 1024)")
+    plan.add_argument("--new", type=_positive_int, default=1,
                       help="new tokens after the prefix, at least 1: the token a resumed request continues from "
                            "(default 1)")
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: plan for one rank (default 1)")
+    plan.add_argument("--tp", type=_positive_int, default=1,
+                      help="tensor-parallel ranks: plan for one rank (default 1)")
     plan.add_argument("--no-layerwise", dest="layerwise", action="store_false",
                       help="the engine cannot reload layer by layer: leave that option out")
-    plan.add_argument("--decode-share", type=float, default=0.0, help="fraction of the link decode needs")
+    plan.add_argument("--decode-share", type=_fraction, default=0.0, help="fraction of the link decode needs")
     plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
     plan.set_defaults(run=_plan)
 
-    bench = commands.add_parser("bench", help="time every method beside the copies you would write yourself, "
-                                               "as ratios to a contiguous copy")
+    bench = commands.add_parser(
+        "bench", help="time every method beside the copies you would write yourself, as ratios to a contiguous copy",
+        description="Times every kvcopy method that can run here beside the copies a user would otherwise write "
+                    "(a per-layer index loop, a per-block copy loop, on a GPU per-block and unmerged batched DMA) "
+                    "and one contiguous copy of the same bytes, for named workloads and sweeps of block counts "
+                    "and plane-block sizes; every row is checked against plain indexing before it is timed.")
     bench.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
     bench.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
     bench.add_argument("--workload", action="append", help="a named workload (repeatable; default: all of "
@@ -273,7 +371,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="print the points it would time, and exit")
     bench.set_defaults(run=_bench)
 
-    info = commands.add_parser("info", help="what was built (CPU/CUDA kernels, archs, Triton) and the device")
+    info = commands.add_parser("info", help="what was built (CPU/CUDA kernels, archs, Triton) and the device",
+                               description="Prints what this install of kvcopy built and can use: the extension, "
+                                           "CPU and CUDA kernels and their archs, Triton, torch, and the device.")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=_info)
     return parser

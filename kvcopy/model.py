@@ -490,7 +490,7 @@ class ModelSpec:
           even layers; a ``sliding_window_pattern`` p (Gemma 3) every layer but those with
           ``(i + 1) % p == 0``; any other config (Mistral, Phi-3) every layer.
         * KV dtype: ``kv_dtype``, else the config's ``torch_dtype`` (or ``dtype``), else bfloat16.
-        * Name: ``name``, else ``_name_or_path``, else the file's directory, else ``model_type``.
+        * Name: ``name``, else ``_name_or_path``, else ``model_type`` (never the folder it sits in).
         """
         config, origin, directory = _read_config(path_or_dict)
         return _spec_from_config(config, origin, name=name, fallback_name=directory, kv_dtype=kv_dtype,
@@ -608,7 +608,8 @@ def _spec_from_config(
     active = num_layers * attention["params"] + sum(mlp) + _opt_projections(cfg, hidden)
     weight_dtype = _config_dtype(cfg)
     theta, scaling = _rope(cfg)
-    name = name or data.get("_name_or_path") or fallback_name or cfg.model_type or "unknown"
+    del fallback_name  # a folder's name says where a config sits, not which model it is
+    name = name or data.get("_name_or_path") or cfg.model_type or "unknown"
     try:
         return ModelSpec(
             name=name,

@@ -99,7 +99,8 @@ def _resolve(
             profile=profile if profile is not None else default_profile(),
         )
     if method not in _methods.METHODS:
-        raise ValueError(f"method: expected 'auto' or a method that can run for this pair {available}, got {method!r}")
+        raise ValueError(f"method: unknown method {method!r}; known: 'auto', "
+                         f"{', '.join(repr(m) for m in _methods.METHODS)} (for this pair: {available})")
     if method not in available:
         reason = _methods.unavailable_reason(method, src, dst)
         raise ValueError(f"method: {method!r} cannot run for this pair ({reason}); methods that can: {available}")

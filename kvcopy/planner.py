@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .timing import seconds_text
+
 __all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "ACTIONS"]
 
 Action = Literal["reload", "layerwise", "split", "recompute"]
@@ -291,11 +293,10 @@ class Planner:
 
     def _explain(self, action: Action, prefix: int, options: dict[Action, float],
                  split: tuple[int, float] | None) -> str:
-        us = 1e6
         what = {"split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while the rest "
                          f"loads)", "layerwise": "layer-wise reload"}.get(action, action)
-        others = ", ".join(f"{name} {t * us:.0f} us" for name, t in options.items() if name != action)
-        return self._note(f"{what}: {options[action] * us:.0f} us vs {others} for {prefix} cached tokens")
+        others = ", ".join(f"{name} {seconds_text(t)}" for name, t in options.items() if name != action)
+        return self._note(f"{what}: {seconds_text(options[action])} vs {others} for {prefix} cached tokens")
 
     def _reload_wins(self, prefix: int, new_tokens: int) -> bool:
         return self.decide(prefix, new_tokens).action != "recompute"

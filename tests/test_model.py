@@ -615,9 +615,13 @@ def test_from_file_and_directory(tmp_path):
     from_dir = ModelSpec.from_hf_config(tmp_path)
     assert from_file == from_str == from_dir
     assert from_file.source == str(path)
-    assert from_file.name == tmp_path.name
-    assert from_file.identity() == {**spec(LLAMA_31_8B).identity(), "name": tmp_path.name}
-    assert ModelSpec.from_hf_config(path, name="llama").name == "llama"
+    assert from_file.name == "llama"  # the config's model_type: not the folder it sits in
+    assert from_file.identity() == spec(LLAMA_31_8B).identity()
+    assert ModelSpec.from_hf_config(path, name="my-llama").name == "my-llama"
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "config.json").write_text(json.dumps({**LLAMA_31_8B, "_name_or_path": "meta-llama/Llama-3.1-8B"}))
+    assert ModelSpec.from_hf_config(named).name == "meta-llama/Llama-3.1-8B"
 
 
 def test_bad_path(tmp_path):

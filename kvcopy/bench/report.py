@@ -124,6 +124,9 @@ def format_tables(rows: Sequence[BenchRow], identity: dict[str, Any]) -> str:
              f"{'CUDA ' + str(identity['cuda']) if identity.get('cuda') else 'no CUDA'}), "
              f"{identity.get('date')}",
              "x limit: GB/s over one contiguous copy of the same bytes; x ... loop: times faster than that baseline"]
+    if has_prediction:
+        lines.append("pred. err: the calibration profile's predicted time over the measured one, minus 1 "
+                     "(+10% predicts 10% too slow, -10% too fast)")
     workloads = [r for r in ratios if r["suite"] == "workloads"]
     for name in dict.fromkeys(r["workload"] for r in workloads):
         lines += _workload_table([r for r in workloads if r["workload"] == name], has_memcpy, has_prediction,
