@@ -235,9 +235,8 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
     timed = PREFILL_FLOOR_TOKENS + counts
     flops = [executed_flops(tokens) for tokens in counts]
     best: dict[int, float] = {}
-    bar = progress_bar(PREFILL_ROUNDS * len(timed), progress, "calibrating prefill", "forward")
 
-    def one_round() -> None:
+    def one_round(bar: object) -> None:
         for tokens, seconds in _time_prefill_round(forward, dtype, spec, device, timed, sweep, bar).items():
             best[tokens] = min(seconds, best.get(tokens, seconds))
 
@@ -249,16 +248,20 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
         chosen = bound if len(bound) >= 2 else list(range(len(counts)))[-2:]
         return _prefill_fit([flops[i] for i in chosen], [best[counts[i]] for i in chosen])
 
+    bar = progress_bar(PREFILL_ROUNDS * len(timed), progress,
+                       f"calibrating prefill ({PREFILL_ROUNDS} interleaved rounds)", "forward")
     for _ in range(PREFILL_ROUNDS):
-        one_round()
+        one_round(bar)
+    bar.close()
     fit = compute_fit()
     if fit is None or fit.max_abs_residual > PREFILL_REFIT_RESIDUAL:
-        one_round()
+        bar = progress_bar(len(timed), progress, "calibrating prefill again (the fit was poor: a busy machine?)",
+                           "forward")
+        one_round(bar)
+        bar.close()
         fit = compute_fit()
         if fit is None:
-            bar.close()
             raise ValueError("prefill timings did not grow with the token count, twice; is the machine busy?")
-    bar.close()
     memory_s = min(best[t] for t in PREFILL_FLOOR_TOKENS) - fit.alpha
     return PrefillProfile(
         model=spec.name,

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PROFILE_PATH", "LinkFit", "MethodProfile", "PrefillProfile", "Profile", "default_profile",
-           "set_default_profile", "direction_of"]
+__all__ = ["DEFAULT_PROFILE_PATH", "POOR_FIT_R2", "POOR_FIT_RESIDUAL", "LinkFit", "MethodProfile",
+           "PrefillProfile", "Profile", "default_profile", "direction_of", "fit_problems", "set_default_profile"]
 
 PROFILE_FORMAT = 1
 DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcopy" / "profile.json"
@@ -212,6 +212,25 @@ class Profile:
         except json.JSONDecodeError as err:
             raise ValueError(f"profile: {path} is not valid JSON ({err})") from None
         return cls.from_dict(data)
+
+
+# A fit is poor when it explains its points this badly: R^2 below this, or a measured point this far (relative)
+# from the line. Lenient on purpose: a per-layer torch loop fits worse than kvcopy's paths on a healthy machine
+# (R^2 ~0.85); what they catch is contention (seen: R^2 0.53, a point 209x off).
+POOR_FIT_R2 = 0.8
+POOR_FIT_RESIDUAL = 1.5
+
+
+def fit_problems(profile: Profile) -> list[str]:
+    """The fits of ``profile`` that are poor (POOR_FIT_R2, POOR_FIT_RESIDUAL), described; [] when none is."""
+    problems = []
+    for direction, methods in sorted(profile.links.items()):
+        for method, mp in sorted(methods.items()):
+            if mp.fit.r2 < POOR_FIT_R2 or mp.fit.max_abs_residual > POOR_FIT_RESIDUAL:
+                problems.append(f"{direction} {method}: R^2 {mp.fit.r2:.3f}, max resid {mp.fit.max_abs_residual:.0%}")
+    if profile.prefill is not None and profile.prefill.r2 < POOR_FIT_R2:
+        problems.append(f"prefill: R^2 {profile.prefill.r2:.3f}")
+    return problems
 
 
 def direction_of(src_device_type: str, dst_device_type: str) -> str:

@@ -376,3 +376,46 @@ def test_version_and_help_say_what_each_command_does(env):
         assert len(text) > 200, text  # a paragraph, not only the option list
     for command in ("calibrate", "plan"):
         assert "llama-3.1-8b" in results[command].stdout and "deepseek-v3" in results[command].stdout
+
+
+# --------------------------------------------------------------------------- a calibration a user can trust
+
+
+def _profile_with(r2: float, residual: float, date: str = "new") -> Profile:
+    from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile
+
+    fit = LinkFit(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=r2, max_abs_residual=residual)
+    return Profile(hardware={"device_name": "test", "torch": "x", "torch_threads": 2, "date": date},
+                   links={"h2h": {"cpu": MethodProfile(fit)}}, peaks={"h2h": 2e10},
+                   prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99))
+
+
+GOOD, POOR = (0.99, 0.2), (0.533, 208.62)
+
+
+@pytest.mark.parametrize(("first", "second", "force", "saved", "status"), [
+    (GOOD, None, False, "new", 0),  # good at once: saved, measured once
+    (POOR, GOOD, False, "new", 0),  # poor, then good: measured again, saved
+    (POOR, POOR, False, "old", 1),  # stays poor: reported, the good profile kept
+    (POOR, POOR, True, "new", 0),  # unless --force
+])
+def test_a_poor_calibration_is_measured_again_and_does_not_replace_a_good_profile(
+        monkeypatch, tmp_path, capsys, first, second, force, saved, status):
+    from kvcopy import calibrator, cli
+
+    out = tmp_path / "profile.json"
+    _profile_with(*GOOD, date="old").save(out)
+    before = out.read_text()
+    runs = [_profile_with(*first)] + ([_profile_with(*second)] if second else [])
+    monkeypatch.setattr(calibrator, "calibrate", lambda *a, **k: runs.pop(0))
+    args = ["calibrate", "--device", "cpu", "--out", str(out), "--no-progress"] + (["--force"] if force else [])
+    assert cli.main(args) == status
+    captured = capsys.readouterr()
+    assert not runs  # measured twice exactly when the first fit was poor
+    if first == POOR:
+        assert "poor fit (h2h cpu: R^2 0.533, max resid 20862%); measuring again" in captured.err
+    if second == POOR:
+        assert "likely cause is another process" in captured.out
+    assert (out.read_text() == before) == (saved == "old")
+    if saved == "old":
+        assert "kept the good profile" in captured.out and "--force" in captured.out
