@@ -70,7 +70,7 @@ _FULL_GPU = _Sweep((4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 
 _FULL_CPU = _Sweep((4096, 32768, 262144), (1, 4, 16, 64, 256), 256 << 20, 7, (64, 128, 256, 384))
 # Quick: a few shapes, about ten seconds on a 2-core CPU.
 _QUICK_GPU = _Sweep((4096, 32768, 262144), (1, 16, 256), 256 << 20, 5, (512, 2048))
-_QUICK_CPU = _Sweep((4096, 32768, 262144), (1, 8, 64), 64 << 20, 5, (64, 160, 256))
+_QUICK_CPU = _Sweep((4096, 32768, 262144), (1, 8, 64), 64 << 20, 5, (64, 128, 192))
 
 
 def _hardware(device: torch.device) -> dict[str, object]:
@@ -287,7 +287,8 @@ def _time_prefill_round(forward: Callable[[torch.Tensor], torch.Tensor], dtype: 
     seconds = {}
     for tokens in counts:
         x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)
-        seconds[tokens] = measure(lambda x=x: forward(x), warmup=1, repeats=max(3, sweep.repeats // 2),
+        # Few repeats per round: the rounds' minimum is what rejects a slow spell.
+        seconds[tokens] = measure(lambda x=x: forward(x), warmup=1, repeats=max(2, sweep.repeats // 3),
                                   device=device).median
         bar.update()
     return seconds

@@ -215,17 +215,22 @@ class Profile:
 
 
 # A fit is poor when it explains its points this badly: R^2 below this, or a measured point this far (relative)
-# from the line. Lenient on purpose: a per-layer torch loop fits worse than kvcopy's paths on a healthy machine
-# (R^2 ~0.85); what they catch is contention (seen: R^2 0.53, a point 209x off).
+# from the line. What they catch is contention (seen: R^2 0.53, a point 209x off).
 POOR_FIT_R2 = 0.8
 POOR_FIT_RESIDUAL = 1.5
+# Methods whose fit is not judged: the "torch" reference loop is not linear in the bytes even on an idle
+# machine (its index_select temporaries fault pages in: R^2 0.75-0.85 seen on the CPU VM).
+UNJUDGED_METHODS = ("torch",)
 
 
 def fit_problems(profile: Profile) -> list[str]:
-    """The fits of ``profile`` that are poor (POOR_FIT_R2, POOR_FIT_RESIDUAL), described; [] when none is."""
+    """The fits of ``profile`` that are poor (POOR_FIT_R2, POOR_FIT_RESIDUAL; not UNJUDGED_METHODS), described;
+    [] when none is."""
     problems = []
     for direction, methods in sorted(profile.links.items()):
         for method, mp in sorted(methods.items()):
+            if method in UNJUDGED_METHODS:
+                continue
             if mp.fit.r2 < POOR_FIT_R2 or mp.fit.max_abs_residual > POOR_FIT_RESIDUAL:
                 problems.append(f"{direction} {method}: R^2 {mp.fit.r2:.3f}, max resid {mp.fit.max_abs_residual:.0%}")
     if profile.prefill is not None and profile.prefill.r2 < POOR_FIT_R2:

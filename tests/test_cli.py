@@ -419,3 +419,15 @@ def test_a_poor_calibration_is_measured_again_and_does_not_replace_a_good_profil
     assert (out.read_text() == before) == (saved == "old")
     if saved == "old":
         assert "kept the good profile" in captured.out and "--force" in captured.out
+
+
+def test_the_torch_reference_loop_is_not_judged():
+    from kvcopy.profile import LinkFit, MethodProfile, fit_problems
+
+    profile = _profile_with(*GOOD)
+    profile.links["h2h"]["torch"] = MethodProfile(LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7,
+                                                          max_abs_residual=1.0))
+    assert fit_problems(profile) == []
+    profile.links["h2h"]["cpu"] = MethodProfile(LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7,
+                                                        max_abs_residual=1.0))
+    assert fit_problems(profile) == ["h2h cpu: R^2 0.700, max resid 100%"]
