@@ -73,12 +73,17 @@ class BlockOrder:
         self._live = still
         self._opaque = [t for t in self._opaque if not t.done()]
 
+    def unfinished(self) -> list[Transfer]:
+        """The recorded transfers not yet done, in submission order."""
+        self.prune()
+        return [transfer for transfer, _, _ in self._live]
+
     def dependencies(self, reads: Blocks | None, writes: Blocks | None) -> list[Transfer]:
         """The unfinished transfers a new one reading ``reads`` and writing ``writes`` must follow
         (None: blocks unknown, so all of them)."""
-        self.prune()
         if reads is None or writes is None:
-            return [transfer for transfer, _, _ in self._live]
+            return self.unfinished()
+        self.prune()
         found: dict[int, Transfer] = {id(t): t for t in self._opaque}
         for side, blocks in reads.items():
             writer = self._writer[side]

@@ -97,21 +97,22 @@ def _device(text: str | None) -> str | None:
     return text
 
 
-def _non_negative_int(text: str) -> int:
+def _int_from(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_from(text, 0)
 
 
 def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
+    return _int_from(text, 1)
 
 
 def _fraction(text: str) -> float:

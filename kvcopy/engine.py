@@ -118,9 +118,8 @@ class TransferEngine:
         self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
         self.sm_budget = _ops.check_num_ctas(sm_budget, "sm_budget")
         self._method = method
-        self._order = BlockOrder()
-        self._in_flight: list[Transfer] = []
-        self._lock = threading.Lock()  # guards _in_flight and _order: transfers may come from many threads
+        self._order = BlockOrder()  # the transfers in flight, by block
+        self._lock = threading.Lock()  # guards _order: transfers may come from many threads
         self._closed = False
         self._cuda = kv.device.type == "cuda"
         # Resolve once, so that bad methods fail here and not on the first transfer.
@@ -219,7 +218,7 @@ class TransferEngine:
             if self._closed:
                 return
             self._closed = True
-            in_flight, self._in_flight = self._in_flight, []
+            in_flight = self._order.unfinished()
         for transfer in in_flight:
             with contextlib.suppress(Exception):
                 transfer.wait()
@@ -248,8 +247,7 @@ class TransferEngine:
     def num_in_flight(self) -> int:
         """Transfers submitted and not yet seen done."""
         with self._lock:
-            self._in_flight = [t for t in self._in_flight if not t.done()]
-            return len(self._in_flight)
+            return len(self._order.unfinished())
 
     # ----------------------------------------------------------------- submission
 
@@ -287,8 +285,6 @@ class TransferEngine:
                 transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes,
                                             after)
             if not capturing:
-                self._in_flight = [t for t in self._in_flight if not t.done()]
-                self._in_flight.append(transfer)
                 self._order.add(transfer, reads, writes)
         return transfer
 

@@ -11,8 +11,9 @@ to their KV* and moves it:
 - ordering, by construction: a batch that writes device blocks an unfinished
   offload still reads (a new request given the freed blocks, a reload into
   them, a fork's copy) first makes the compute stream wait on that offload's
-  event; a reload that reads host blocks an unfinished offload still writes
-  waits the same way. Everything else overlaps;
+  event; a reload of host blocks an unfinished offload still writes runs
+  after it (the TransferEngine orders its own transfers). Everything else
+  overlaps;
 - reload: one submission per allocator into the blocks transformers' scheduler
   gave the request, which the next forward waits for (an event wait on the
   compute stream; on a CPU the thread waits);
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,20 +113,25 @@ class KvcopyOffloadingManager(OffloadingManager):
         per_block = self.cache.cache_allocators[allocator].bytes_per_block // self._unit
         return {block * per_block + i for block in block_ids for i in range(per_block)}
 
-    def _wait_for_offloads(self, device_units: set[int], host_reads: dict[str, set[int]]) -> None:
-        """Makes the compute stream wait for unfinished offloads that read ``device_units`` or write host
-        blocks in ``host_reads``; forgets finished ones. An offload waited for stays listed until it is
-        done: the host blocks it writes are still in use until then."""
+    def _wait_for_offloads(self, device_units: Callable[[], set[int]]) -> None:
+        """Makes the compute stream wait for unfinished offloads that read any of ``device_units()`` (the
+        memory about to be written; only computed while an offload is in flight); forgets finished ones. An
+        offload waited for stays listed until it is done: the host blocks it writes are in use until then.
+        (A reload of host blocks an offload still writes needs nothing here: the engine orders its own
+        transfers.)"""
         self._offloads = [o for o in self._offloads if not o.transfer.done()]
+        if not self._offloads:
+            return
+        written = device_units()
         with stream_context(self._compute_stream):
             for offload in self._offloads:
-                if offload.device_units & device_units or offload.host_ids & host_reads.get(offload.allocator, set()):
+                if offload.device_units & written:
                     offload.transfer.wait_stream()
 
     def _ordered_fork_copy(self, perform_cache_copy: Any) -> Any:
         def ordered(copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
-            written = set().union(*(self._units(name, dst) for name, (_, dst) in copy_src_and_dst.items()))
-            self._wait_for_offloads(written, {})
+            self._wait_for_offloads(lambda: set().union(
+                *(self._units(name, dst) for name, (_, dst) in copy_src_and_dst.items())))
             perform_cache_copy(copy_src_and_dst)
 
         return ordered
@@ -212,11 +218,9 @@ class KvcopyOffloadingManager(OffloadingManager):
                     restored_blocks = state.position_offset // allocator.tokens_per_page
                     if restored_blocks:
                         future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
-        self._offloads = [o for o in self._offloads if not o.transfer.done()]
-        if self._offloads:  # what this batch writes: every block of its requests (built only when it matters)
-            written = set().union(*(self._units(name, allocators[name].block_table.get(f.state.request_id, []))
-                                    for f in requests_in_batch for name in allocators))
-            self._wait_for_offloads(written, {name: set(ids) for name, ids in host_ids.items()})
+        self._wait_for_offloads(lambda: set().union(  # this batch writes into every block of its requests
+            *(self._units(name, allocators[name].block_table.get(f.state.request_id, []))
+              for f in requests_in_batch for name in allocators)))
         transfers: dict[str, Transfer] = {}
         try:
             with stream_context(self._compute_stream):
