@@ -24,6 +24,8 @@ DEFAULT_CUDA_ARCHS = ("8.0", "9.0", "10.0")  # A100, H100/H200, B200
 CPU_SOURCES = [
     "csrc/bindings.cpp",
     "csrc/fast_path.cpp",
+    "csrc/common/block_ids.cpp",
+    "csrc/ops/check_ids.cpp",
     "csrc/ops/copy_blocks_cpu.cpp",
     "csrc/cpu/block_copy_cpu.cpp",
 ]
@@ -31,6 +33,7 @@ CUDA_SOURCES = [
     "csrc/ops/copy_blocks_cuda.cpp",
     "csrc/kernels/block_copy_kernel.cu",
     "csrc/kernels/block_copy_dma.cpp",
+    "csrc/kernels/dma_baselines.cpp",
 ]
 
 

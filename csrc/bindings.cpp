@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "kvcopy/plane_table.h"
 #include "ops/ops.h"
 
 TORCH_LIBRARY(kvcopy, m) {
@@ -52,7 +53,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   const long with_cuda = 0;
 #endif
   if (PyModule_AddIntConstant(module, "WITH_CUDA", with_cuda) < 0 ||
-      PyModule_AddStringConstant(module, "COMPILER", __VERSION__) < 0) {
+      PyModule_AddStringConstant(module, "COMPILER", __VERSION__) < 0 ||
+      PyModule_AddIntConstant(module, "PLANE_TABLE_COLUMNS", kvcopy::kPlaneTableColumns) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -3,34 +3,36 @@
 //
 // The dispatcher unboxes every plane of a Tensor[] argument (~0.2 us each, so
 // ~25 us for a 64-plane cache). kvcopy's Python layer caches each PagedKV's
-// plane table once ([num_planes, 3] int64: address, block stride, block bytes)
-// and, in eager mode, calls these functions with the tables' addresses. Under
-// torch.compile it calls the registered ops instead. Torch-free.
+// plane table once (kvcopy/plane_table.h) and, in eager mode, calls these
+// functions with the tables' addresses. Under torch.compile it calls the
+// registered ops instead. Torch-free.
 #include <Python.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cpu/block_copy_cpu.h"
+#include "kvcopy/block_ids.h"
 #include "kvcopy/copy_ranges.h"
 #include "kvcopy/plane_copy.h"
+#include "kvcopy/plane_table.h"
 #ifdef KVCOPY_WITH_CUDA
 #include "kernels/block_copy_cuda.h"
+#include "kernels/dma_baselines.h"
 #endif
 
 namespace kvcopy {
 namespace {
-
-// Rows of a PagedKV plane table: address, block stride (bytes), block bytes.
-constexpr int kPlaneTableColumns = 3;
 
 std::vector<PlaneCopy> planes_from_tables(const int64_t* src, const int64_t* dst, int64_t num_planes) {
   std::vector<PlaneCopy> planes(static_cast<size_t>(num_planes));
   for (int64_t p = 0; p < num_planes; ++p) {
     const int64_t* s = src + p * kPlaneTableColumns;
     const int64_t* d = dst + p * kPlaneTableColumns;
-    planes[p] = {reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(s[0])),
-                 reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(d[0])), s[1], d[1], s[2]};
+    planes[p] = {reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(s[kPlaneAddress])),
+                 reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(d[kPlaneAddress])), s[kPlaneBlockStride],
+                 d[kPlaneBlockStride], s[kPlaneBlockBytes]};
   }
   return planes;
 }
@@ -40,20 +42,68 @@ T* as_ptr(unsigned long long address) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
 }
 
-// copy_blocks_cpu(src_table, dst_table, num_planes, src_ids, dst_ids, num_ids, num_threads)
-PyObject* py_copy_blocks_cpu(PyObject*, PyObject* args) {
-  unsigned long long src_table, dst_table, src_ids, dst_ids;
-  long long num_planes, num_ids;
-  int num_threads;
-  if (!PyArg_ParseTuple(args, "KKLKKLi", &src_table, &dst_table, &num_planes, &src_ids, &dst_ids,
-                        &num_ids, &num_threads)) {
+// Sets IndexError / ValueError for `problem` and returns false, or returns true when there is none.
+bool ids_are_valid(const IdProblem& problem, const IdNames& names, int64_t src_len, int64_t src_blocks,
+                   int64_t dst_blocks) {
+  if (problem.kind == IdProblem::kNone) return true;
+  const std::string message = describe(problem, names, src_len, src_blocks, dst_blocks);
+  PyErr_SetString(is_index_problem(problem) ? PyExc_IndexError : PyExc_ValueError, message.c_str());
+  return false;
+}
+
+// check_block_ids(src_ids, src_len, dst_ids, dst_len, src_num_blocks, dst_num_blocks, same_cache,
+//                 src_name, dst_name): IndexError / ValueError naming the argument, or None.
+// Host int64 ids; reads them and nothing else.
+PyObject* py_check_block_ids(PyObject*, PyObject* args) {
+  unsigned long long src_ids, dst_ids;
+  long long src_len, dst_len, src_blocks, dst_blocks;
+  int same_cache;
+  IdNames names;
+  if (!PyArg_ParseTuple(args, "KLKLLLpss", &src_ids, &src_len, &dst_ids, &dst_len, &src_blocks, &dst_blocks,
+                        &same_cache, &names.src, &names.dst)) {
     return nullptr;
   }
+  const IdProblem problem = check_ids(as_ptr<const int64_t>(src_ids), src_len, as_ptr<const int64_t>(dst_ids),
+                                      dst_len, src_blocks, dst_blocks, same_cache != 0);
+  if (!ids_are_valid(problem, names, src_len, src_blocks, dst_blocks)) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// Reads positional int arguments of a METH_FASTCALL call: no format string to parse, which is
+// most of a small call's cost. Returns false with a Python exception set on a bad argument.
+bool read_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected, const char* name, long long* out) {
+  if (nargs != expected) {
+    PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments, got %zd", name, expected, nargs);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    out[i] = PyLong_AsLongLong(args[i]);  // True/False are ints too
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// copy_blocks_cpu(src_table, dst_table, num_planes, src_ids, src_len, dst_ids, dst_len,
+//                 src_num_blocks, dst_num_blocks, same_cache, num_threads)
+// Host to host, ids on the host: checks the ids (as check_block_ids, argument names src_ids and
+// dst_ids), then copies. Nothing is written when a check fails. Addresses are passed as ints.
+PyObject* py_copy_blocks_cpu(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  enum { kSrcTable, kDstTable, kNumPlanes, kSrcIds, kSrcLen, kDstIds, kDstLen, kSrcBlocks, kDstBlocks, kSameCache,
+         kNumThreads, kNumArgs };
+  long long a[kNumArgs];
+  if (!read_ints(args, nargs, kNumArgs, "copy_blocks_cpu", a)) return nullptr;
+  const auto* src_ids = as_ptr<const int64_t>(static_cast<unsigned long long>(a[kSrcIds]));
+  const auto* dst_ids = as_ptr<const int64_t>(static_cast<unsigned long long>(a[kDstIds]));
+  const IdProblem problem =
+      check_ids(src_ids, a[kSrcLen], dst_ids, a[kDstLen], a[kSrcBlocks], a[kDstBlocks], a[kSameCache] != 0);
+  if (!ids_are_valid(problem, IdNames{}, a[kSrcLen], a[kSrcBlocks], a[kDstBlocks])) return nullptr;
+  if (a[kSrcLen] == 0) Py_RETURN_NONE;
   const std::vector<PlaneCopy> planes =
-      planes_from_tables(as_ptr<const int64_t>(src_table), as_ptr<const int64_t>(dst_table), num_planes);
+      planes_from_tables(as_ptr<const int64_t>(static_cast<unsigned long long>(a[kSrcTable])),
+                         as_ptr<const int64_t>(static_cast<unsigned long long>(a[kDstTable])), a[kNumPlanes]);
+  const int num_threads = static_cast<int>(a[kNumThreads]);
   Py_BEGIN_ALLOW_THREADS;
-  copy_blocks_cpu(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                  as_ptr<const int64_t>(dst_ids), num_ids, num_threads);
+  copy_blocks_cpu(planes.data(), a[kNumPlanes], src_ids, dst_ids, a[kSrcLen], num_threads);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
@@ -267,7 +317,9 @@ PyObject* py_destroy_stream(PyObject*, PyObject* args) {
 }  // namespace
 
 PyMethodDef kFastPathMethods[] = {
-    {"copy_blocks_cpu", py_copy_blocks_cpu, METH_VARARGS, "CPU block copy from plane-table addresses."},
+    {"check_block_ids", py_check_block_ids, METH_VARARGS, "Checks host ids: range, repeats, read and written."},
+    {"copy_blocks_cpu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_copy_blocks_cpu)),
+     METH_FASTCALL, "Checked CPU block copy from plane-table addresses."},
     {"plan_copy_ranges", py_plan_copy_ranges, METH_VARARGS, "The byte ranges a copy becomes (plans only)."},
 #ifdef KVCOPY_WITH_CUDA
     {"copy_blocks_cuda", py_copy_blocks_cuda, METH_VARARGS, "SM-kernel block copy from plane-table addresses."},

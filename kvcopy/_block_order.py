@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from .transfer import Transfer
 
-__all__ = ["BlockOrder", "Blocks", "TransferConflictError", "check_caller", "watch"]
+__all__ = ["BlockOrder", "Blocks", "TransferConflictError", "any_watched", "check_caller", "watch"]
 
 Blocks = dict[str, set[int]]  # side ("device" / "host") -> block ids
 SIDES = ("device", "host")
@@ -142,14 +142,31 @@ class BlockOrder:
 
 # --------------------------------------------------------------------------- debug mode: the caller's own work
 
-_watch_lock = threading.Lock()
+_watch_lock = threading.RLock()  # re-entrant: _unwatched may run from a collection inside watch()
 # What debug-mode engines watch: a PagedKV (an engine's cache, or its pool's planes) -> the engines' checks.
 _watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def any_watched() -> bool:
+    """Whether a cache a debug-mode engine watched is still alive (the eager fast path, which skips the caller
+    checks, runs only while none is)."""
+    return _watched_alive[0] > 0
+
+
+_watched_alive = [0]  # caches in _watched, counted without iterating it
+
+
+def _unwatched() -> None:
+    with _watch_lock:
+        _watched_alive[0] -= 1
 
 
 def watch(paged: object, side: str, engine: object) -> None:
     """Debug mode: ``engine``'s transfers use ``paged`` as its ``side``; check the caller's work on it."""
     with _watch_lock:
+        if paged not in _watched:
+            _watched_alive[0] += 1
+            weakref.finalize(paged, _unwatched)
         _watched.setdefault(paged, weakref.WeakKeyDictionary())[engine] = side
 
 

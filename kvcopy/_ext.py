@@ -19,7 +19,11 @@ import torch
 
 from ._version import __version__
 
-__all__ = ["build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
+__all__ = ["TRITON_INTERPRET", "build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
+
+# Whether Triton kernels are interpreted on the CPU (tests): read once, as triton itself decides it when first
+# imported. Set TRITON_INTERPRET=1 before importing kvcopy.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _load() -> tuple[ModuleType | None, str | None]:
@@ -121,7 +125,7 @@ def build_info() -> dict[str, Any]:
         "build_note": recorded.get("reason"),
         "compiler": getattr(module, "COMPILER", None),
         "triton": _triton_version(),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": TRITON_INTERPRET,
         "cuda_available": torch.cuda.is_available(),
     }
 

@@ -17,6 +17,7 @@ import platform
 import time
 import weakref
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -117,8 +118,21 @@ def _unregister(registered: list[int]) -> None:
         registered.clear()
 
 
+class _RegionBytes(np.ndarray):
+    """The region's bytes as a numpy array that holds the region: torch.from_numpy keeps it, and so the
+    region, alive as long as any tensor over the bytes is."""
+
+    region: HostRegion | None = None
+
+    @classmethod
+    def over(cls, mapping: mmap.mmap, nbytes: int, region: HostRegion) -> _RegionBytes:
+        array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes).view(cls)
+        array.region = region
+        return array
+
+
 class HostRegion:
-    """``nbytes`` of host memory as one uint8 tensor (:attr:`tensor`).
+    """``nbytes`` of host memory, as uint8 tensors from :meth:`new_tensor`.
 
     ``pin``: register with CUDA in chunks (RuntimeError without CUDA).
     ``numa_node``: bind the pages to that node first (None: leave to the OS).
@@ -149,11 +163,14 @@ class HostRegion:
             _bind_to_node(self.address, len(self._mapping), numa_node)
         if pin:
             self._register()
-        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes) if nbytes else (
-            torch.empty(0, dtype=torch.uint8)
-        )
         self.pinned = pin
         self.alloc_seconds = time.perf_counter() - started
+
+    def new_tensor(self) -> torch.Tensor:
+        """The region as one uint8 tensor, which keeps the region (and its registration) alive: a GPU copy
+        may still read through a view of it after every other holder is gone."""
+        owner = _RegionBytes.over(self._mapping, self.nbytes, self)
+        return torch.from_numpy(owner)
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()

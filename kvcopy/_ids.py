@@ -1,7 +1,10 @@
 """Block-id normalisation and validation, done before any byte moves.
 
 Host-resident ids (CPU tensors, Python sequences, numpy arrays) are checked in
-full: dtype, shape, range and, for destinations, repeats. Device-resident ids
+full: dtype, shape, range and, for destinations, repeats. The compiled check
+(csrc/include/kvcopy/block_ids.h, used by the ops and the eager fast path)
+reports the same problem first with the same message; tests/test_validation.py
+holds the two to that. Device-resident ids
 (CUDA tensors) are checked for dtype and shape only, because reading their
 values would synchronise the device; the compiled kernels skip any device id
 out of range instead of touching memory outside the cache, and repeated
@@ -104,19 +107,22 @@ def _check_array(values: np.ndarray, name: str, num_blocks: int, *, unique: bool
     if low < 0 or high >= num_blocks:
         raise _range_error(name, num_blocks, low if low < 0 else high)
     if unique:
-        ordered = np.sort(values)
-        repeats = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeats.size:
-            raise _repeat_error(name, int(repeats[0]))
+        _, first_seen = np.unique(values, return_index=True)
+        if first_seen.size != values.size:  # the first id (in order) seen before, as the compiled check reports
+            again = np.ones(values.size, dtype=bool)
+            again[first_seen] = False
+            raise _repeat_error(name, int(values[np.argmax(again)]))
 
 
-def check_disjoint(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
-    """Within one cache, no block may be both read and written: the result would depend on copy order."""
+def check_disjoint(src_ids: torch.Tensor, dst_ids: torch.Tensor, name: str = "dst_ids") -> None:
+    """Within one cache, no block may be both read and written: the result would depend on copy order.
+    Reports the first source id (in order) that is also a destination, as the compiled check does."""
     if torch.compiler.is_compiling() or src_ids.numel() == 0:
         return
-    both = np.intersect1d(src_ids.numpy(), dst_ids.numpy())
+    src = src_ids.numpy()
+    both = src[np.isin(src, dst_ids.numpy())]
     if both.size:
         raise ValueError(
-            f"dst_ids: block {int(both[0])} is both a source and a destination within one cache; "
+            f"{name}: block {int(both[0])} is both a source and a destination within one cache; "
             f"copy in two calls or through a spare block"
         )

@@ -13,12 +13,12 @@ timed over several token counts and fitted the same way.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import _ext
 from ._progress import progress_bar
 from .fit import LinearFit, fit_alpha_beta
 from .host import HostKVPool
@@ -95,7 +95,7 @@ def _pairs(device: torch.device, block_nbytes: int, num_blocks: int) -> dict[str
 
 def _methods_to_time(src: PagedKV, dst: PagedKV, wanted: Sequence[str] | None) -> list[str]:
     methods = available_methods(src, dst)
-    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in methods:
+    if _ext.TRITON_INTERPRET and "triton" in methods:
         methods.remove("triton")  # the interpreter is a test mode, not a copy method worth timing
     return [m for m in methods if wanted is None or m in wanted]
 
@@ -228,7 +228,9 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
     the floor is within the fixed cost: no weight-read bound measurable). Each
     count is timed in PREFILL_ROUNDS interleaved rounds and keeps its fastest;
     when the fit fails or misses a point by more than PREFILL_REFIT_RESIDUAL,
-    one more round is timed.
+    one more round is timed; if timings still do not grow with the token count
+    (a busy machine), the largest count's rate stands in, with R^2 0 so that
+    the calibration is reported as poor rather than failing.
     """
     forward, executed_flops, dtype, weight_bytes = _layer_forward(spec, device)
     counts = tuple(sweep.prefill_tokens)
@@ -260,8 +262,8 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
         one_round(bar)
         bar.close()
         fit = compute_fit()
-        if fit is None:
-            raise ValueError("prefill timings did not grow with the token count, twice; is the machine busy?")
+        if fit is None:  # still no growth with the token count: a busy machine. Kept, and reported as poor.
+            fit = _through_origin(flops[-1], best[counts[-1]])
     memory_s = min(best[t] for t in PREFILL_FLOOR_TOKENS) - fit.alpha
     return PrefillProfile(
         model=spec.name,
@@ -272,6 +274,12 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
         weight_bytes_per_s=weight_bytes / memory_s if memory_s > 0 else None,
         num_layers=spec.num_layers,
     )
+
+
+def _through_origin(flops: float, seconds: float) -> LinearFit:
+    """The largest count's rate with no fixed cost, when timings gave no line: R^2 0, so fit_problems reports
+    it and calibrate neither trusts nor saves it over a good profile (unless --force)."""
+    return LinearFit(alpha=0.0, beta=flops / seconds, r2=0.0, residuals=(1.0,))
 
 
 def _prefill_fit(flops: list[float], seconds: list[float]) -> LinearFit | None:

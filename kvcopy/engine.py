@@ -40,12 +40,14 @@ import weakref
 
 import torch
 
-from . import _ext
-from . import ops as _ops
+from . import _ext, dispatch
 from ._block_order import BlockOrder, Blocks, TransferConflictError, watch
 from ._ids import BlockIds
 from .host import HostKVPool
 from .layout import PagedKV
+from .methods.registry import CopyMethod
+from .methods.sm_budget import check_num_ctas
+from .methods.staging import ids_on
 from .profile import Profile
 from .transfer import CudaSignal, ThreadSignal, Transfer
 
@@ -111,12 +113,12 @@ class TransferEngine:
             raise TypeError(f"kv: expected a PagedKV, got {type(kv).__name__}")
         if not isinstance(host, HostKVPool):
             raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-        _ops._check_pair(kv, host.paged)
+        dispatch.check_pair(kv, host.paged)
         self.kv = kv
         self.host = host
         self.profile = profile
         self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
-        self.sm_budget = _ops.check_num_ctas(sm_budget, "sm_budget")
+        self.sm_budget = check_num_ctas(sm_budget, "sm_budget")
         self._method = method
         self._order = BlockOrder()  # the transfers in flight, by block
         self._lock = threading.Lock()  # guards _order: transfers may come from many threads
@@ -124,7 +126,7 @@ class TransferEngine:
         self._cuda = kv.device.type == "cuda"
         # Resolve once, so that bad methods fail here and not on the first transfer.
         for src, dst in ((kv, host.paged), (host.paged, kv)):
-            _ops._resolve(method, src, dst, host_ids=True)
+            dispatch.resolve(method, src, dst, host_ids=True)
         for i in range(kv.num_layers):  # layer views (and their plane tables) made now, off the hot path
             kv.layer(i), host.paged.layer(i)
         if self.debug:
@@ -264,9 +266,9 @@ class TransferEngine:
     ) -> Transfer:
         if self._closed:
             raise RuntimeError(f"{direction}: this TransferEngine is closed")
-        src_t, dst_t, host_ids = _ops._prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
+        src_t, dst_t, host_ids = dispatch.prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        method = _ops._resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
+        method = dispatch.resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
                                num_blocks=src_t.numel(), profile=self.profile)
         # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
         num_blocks = src_t.numel()
@@ -304,13 +306,13 @@ class TransferEngine:
         with self._lock:
             return self._order.conflict(side, blocks, writes=writes, stream=stream)
 
-    def _copy(self, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
+    def _copy(self, method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
               layer: int | None) -> None:
         if layer is not None:
             src, dst = src.layer(layer), dst.layer(layer)
-        _ops._run(method, src, src_ids, dst, dst_ids, self.sm_budget)
+        dispatch.run(method, src, src_ids, dst, dst_ids, self.sm_budget)
 
-    def _submit_cuda(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
+    def _submit_cuda(self, direction: str, method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
                      dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
                      capturing: bool, after: list[Transfer]) -> Transfer:
         stream = self._stream_for(direction, capturing)
@@ -325,8 +327,8 @@ class TransferEngine:
             if ids.is_cuda:  # made or given on the caller's stream, read on the copy stream: keep them until then
                 ids.record_stream(stream)
         with torch.cuda.stream(stream):
-            if method in ("cuda", "triton"):  # staged once on the copy stream, shared by every layer
-                src_ids, dst_ids = _ops._ids_on(src_ids, dst_ids, self.kv.device)
+            if method.stages_ids:  # staged once on the copy stream, shared by every layer
+                src_ids, dst_ids = ids_on(src_ids, dst_ids, self.kv.device)
             # Timing events are not recorded inside a graph capture: elapsed stays None there.
             timer = None if capturing else (self._timing_events.get(), self._timing_events.get())
             if timer:
@@ -352,7 +354,7 @@ class TransferEngine:
             weakref.finalize(transfer, self._timing_events.put, list(timer))
         return transfer
 
-    def _submit_cpu(self, direction: str, method: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
+    def _submit_cpu(self, direction: str, method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
                     dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
                     after: list[Transfer]) -> Transfer:
         # The worker reads the ids later, and the caller may reuse its id buffers as soon as this returns.

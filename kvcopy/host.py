@@ -70,17 +70,12 @@ class HostKVPool:
             warnings.warn(f"HostKVPool: could not bind to the GPU's NUMA node {node} ({err}); left to the OS",
                           stacklevel=2)
             self._region = HostRegion(nbytes, pin=pin, numa_node=None)
-        self.buffer: torch.Tensor = self._region.tensor
+        self.buffer: torch.Tensor = self._region.new_tensor()  # keeps the region alive, and its views do
         self.allocator = BlockAllocator(num_blocks)
         planes = _page_first_planes(self.buffer, like, num_blocks) if layout == "page_first" else (
             _layer_first_planes(self.buffer, like, num_blocks)
         )
-        self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer)
-        self.paged._pinned = pin  # known here; spares a per-plane query
-        # Views keep the memory registered: dropping the pool but keeping .paged or .buffer must not unpin
-        # what a GPU copy may still read (the region unpins when its last holder goes).
-        self.paged._region = self._region
-        self.buffer._kvcopy_region = self._region
+        self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=self._region)
         if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
             self.paged.plane_table_on(like.device)
 
@@ -125,7 +120,6 @@ class HostKVPool:
         The memory itself is released when no tensor over it is left.
         """
         self._region.close()
-        self.paged._pinned = False
 
     def __enter__(self) -> HostKVPool:
         return self

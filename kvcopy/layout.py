@@ -2,16 +2,32 @@
 
 A *plane* is a tensor whose first dimension indexes blocks and whose block
 ``plane[i]`` is one contiguous run of bytes. Every engine layout reduces to a
-list of planes with the same block count on one device (shared/DESIGN.md §2).
+list of planes with the same block count on one device (docs/architecture.md).
+
+The compiled code sees a PagedKV through its *plane table*: one int64 row per
+plane with the columns PLANE_TABLE_COLUMNS (csrc/include/kvcopy/plane_table.h
+names the same columns for C++).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-__all__ = ["PagedKV"]
+__all__ = ["PLANE_TABLE_COLUMNS", "HostMemory", "PagedKV"]
+
+# The plane table's columns, in order: block 0's address, bytes from one block to the next, bytes of one block.
+PLANE_TABLE_COLUMNS = ("address", "block_stride", "block_nbytes")
+PLANE_ADDRESS, PLANE_BLOCK_STRIDE, PLANE_BLOCK_BYTES = range(len(PLANE_TABLE_COLUMNS))
+
+
+class HostMemory(Protocol):
+    """The host allocation a PagedKV's planes view (kvcopy._host_memory.HostRegion): whether it is pinned now."""
+
+    @property
+    def pinned(self) -> bool: ...
 
 
 def _block_numel(plane: torch.Tensor) -> int:
@@ -59,7 +75,9 @@ class PagedKV:
     :meth:`from_flashinfer` or :meth:`from_mla`.
     """
 
-    def __init__(self, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1) -> None:
+    def __init__(
+        self, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1, memory: HostMemory | None = None
+    ) -> None:
         planes = tuple(planes)
         if not planes:
             raise ValueError("planes: expected at least one plane, got none")
@@ -86,6 +104,7 @@ class PagedKV:
         for value in self._plane_table.view(-1).tolist():
             low_bits |= value
         self._alignment = low_bits & -low_bits
+        self._memory = memory  # the allocation the planes view, when kvcopy made it: it says whether it is pinned
         self._pinned: bool | None = None
         self._layers: list[PagedKV] | None = None
 
@@ -163,11 +182,11 @@ class PagedKV:
         if self._layers is None:
             ppl = self.planes_per_layer
             self._layers = [
-                PagedKV(self._planes[i * ppl : (i + 1) * ppl], planes_per_layer=ppl) for i in range(self.num_layers)
+                PagedKV(self._planes[i * ppl : (i + 1) * ppl], planes_per_layer=ppl, memory=self._memory)
+                for i in range(self.num_layers)
             ]
             for i, layer in enumerate(self._layers):  # share what the whole cache already knows
                 layer._pinned = self._pinned
-                layer._parent = self  # a layer view keeps the whole cache (and a pool's memory) alive
                 layer._plane_tables_on.update({d: t[i * ppl : (i + 1) * ppl] for d, t in self._plane_tables_on.items()})
         return self._layers[index]
 
@@ -195,7 +214,7 @@ class PagedKV:
 
     @property
     def plane_table(self) -> torch.Tensor:
-        """Host int64 ``[num_planes, 3]``: block-0 address, block stride (bytes), block bytes.
+        """Host int64 ``[num_planes, len(PLANE_TABLE_COLUMNS)]``: block-0 address, block stride, block bytes.
 
         What the compiled kernels read. Computed at construction: planes must
         not be resized or re-pointed (``set_``) while this PagedKV is in use.
@@ -219,7 +238,10 @@ class PagedKV:
 
     @property
     def is_pinned(self) -> bool:
-        """True when every plane is in page-locked host memory (False on a GPU); asked once."""
+        """True when every plane is in page-locked host memory (False on a GPU); asked once, or of the
+        allocation kvcopy made for the planes (a HostKVPool's, False once the pool is closed)."""
+        if self._memory is not None:
+            return self._memory.pinned
         if self._pinned is None:
             on_host = self.device.type == "cpu" and torch.cuda.is_available()
             self._pinned = on_host and all(p.is_pinned() for p in self._planes)

@@ -245,11 +245,19 @@ def direction_of(src_device_type: str, dst_device_type: str) -> str:
 
 
 _default: dict[str, Profile | None] = {}
+# Bumped whenever the default profile changes, so choices cached from the old one are dropped (kvcopy.dispatch).
+_default_generation = [0]
+
+
+def default_profile_generation() -> int:
+    """A number that changes whenever :func:`set_default_profile` is called."""
+    return _default_generation[0]
 
 
 def set_default_profile(profile: Profile | None) -> None:
     """The profile ``method="auto"`` consults when no engine-specific one is given (None: none)."""
     _default["profile"] = profile
+    _default_generation[0] += 1
 
 
 def default_profile() -> Profile | None:

@@ -11,18 +11,13 @@ means fewer memcpys and DMA descriptors: that is what merging buys.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Union
+from typing import Literal, NamedTuple
 
 from . import _ext
 from ._ids import BlockIds
-from .host import HostKVPool
-from .layout import PagedKV
-from .ops import _as_paged, _check_pair, _prepare_pair
+from .dispatch import KVLike, as_paged, check_pair, prepare_pair
 
 __all__ = ["ByteRange", "copy_ranges"]
-
-KVLike = Union[PagedKV, HostKVPool]
-
 
 class ByteRange(NamedTuple):
     """One contiguous copy: ``nbytes`` from address ``src`` to address ``dst``."""
@@ -44,9 +39,9 @@ def copy_ranges(
     """
     if method not in ("cpu", "copy_engine"):
         raise ValueError(f"method: expected 'cpu' or 'copy_engine' (the methods that plan ranges), got {method!r}")
-    src_kv, dst_kv = _as_paged(src, "src"), _as_paged(dst, "dst")
-    _check_pair(src_kv, dst_kv)
-    src_t, dst_t, host_ids = _prepare_pair(src_kv, src_ids, dst_kv, dst_ids)
+    src_kv, dst_kv = as_paged(src, "src"), as_paged(dst, "dst")
+    check_pair(src_kv, dst_kv)
+    src_t, dst_t, host_ids = prepare_pair(src_kv, src_ids, dst_kv, dst_ids)
     if not host_ids:
         raise ValueError("src_ids/dst_ids: expected ids on the host: the planner reads them there")
     module = _ext.extension()

@@ -1,6 +1,6 @@
 """Helpers for the TransferEngine tests on CPU: a gate that holds the engine's worker threads.
 
-The engine's CPU workers call ``kvcopy.ops._run`` for every copy (once per
+The engine's CPU workers call ``kvcopy.dispatch.run`` for every copy (once per
 transfer, or once per layer of a layer-wise reload). :class:`Gate` replaces it
 with a wrapper that records each call and, for the calls it is told to hold,
 waits until the test releases them: transfers are then "in flight"
@@ -34,7 +34,7 @@ def writes_into(region_owner) -> Callable:
 
 
 class Gate:
-    """Wraps kvcopy.ops._run: records calls; the calls ``hold`` selects wait until released."""
+    """Wraps kvcopy.dispatch.run: records calls; the calls ``hold`` selects wait until released."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: Callable | None = None) -> None:
         self.calls: list[tuple] = []  # (src, dst), in the order the workers reached them
@@ -45,7 +45,7 @@ class Gate:
         self._open = False
         self._waiting = 0
         self.fail: Callable | None = None  # (src, dst) -> exception to raise instead of copying, or None
-        real = kvcopy.ops._run
+        real = kvcopy.dispatch.run
 
         def run(method, src, src_ids, dst, dst_ids, num_ctas=None):
             with self._cond:
@@ -69,7 +69,7 @@ class Gate:
                 self.finished += 1
                 self._cond.notify_all()
 
-        monkeypatch.setattr(kvcopy.ops, "_run", run)
+        monkeypatch.setattr(kvcopy.dispatch, "run", run)
 
     def release(self, n: int = 1) -> None:
         """Lets ``n`` more held calls through."""

@@ -1,7 +1,7 @@
 """TransferEngine and Transfer on CPU: ordering, round trips, layer-wise reloads, threads, errors, close, leaks.
 
 On CPU the engine runs one worker thread per direction. To hold transfers in
-flight deterministically the tests wrap ``kvcopy.ops._run`` (what the workers
+flight deterministically the tests wrap ``kvcopy.dispatch.run`` (what the workers
 call for each copy) with a gate (tests/engine_helpers.py).
 """
 

@@ -98,14 +98,14 @@ def test_ordering_holds_when_the_first_copy_is_slow(engines, monkeypatch):
 
     kv, pool = _setup(8)
     eng = engines(kv, pool)
-    real = kvcopy.ops._run
+    real = kvcopy.dispatch.run
 
     def slow(method, src, src_ids, dst, dst_ids, num_ctas=None):
         if src is eng.kv:
             time.sleep(0.2)  # the offload is slow; the reload worker is idle and would run first
         real(method, src, src_ids, dst, dst_ids, num_ctas)
 
-    monkeypatch.setattr(kvcopy.ops, "_run", slow)
+    monkeypatch.setattr(kvcopy.dispatch, "run", slow)
     expected = reference_copy(kv, [4, 5], kv, [9, 10])  # blocks 4, 5 land in 9, 10 through host blocks 0, 1
     out = eng.offload([4, 5], [0, 1])
     back = eng.reload([0, 1], [9, 10])

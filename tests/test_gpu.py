@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.ops import HOST_LINK_CTA_BUDGET
+from kvcopy.methods import HOST_LINK_CTA_BUDGET
 from conftest import (
     HAS_CUDA,
     as_id_list,

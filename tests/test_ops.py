@@ -105,7 +105,7 @@ def test_op_rejects_non_int64_ids(name, gen):
     for bad in (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([[0, 1]]), torch.tensor([0, 1, 2, 3])[::2]):
         with pytest.raises(RuntimeError):
             _op(name)(*_op_args(name, src, bad, dst, torch.tensor([2, 3])))
-    with pytest.raises(RuntimeError):  # length mismatch
+    with pytest.raises(ValueError, match=r"dst_ids: expected as many ids as src_ids \(2\), got 1"):
         _op(name)(*_op_args(name, src, torch.tensor([0, 1]), dst, torch.tensor([2])))
     assert_same_bytes([byte_rows(p) for p in dst], before)
 
@@ -251,7 +251,7 @@ def test_check_block_ids_rejects_bad_id_tensors():
             torch.ops.kvcopy.check_block_ids(bad, good, 6, 7)
         with pytest.raises(RuntimeError):
             torch.ops.kvcopy.check_block_ids(good, bad, 6, 7)
-    with pytest.raises(RuntimeError):  # length mismatch
+    with pytest.raises(ValueError, match="as many ids"):
         torch.ops.kvcopy.check_block_ids(good, torch.tensor([2]), 6, 7)
 
 

@@ -586,15 +586,15 @@ def _cpu_pair(seed=0, num_blocks=10, host_blocks=12):
 
 @pytest.fixture
 def record_methods(monkeypatch):
-    """The methods kvcopy.ops._run is called with (the real copy still runs)."""
+    """The methods kvcopy.dispatch.run is called with (the real copy still runs)."""
     seen: list[str] = []
-    real = kvcopy.ops._run
+    real = kvcopy.dispatch.run
 
     def run(method, src, src_ids, dst, dst_ids, num_ctas=None):
-        seen.append(method)
+        seen.append(method.name)
         real(method, src, src_ids, dst, dst_ids, num_ctas)
 
-    monkeypatch.setattr(kvcopy.ops, "_run", run)
+    monkeypatch.setattr(kvcopy.dispatch, "run", run)
     return seen
 
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy import _ext, methods, ops
+from kvcopy import _ext, methods
+from kvcopy import dispatch
+from kvcopy.methods import builtin, pairs, sm_budget
 from conftest import make_layout
 
 
@@ -41,11 +43,11 @@ def test_num_ctas_reaches_the_kernel_launch(monkeypatch):
     for device-to-device copies. Checked at the boundary to the compiled code, which needs a GPU to run."""
     host = SimpleNamespace(device=torch.device("cpu"))
     gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    assert ops._cta_budget(gpu, host, None) == ops.HOST_LINK_CTA_BUDGET
-    assert ops._cta_budget(gpu, gpu, None) == 0
-    assert ops._cta_budget(gpu, host, 24) == 24
+    assert sm_budget.cta_budget(gpu, host, None) == sm_budget.HOST_LINK_CTA_BUDGET
+    assert sm_budget.cta_budget(gpu, gpu, None) == 0
+    assert sm_budget.cta_budget(gpu, host, 24) == 24
     seen = []
-    monkeypatch.setattr(ops, "_run", lambda method, src, src_ids, dst, dst_ids, num_ctas=None: seen.append(num_ctas))
+    monkeypatch.setattr(dispatch, "run", lambda method, src, src_ids, dst, dst_ids, num_ctas=None: seen.append(num_ctas))
     kv, pool = _pair()
     kvcopy.copy_blocks(kv, [1], pool, [0], num_ctas=8)
     with kvcopy.TransferEngine(kv, pool, sm_budget=12) as engine:
@@ -56,10 +58,11 @@ def test_num_ctas_reaches_the_kernel_launch(monkeypatch):
 def test_without_host_pointer_reads_the_sm_kernels_are_not_offered(monkeypatch):
     host = SimpleNamespace(device=torch.device("cpu"), is_pinned=True, block_nbytes=(4096,))
     gpu = SimpleNamespace(device=torch.device("cuda", 0), block_nbytes=(4096,))
-    monkeypatch.setattr(methods, "_pair_problem", lambda src, dst: None)  # a stand-in: a GPU and a pinned pool
+    for module in (builtin, pairs):  # a stand-in: a GPU and a pinned pool
+        monkeypatch.setattr(module, "pair_problem", lambda src, dst: None)
     monkeypatch.setattr(_ext, "has_cuda_kernels", lambda: True)
     monkeypatch.setattr(_ext, "triton_available", lambda: True)
-    monkeypatch.setattr(methods, "_TRITON_INTERPRET", False)
+    monkeypatch.setattr(_ext, "TRITON_INTERPRET", False)
     monkeypatch.setattr(_ext, "kernels_read_host_pointers", lambda device: True)
     assert methods.available_methods(host, gpu) == ["torch", "triton", "cuda", "copy_engine"]
     monkeypatch.setattr(_ext, "kernels_read_host_pointers", lambda device: False)  # the attribute is 0 here

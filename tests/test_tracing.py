@@ -14,16 +14,17 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from kvcopy import ops
+from kvcopy import dispatch
+from kvcopy.methods import staging
 from conftest import make_layout
 
 
 def test_capture_query_is_not_traced(monkeypatch):
     kv = make_layout("vllm", 4, torch.bfloat16, torch.Generator().manual_seed(0), num_layers=1)
-    monkeypatch.setattr(ops, "_uses_cuda", lambda src, dst: True)  # a stand-in for a cache on a GPU
+    monkeypatch.setattr(dispatch, "uses_cuda", lambda src, dst: True)  # a stand-in for a cache on a GPU
 
     def traced(x: torch.Tensor) -> torch.Tensor:
-        return x + 1 if ops._capturing(kv, kv) else x * 2
+        return x + 1 if dispatch.capturing(kv, kv) else x * 2
 
     out = torch.compile(traced, fullgraph=True, backend="eager")(torch.ones(2))
     assert torch.equal(out, torch.full((2,), 2.0))  # chosen as outside a capture
@@ -36,7 +37,7 @@ def test_host_ids_are_staged_for_the_gpu_without_pinning_while_tracing():
         with pytest.raises(AssertionError, match="pin_memory"):  # what fake tensors say to pinning
             src_ids.pin_memory()
         with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-            src_on, dst_on = ops._ids_on(src_ids, dst_ids, torch.device("cuda", 0))
+            src_on, dst_on = staging.ids_on(src_ids, dst_ids, torch.device("cuda", 0))
     assert isinstance(src_on, FakeTensor) and src_on.device == torch.device("cuda", 0)
     assert dst_on.shape == (2,) and dst_on.device == torch.device("cuda", 0)
 
@@ -47,6 +48,6 @@ def test_pinned_ids_are_copied_before_the_asynchronous_copy(monkeypatch):
     ids = torch.tensor([5, 6], dtype=torch.int64)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self is ids)  # a stand-in: "already pinned"
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: staged.append(self) or self)
-    out = ops._staged(ids)
+    out = staging.staged(ids)
     assert staged and staged[0] is not ids and torch.equal(staged[0], ids)
     assert out is not ids

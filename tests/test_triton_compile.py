@@ -36,7 +36,7 @@ SIGNATURE = {
 def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     if not hasattr(triton, "compile"):
         pytest.skip("this triton has no ahead-of-time compile entry point")
-    from kvcopy.triton_copy import _STEP_ELEMENTS, _block_copy_kernel
+    from kvcopy.methods.triton_kernel import _STEP_ELEMENTS, _block_copy_kernel
 
     kernel = _block_copy_kernel
     if not isinstance(kernel, triton.runtime.JITFunction):  # under TRITON_INTERPRET=1: wrap the Python source
@@ -58,7 +58,7 @@ def test_runtime_sizes_are_not_specialised() -> None:
     id counts, plane counts or pool sizes never compile the kernel again on the hot path."""
     import inspect
 
-    from kvcopy.triton_copy import UNSPECIALIZED_ARGS, _block_copy_kernel
+    from kvcopy.methods.triton_kernel import UNSPECIALIZED_ARGS, _block_copy_kernel
 
     parameters = inspect.signature(_block_copy_kernel.fn).parameters
     runtime_ints = [name for name in parameters if not name.endswith("_ptr") and SIGNATURE[name] != "constexpr"]
@@ -72,7 +72,7 @@ def test_small_plane_blocks_get_more_programs_over_the_host_link(plane_block: in
     import torch
 
     import kvcopy
-    from kvcopy.triton_copy import DEVICE_PROGRAMS, programs_for
+    from kvcopy.methods.triton_kernel import DEVICE_PROGRAMS, programs_for
 
     kv = kvcopy.PagedKV.from_planes([torch.empty(4, plane_block, dtype=torch.uint8)])
     host = kvcopy.PagedKV.from_planes([torch.empty(4, plane_block, dtype=torch.uint8, device="meta")])

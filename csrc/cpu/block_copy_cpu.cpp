@@ -119,24 +119,6 @@ void finish_streaming(bool streaming) {
 
 }  // namespace
 
-IdProblem check_ids(const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
-                    int64_t src_num_blocks, int64_t dst_num_blocks, bool same_cache) {
-  for (int64_t i = 0; i < num_ids; ++i) {
-    if (src_ids[i] < 0 || src_ids[i] >= src_num_blocks) return {IdProblem::kSrcOutOfRange, src_ids[i]};
-    if (dst_ids[i] < 0 || dst_ids[i] >= dst_num_blocks) return {IdProblem::kDstOutOfRange, dst_ids[i]};
-  }
-  if (num_ids < 2 && !same_cache) return {};
-  std::vector<bool> written(static_cast<size_t>(dst_num_blocks));
-  for (int64_t i = 0; i < num_ids; ++i) {
-    if (written[dst_ids[i]]) return {IdProblem::kDstRepeated, dst_ids[i]};
-    written[dst_ids[i]] = true;
-  }
-  for (int64_t i = 0; same_cache && i < num_ids; ++i) {
-    if (written[src_ids[i]]) return {IdProblem::kReadAndWritten, src_ids[i]};
-  }
-  return {};
-}
-
 void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                      const int64_t* dst_ids, int64_t num_ids, int num_threads) {
   if (num_ids <= 0 || num_planes <= 0) return;

@@ -24,10 +24,6 @@ int64_t plane_table_capacity(int64_t num_planes);
 // current device. For tests and benchmarks.
 cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas);
 
-// CTAs the SM kernel uses when a host buffer is on one side: a few CTAs
-// saturate PCIe, and decode keeps every other SM (shared/REFERENCE.md).
-constexpr int kHostLinkCtaBudget = 4;
-
 // SM kernel: every (block, plane) pair, in chunks of at most 32 KiB, is copied
 // by one warp with the widest vector accesses (up to 16 B) its alignment allows. `src_ids`/`dst_ids` are device (or
 // mapped pinned host) pointers of length num_ids. Ids outside
@@ -53,14 +49,5 @@ cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
 // Side streams the copy-engine path holds for host threads that submitted on the legacy default
 // stream (one per thread and device, destroyed when the thread exits). For tests.
 int64_t dma_side_streams_alive();
-
-// Baselines for benchmarks: the same copies, one range per (block, plane) with
-// nothing merged, submitted either as one cudaMemcpyBatchAsync (the batched
-// call without kvcopy's coalescing) or as one cudaMemcpyAsync each (vLLM's
-// old swap_blocks). Same pointer contract as submit_block_copy_dma.
-enum class DmaBaseline : int { kPerBlockMemcpy = 0, kUnmergedBatch = 1 };
-cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes,
-                                           const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
-                                           DmaBaseline baseline, cudaStream_t stream);
 
 }  // namespace kvcopy

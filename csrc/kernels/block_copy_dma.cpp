@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "block_copy_cuda.h"
+#include "dma_submit.h"
 #include "kvcopy/copy_ranges.h"
 
 namespace kvcopy {
@@ -29,22 +30,6 @@ DmaCopies plan_dma(const std::vector<CopyRange>& ranges) {
     copies.sizes.push_back(static_cast<size_t>(range.nbytes));
   }
   return copies;
-}
-
-// One range per (block, plane), nothing merged: what a caller without
-// kvcopy's range planner submits. For the baselines only.
-std::vector<CopyRange> block_by_block_ranges(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                             const int64_t* dst_ids, int64_t num_ids) {
-  std::vector<CopyRange> ranges;
-  ranges.reserve(static_cast<size_t>(num_ids * num_planes));
-  for (int64_t i = 0; i < num_ids; ++i) {
-    for (int64_t p = 0; p < num_planes; ++p) {
-      const PlaneCopy& plane = planes[p];
-      ranges.push_back({plane.src + src_ids[i] * plane.src_stride, plane.dst + dst_ids[i] * plane.dst_stride,
-                        plane.nbytes});
-    }
-  }
-  return ranges;
 }
 
 cudaError_t submit_one_by_one(const DmaCopies& copies, cudaStream_t stream) {
@@ -150,18 +135,14 @@ int64_t dma_side_streams_alive() { return g_side_streams_alive.load(); }
 cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                                   const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  DmaCopies copies =
-      plan_dma(split_at_registrations(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids)));
-  return submit_batched(copies, stream);
+  return submit_copy_ranges(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids), /*batched=*/true,
+                            stream);
 }
 
-cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                           const int64_t* dst_ids, int64_t num_ids, DmaBaseline baseline,
-                                           cudaStream_t stream) {
-  if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  DmaCopies copies =
-      plan_dma(split_at_registrations(block_by_block_ranges(planes, num_planes, src_ids, dst_ids, num_ids)));
-  return baseline == DmaBaseline::kUnmergedBatch ? submit_batched(copies, stream) : submit_one_by_one(copies, stream);
+cudaError_t submit_copy_ranges(const std::vector<CopyRange>& ranges, bool batched, cudaStream_t stream) {
+  if (ranges.empty()) return cudaSuccess;
+  DmaCopies copies = plan_dma(split_at_registrations(ranges));
+  return batched ? submit_batched(copies, stream) : submit_one_by_one(copies, stream);
 }
 
 }  // namespace kvcopy

@@ -4,7 +4,7 @@
 
 #include "../kernels/block_copy_cuda.h"
 #include "ops.h"
-#include "plane_table.h"
+#include "aten_planes.h"
 
 namespace kvcopy {
 namespace {

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _ext
-from .._torch_copy import word_views
+from ..methods.torch_method import word_views
 from ..layout import PagedKV
 
 __all__ = ["per_layer_index_loop", "per_block_copy_loop", "dma_baseline", "contiguous_copy", "DMA_BASELINES"]

@@ -8,8 +8,10 @@ kvcopy.timing:
 - ``count_sweep``: llama8b-16 at each of ``counts`` blocks (1 to thousands);
 - ``size_sweep``: Llama-3.1-8B's cache at each of ``block_tokens`` tokens per
   block (plane-blocks of 2 KiB per token), at ``sweep_blocks`` blocks;
-- ``fixed_cost``: one block of 64 planes of 256 B per call, whose time is the
-  fixed cost of a call (``fixed_cost=True``).
+- ``fixed_cost``: one block per call of 64 planes of 256 B (the fixed cost of a
+  call that plans and launches 64 copies), and of one plane of 32 KiB, whose
+  time over a bare copy_ of the same 32 KiB (the row's limit) is kvcopy's
+  call overhead (``fixed_cost=True``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import contextlib
 import functools
 import gc
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,16 +27,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _ext
-from .._torch_copy import word_views
+from ..methods.torch_method import word_views
 from ..host import HostKVPool
 from ..layout import PagedKV
 from ..ops import available_methods, copy_blocks
 from ..profile import Profile, direction_of
 from ..timing import COLD_BYTES, measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
-from .workloads import DEFAULT_WORKLOAD, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
+from .workloads import DEFAULT_WORKLOAD, ONE_PLANE_32K, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
 
-__all__ = ["BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT",
+__all__ = ["AUTO", "BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT",
            "PER_LAYER_LOOP", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
 
 LIMIT = "contiguous copy (limit)"
@@ -203,14 +204,20 @@ def _synchronize(src: PagedKV, dst: PagedKV) -> None:
             torch.cuda.synchronize(device)
 
 
+AUTO = "kvcopy auto"
+
+
 def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-             device: torch.device) -> dict[str, Callable[[], object]]:
-    """Every kvcopy method that can run here, then the baselines, as calls to time."""
+             device: torch.device, *, with_auto: bool = False) -> dict[str, Callable[[], object]]:
+    """Every kvcopy method that can run here (and with ``with_auto`` what "auto" picks, with the default
+    profile), then the baselines, as calls to time."""
     calls: dict[str, Callable[[], object]] = {}
+    if with_auto:
+        calls[AUTO] = functools.partial(copy_blocks, src, src_ids, dst, dst_ids)
     for method in available_methods(src, dst):
         if method == "torch":
             continue  # the per-layer index loop below is the same code
-        if method == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        if method == "triton" and _ext.TRITON_INTERPRET:
             continue  # the interpreter is a test mode, not a copy method worth timing
         calls[f"kvcopy {method}"] = functools.partial(copy_blocks, src, src_ids, dst, dst_ids, method=method)
     calls[PER_LAYER_LOOP] = functools.partial(per_layer_index_loop, src, src_ids.to(src.device), dst,
@@ -266,7 +273,7 @@ def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
         pairs = [(c, h) if gather else (h, c) for c, h in id_sets]  # (src ids, dst ids) per set
         calls = {LIMIT: [contiguous_copy(*(pair if gather else pair[::-1])) for pair in flats]}
         for s_ids, d_ids in pairs:
-            for method, fn in _methods(src, s_ids, dst, d_ids, device).items():
+            for method, fn in _methods(src, s_ids, dst, d_ids, device, with_auto=point.suite == "fixed_cost").items():
                 calls.setdefault(method, []).append(fn)
         link = direction_of(src.device.type, dst.device.type)
         # Checked on the first ids that fit MAX_CHECKED_BYTES: all of them unless the call is larger.
@@ -319,7 +326,7 @@ def _plan(config: BenchConfig) -> list[tuple[str, Workload, int]]:
     plan += [("size_sweep", Workload(f"llama8b-{tokens}", f"Llama-3.1-8B's cache at {tokens} tokens per block",
                                      llama8b_with_block_tokens(tokens)), config.sweep_blocks)
              for tokens in sorted(config.block_tokens)]
-    plan += [("fixed_cost", TINY_PLANES, 1)] if config.fixed_cost else []
+    plan += [("fixed_cost", TINY_PLANES, 1), ("fixed_cost", ONE_PLANE_32K, 1)] if config.fixed_cost else []
     return plan
 
 

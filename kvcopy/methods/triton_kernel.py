@@ -12,16 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import PagedKV
+from ..layout import PagedKV, PLANE_TABLE_COLUMNS, PLANE_ADDRESS, PLANE_BLOCK_STRIDE, PLANE_BLOCK_BYTES
+from .sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA, TRITON_WARPS
 
 __all__ = ["copy_blocks_triton"]
 
 # Elements each program moves per step: 1024 x 8 B = 8 KiB, a 16-token block
 # of one head in bf16, so one step covers a typical small plane-block.
 _STEP_ELEMENTS = 1024
-# Programs when a host buffer is on one side: like the CUDA kernel's CTA budget,
-# a few CTAs (8 warps each) keep PCIe busy and leave the SMs to decode...
-HOST_LINK_PROGRAMS = 16
+# Programs when a host buffer is on one side: the CUDA kernel's CTA budget in
+# Triton programs (the same threads), which keeps PCIe busy and leaves the SMs to decode...
+HOST_LINK_PROGRAMS = HOST_LINK_CTA_BUDGET * TRITON_PROGRAMS_PER_CTA
 # ...as long as enough bytes are in flight: a host-link copy reaches 80-90% of the
 # link from 1-2 MB outstanding (shared/REFERENCE.md's half-peak sizes). Each program
 # has one plane-block in flight, so small plane-blocks get more programs, up to:
@@ -38,8 +39,8 @@ UNSPECIALIZED_ARGS = ("num_ids", "num_planes", "src_num_blocks", "dst_num_blocks
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS)
 def _block_copy_kernel(
-    src_table_ptr,  # int64 [num_planes, 3]: block-0 address, block stride (bytes), block bytes
-    dst_table_ptr,  # int64 [num_planes, 3]: the same for the destination
+    src_table_ptr,  # int64 [num_planes, PLANE_COLUMNS]: kvcopy.layout.PLANE_TABLE_COLUMNS of each source plane
+    dst_table_ptr,  # int64 [num_planes, PLANE_COLUMNS]: the same for the destination
     src_ids_ptr,  # int64 [num_ids]
     dst_ids_ptr,  # int64 [num_ids]
     num_ids,
@@ -50,23 +51,27 @@ def _block_copy_kernel(
     WORD_BYTES: tl.constexpr,
     ALIGN: tl.constexpr,  # bytes (<= 16) dividing every address, stride and size: lets loads vectorise
     STEP: tl.constexpr,
+    PLANE_COLUMNS: tl.constexpr,
+    ADDRESS: tl.constexpr,  # the plane table's columns (kvcopy.layout)
+    BLOCK_STRIDE: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
 ):
     # Grid: (num_programs,). Item = i * num_planes + p copies block src_ids[i] -> dst_ids[i] of
     # plane p; programs stride over items.
     num_items = num_ids * num_planes
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         i = item // num_planes
-        src_row = src_table_ptr + (item % num_planes) * 3
-        dst_row = dst_table_ptr + (item % num_planes) * 3
+        src_row = src_table_ptr + (item % num_planes) * PLANE_COLUMNS
+        dst_row = dst_table_ptr + (item % num_planes) * PLANE_COLUMNS
         src_id = tl.load(src_ids_ptr + i)
         dst_id = tl.load(dst_ids_ptr + i)
         if (src_id >= 0) & (src_id < src_num_blocks) & (dst_id >= 0) & (dst_id < dst_num_blocks):
-            src_addr = tl.load(src_row) + src_id * tl.load(src_row + 1)
-            dst_addr = tl.load(dst_row) + dst_id * tl.load(dst_row + 1)
+            src_addr = tl.load(src_row + ADDRESS) + src_id * tl.load(src_row + BLOCK_STRIDE)
+            dst_addr = tl.load(dst_row + ADDRESS) + dst_id * tl.load(dst_row + BLOCK_STRIDE)
             # Pointers made from integers carry no alignment: state it, or every access is scalar.
             src = tl.multiple_of(src_addr.to(tl.pointer_type(WORD), bitcast=True), ALIGN)
             dst = tl.multiple_of(dst_addr.to(tl.pointer_type(WORD), bitcast=True), ALIGN)
-            num_words = tl.multiple_of(tl.load(src_row + 2) // WORD_BYTES, ALIGN // WORD_BYTES)
+            num_words = tl.multiple_of(tl.load(src_row + BLOCK_BYTES) // WORD_BYTES, ALIGN // WORD_BYTES)
             for start in range(0, num_words, STEP):
                 offsets = start + tl.arange(0, STEP)
                 mask = offsets < num_words
@@ -95,5 +100,7 @@ def copy_blocks_triton(
     _block_copy_kernel[grid](
         src.plane_table_on(device), dst.plane_table_on(device), src_ids, dst_ids,
         src_ids.numel(), src.num_planes, src.num_blocks, dst.num_blocks,
-        WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, ALIGN=alignment, STEP=_STEP_ELEMENTS, num_warps=8,
+        WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, ALIGN=alignment, STEP=_STEP_ELEMENTS,
+        PLANE_COLUMNS=len(PLANE_TABLE_COLUMNS), ADDRESS=PLANE_ADDRESS, BLOCK_STRIDE=PLANE_BLOCK_STRIDE,
+        BLOCK_BYTES=PLANE_BLOCK_BYTES, num_warps=TRITON_WARPS,
     )

@@ -1,0 +1,270 @@
+"""The one dispatch pipeline: prepare -> resolve -> run. The public ops (kvcopy.ops) and the
+TransferEngine both go through the functions here.
+
+1. ``as_paged`` / ``check_pair``: the two sides as PagedKV, with one layout.
+2. ``prepare_pair``: both id lists validated (kvcopy._ids) before any byte moves.
+3. ``resolve``: the method to run (a registered CopyMethod), "auto" through kvcopy.methods.choice.
+4. ``run``: the method's eager entry point, or its traced one under torch.compile.
+
+``host_fast_path`` is the same pipeline for the commonest small call, a host-to-host copy with
+int64 id tensors: everything that depends only on the pair (layout checks, the method, the plane
+tables) is resolved once per (src, dst, method) and cached, and the ids are checked in C++ by the
+same code (and with the same messages) as the registered ops use (csrc/include/kvcopy/block_ids.h).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Union
+
+import torch
+
+from . import _ext
+from ._block_order import any_watched, check_caller
+from ._ids import BlockIds, check_disjoint, prepare_ids
+from .host import HostKVPool
+from .layout import PagedKV
+from .methods import registry
+from .methods.choice import available_methods, choose_method, unavailable_reason, usable
+from .methods.pairs import cuda_device, uses_cuda
+from .methods.registry import CopyMethod
+from .profile import Profile, default_profile, default_profile_generation
+
+__all__ = [
+    "KVLike",
+    "as_paged",
+    "capturing",
+    "check_pair",
+    "copy",
+    "device_context",
+    "host_fast_path",
+    "prepare_pair",
+    "resolve",
+    "run",
+]
+
+KVLike = Union[PagedKV, HostKVPool]
+
+
+def as_paged(kv: KVLike, name: str) -> PagedKV:
+    if isinstance(kv, PagedKV):
+        return kv
+    if isinstance(kv, HostKVPool):
+        return kv.paged
+    raise TypeError(f"{name}: expected a PagedKV or HostKVPool, got {type(kv).__name__}")
+
+
+def check_pair(src: PagedKV, dst: PagedKV) -> None:
+    """ValueError unless ``dst`` has ``src``'s planes, plane-block sizes and dtypes, on a compatible device."""
+    if src.num_planes != dst.num_planes:
+        raise ValueError(f"dst: expected {src.num_planes} planes like src, got {dst.num_planes}")
+    if src.block_nbytes != dst.block_nbytes:
+        p = next(i for i, (a, b) in enumerate(zip(src.block_nbytes, dst.block_nbytes)) if a != b)
+        raise ValueError(
+            f"dst: plane {p} blocks are {dst.block_nbytes[p]} bytes, expected {src.block_nbytes[p]} like src"
+        )
+    if src.dtypes != dst.dtypes:
+        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes)) if a != b)
+        raise ValueError(f"dst: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like src")
+    if src.device.type == "cuda" and dst.device.type == "cuda" and src.device != dst.device:
+        raise ValueError(f"dst: on {dst.device}, src on {src.device}; copies between two GPUs are not supported")
+
+
+def capturing(src: PagedKV, dst: PagedKV) -> bool:
+    """Whether the current CUDA stream is being captured into a graph.
+
+    Not asked while torch.compile traces: the query returns a Python bool, which Dynamo refuses
+    inside a graph. A traced copy is chosen as outside a capture (pass ``method="cuda"`` to a
+    copy you compile for CUDA graphs, e.g. ``mode="reduce-overhead"``).
+    """
+    return uses_cuda(src, dst) and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
+
+
+def resolve(
+    method: str,
+    src: PagedKV,
+    dst: PagedKV,
+    *,
+    host_ids: bool,
+    capturing: bool = False,
+    num_blocks: int = 1,
+    profile: Profile | None = None,
+) -> CopyMethod:
+    """The registered method to run; "auto" consults ``profile``, else the default profile (kvcopy.profile).
+    ValueError naming ``method`` when it is unknown, cannot run for this pair, cannot take the ids where they
+    are, or cannot be captured while capturing."""
+    if capturing and host_ids:
+        raise ValueError(
+            "src_ids/dst_ids: under CUDA graph capture pass ids as CUDA tensors (static buffers you update "
+            "before each replay); host ids would be staged once and frozen into the graph"
+        )
+    available = available_methods(src, dst)
+    if method != "auto" and registry.get(method) is None:
+        raise ValueError(f"method: unknown method {method!r}; known: 'auto', "
+                         f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})")
+    if method == "auto":
+        name = choose_method(src, dst, available, host_ids=host_ids, capturing=capturing, num_blocks=num_blocks,
+                             profile=profile if profile is not None else default_profile())
+        return registry.get(name)  # type: ignore[return-value]
+    chosen = registry.get(method)
+    if method not in available:
+        raise ValueError(f"method: {method!r} cannot run for this pair ({unavailable_reason(method, src, dst)}); "
+                         f"methods that can: {available}")
+    if not usable(chosen, host_ids=host_ids, capturing=False):  # type: ignore[arg-type]
+        raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
+    if capturing and not chosen.capturable:  # type: ignore[union-attr]
+        capturable = [m.name for m in registry.methods() if m.capturable]
+        raise ValueError(f"method: {method!r} cannot be captured in a CUDA graph; capturable: {capturable}")
+    return chosen  # type: ignore[return-value]
+
+
+def prepare_pair(
+    src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, names: tuple[str, str] = ("src_ids", "dst_ids")
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Both id lists validated (kvcopy._ids), of one length, on an allowed device; and whether both are on the host.
+    Host ids that read and write one block of one cache are a ValueError too."""
+    src_name, dst_name = names
+    src_t = prepare_ids(src_ids, src_name, src.num_blocks, unique=False)
+    dst_t = prepare_ids(dst_ids, dst_name, dst.num_blocks, unique=True)
+    if src_t.numel() != dst_t.numel():
+        raise ValueError(f"{dst_name}: expected as many ids as {src_name} ({src_t.numel()}), got {dst_t.numel()}")
+    allowed = {torch.device("cpu"), cuda_device(src, dst)} if uses_cuda(src, dst) else {torch.device("cpu")}
+    for name, ids in zip(names, (src_t, dst_t)):
+        if ids.device not in allowed:
+            where = " or ".join(str(d) for d in sorted(allowed, key=str))
+            raise ValueError(f"{name}: expected ids on {where}, got ids on {ids.device}")
+    host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
+    if src is dst and host_ids:
+        check_disjoint(src_t, dst_t, dst_name)
+    return src_t, dst_t, host_ids
+
+
+def run(method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
+        num_ctas: int | None = None) -> None:
+    """Runs ``method`` on validated ids: its eager entry point, or under torch.compile its traced one, after an
+    op that checks host ids inside the graph (the Python checks cannot read traced values)."""
+    if not torch.compiler.is_compiling():
+        method.run(src, src_ids, dst, dst_ids, num_ctas)
+        return
+    if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu" and _ext.has_cpu_kernels():
+        torch.ops.kvcopy.check_block_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks, src is dst)
+    (method.run_traced or method.run)(src, src_ids, dst, dst_ids, num_ctas)
+
+
+def device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Makes the copy's GPU current, and ``stream`` its current stream when given."""
+    if not uses_cuda(src, dst):
+        return contextlib.nullcontext()  # host-only copies run on the calling thread; `stream` is moot
+    device = cuda_device(src, dst)
+    if stream is not None:
+        if stream.device != device:
+            raise ValueError(f"stream: expected a stream on {device} like the copy, got one on {stream.device}")
+        return torch.cuda.stream(stream)  # also makes the stream's device current
+    if torch.cuda.current_device() != device.index:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str,
+         stream: torch.cuda.Stream | None, num_ctas: int | None) -> None:
+    """The whole pipeline for one copy_blocks call on a checked pair."""
+    # Device and stream first: ids converted on the GPU are made on the copy's stream.
+    with device_context(src, dst, stream):
+        src_t, dst_t, host_ids = prepare_pair(src, src_ids, dst, dst_ids)
+        if host_ids:  # debug mode: the caller's copy against a TransferEngine's transfers in flight
+            check_caller("copy_blocks", src, src_t, writes=False)
+            check_caller("copy_blocks", dst, dst_t, writes=True)
+        chosen = resolve(method, src, dst, host_ids=host_ids, capturing=capturing(src, dst),
+                         num_blocks=src_t.numel())
+        if src_t.numel():
+            run(chosen, src, src_t, dst, dst_t, num_ctas)
+
+
+# ----------------------------------------------------------------------------- the host fast path
+
+class _HostPlan:
+    """What a host-to-host (src, dst, method) needs per call, resolved once: weak references to the objects the
+    caller passed (the plan is valid while they are the same objects), the compiled copy's arguments that depend
+    on the pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
+    default profile or the method registry changes."""
+
+    __slots__ = ("src_ref", "dst_ref", "auto", "args", "src", "dst", "choices", "generation")
+
+    def __init__(self, src_obj: KVLike, dst_obj: KVLike, src: PagedKV, dst: PagedKV, method: str) -> None:
+        self.src_ref = weakref.ref(src_obj)
+        self.dst_ref = weakref.ref(dst_obj)
+        self.src, self.dst, self.auto = src, dst, method == "auto"
+        self.args = (src.plane_table.data_ptr(), dst.plane_table.data_ptr(), src.num_planes, src.num_blocks,
+                     dst.num_blocks, src is dst)
+        self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
+        self.generation = default_profile_generation()
+
+    def auto_runs_cpu(self, num_ids: int) -> bool:
+        """Whether "auto" runs the compiled "cpu" copy for ``num_ids`` blocks (else the general path runs)."""
+        if self.generation != default_profile_generation():
+            self.choices.clear()
+            self.generation = default_profile_generation()
+        bucket = num_ids.bit_length()
+        found = self.choices.get(bucket)
+        if found is None:
+            chosen = resolve("auto", self.src, self.dst, host_ids=True, num_blocks=max(num_ids, 1))
+            found = self.choices[bucket] = chosen.name == "cpu"
+        return found
+
+
+_host_plans: dict[tuple[int, int, str], _HostPlan] = {}
+# Plans for this many (src, dst, method) triples at most: an engine uses a handful; the bound keeps a program
+# that makes caches in a loop from growing the table (which holds no strong reference to them).
+_MAX_HOST_PLANS = 256
+
+
+def _forget_host_plans() -> None:
+    _host_plans.clear()
+
+
+registry.on_change(_forget_host_plans)
+
+
+def _new_host_plan(src_obj: object, dst_obj: object, method: str) -> _HostPlan | None:
+    """A plan for a host-to-host pair that "cpu" (or "auto") may copy, or None for every other call."""
+    if method != "auto" and method != "cpu":
+        return None
+    if not (isinstance(src_obj, (PagedKV, HostKVPool)) and isinstance(dst_obj, (PagedKV, HostKVPool))):
+        return None  # the general path raises the TypeError
+    src, dst = as_paged(src_obj, "src"), as_paged(dst_obj, "dst")
+    if src.device.type != "cpu" or dst.device.type != "cpu" or not _ext.has_cpu_kernels():
+        return None
+    check_pair(src, dst)
+    if len(_host_plans) >= _MAX_HOST_PLANS:
+        _host_plans.clear()
+    plan = _host_plans[(id(src_obj), id(dst_obj), method)] = _HostPlan(src_obj, dst_obj, src, dst, method)  # type: ignore[arg-type]
+    return plan
+
+
+# Bound once: the fast path reads them on every call.
+_Tensor, _INT64, _is_compiling, _num_threads = torch.Tensor, torch.int64, torch.compiler.is_compiling, torch.get_num_threads
+
+
+def host_fast_path(src_obj: object, src_ids: object, dst_obj: object, dst_ids: object, method: str) -> bool:
+    """Runs the copy and returns True when it is a host-to-host copy of two contiguous 1-D int64 CPU id
+    tensors that "cpu" copies, outside torch.compile and with no debug-mode engine watching; False (nothing
+    done) when the general path must take it. Raises the general path's errors for bad ids or layouts."""
+    if type(src_ids) is not _Tensor or type(dst_ids) is not _Tensor:
+        return False
+    plan = _host_plans.get((id(src_obj), id(dst_obj), method))
+    if plan is None or plan.src_ref() is not src_obj or plan.dst_ref() is not dst_obj:
+        plan = _new_host_plan(src_obj, dst_obj, method)
+        if plan is None:
+            return False
+    if (src_ids.dtype is not _INT64 or dst_ids.dtype is not _INT64 or not src_ids.is_cpu or not dst_ids.is_cpu
+            or src_ids.dim() != 1 or dst_ids.dim() != 1 or not src_ids.is_contiguous()
+            or not dst_ids.is_contiguous() or any_watched() or _is_compiling()):
+        return False
+    n = src_ids.numel()
+    if plan.auto and not plan.auto_runs_cpu(n):
+        return False
+    src_table, dst_table, num_planes, src_blocks, dst_blocks, same_cache = plan.args
+    _ext.extension().copy_blocks_cpu(src_table, dst_table, num_planes, src_ids.data_ptr(), n, dst_ids.data_ptr(),
+                                     dst_ids.numel(), src_blocks, dst_blocks, same_cache, _num_threads())
+    return True

@@ -1,0 +1,28 @@
+"""kvcopy's copy methods: a registry of records (kvcopy.methods.registry), the built-in methods
+(kvcopy.methods.builtin) and what ``method="auto"`` picks (kvcopy.methods.choice).
+
+Adding a method is one module that builds a :class:`CopyMethod` and calls :func:`register`.
+"""
+
+from __future__ import annotations
+
+from .builtin import CAPTURABLE_METHODS, DMA_MIN_BLOCK_BYTES, METHODS
+from .choice import available_methods, choose_method, unavailable_reason
+from .registry import CopyMethod, get, method_names, register, unregister
+from .sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA
+
+__all__ = [
+    "CAPTURABLE_METHODS",
+    "DMA_MIN_BLOCK_BYTES",
+    "HOST_LINK_CTA_BUDGET",
+    "METHODS",
+    "TRITON_PROGRAMS_PER_CTA",
+    "CopyMethod",
+    "available_methods",
+    "choose_method",
+    "get",
+    "method_names",
+    "register",
+    "unavailable_reason",
+    "unregister",
+]
