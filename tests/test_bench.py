@@ -34,7 +34,8 @@ from kvcopy.bench import (
 from kvcopy.bench.baselines import per_block_copy_loop, per_layer_index_loop
 from kvcopy.bench.report import MEASURED_COLUMNS
 from kvcopy.bench.runner import PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
-from kvcopy.bench.workloads import TINY_PLANES
+from kvcopy.bench.runner import AUTO
+from kvcopy.bench.workloads import ONE_PLANE_32K, TINY_PLANES
 from kvcopy.machine import machine_identity
 from kvcopy.profile import LinkFit, MethodProfile, Profile
 from conftest import HAS_CUDA, assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
@@ -143,13 +144,15 @@ def test_fixed_cost_point_is_one_block_of_small_plane_blocks(tiny):
     _, rows, _ = tiny
     fixed = [r for r in rows if r.suite == "fixed_cost"]
     assert {(r.workload, r.num_blocks, r.num_planes, r.plane_block_bytes) for r in fixed} == {
-        (TINY_PLANES.name, 1, 64, 256)}
-    assert {(r.direction, r.method) for r in fixed} >= {(d, m) for d in DIRECTIONS for m in CPU_ROW_METHODS}
+        (TINY_PLANES.name, 1, 64, 256), (ONE_PLANE_32K.name, 1, 1, 32768)}
+    for workload in (TINY_PLANES.name, ONE_PLANE_32K.name):  # "auto" too: the call overhead a user pays
+        mine = {(r.direction, r.method) for r in fixed if r.workload == workload}
+        assert mine >= {(d, m) for d in DIRECTIONS for m in CPU_ROW_METHODS | {AUTO}}
 
 
 def test_on_point_is_called_once_per_point(tiny):
     config, rows, seen = tiny
-    assert len(seen) == num_points(config) == 5
+    assert len(seen) == num_points(config) == 6
     assert [r for point in seen for r in point] == rows
     for point in seen:  # one point: one cache, one block count
         assert len({(r.suite, r.workload, r.num_blocks) for r in point}) == 1
@@ -415,8 +418,8 @@ def test_format_tables_on_hand_made_rows():
     text = format_tables(_hand_made_rows() + fixed, {"device_name": "Test Device 9000", "device": "cpu"})
     assert "Test Device 9000" in text
     assert "pred. err" in text and "+50%" in text  # prediction error column of point A
-    assert "fixed cost" in text and "64 planes x 256 B" in text
-    assert re.search(r"^  gather\s+kvcopy cpu\s+12\.5\s", text, re.M), text
+    assert "fixed cost (w)" in text and "64 plane(s) x 256 B" in text
+    assert re.search(r"^  gather\s+kvcopy cpu\s+12\.5\s+.*\s5\.0x$", text, re.M), text  # 5x the limit
     assert "fixed cost" not in format_tables(_hand_made_rows(), {})
 
 

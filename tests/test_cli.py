@@ -333,6 +333,7 @@ def test_bench_list_prints_the_points_without_timing(capsys):
         ["count_sweep", "llama8b-16", "2048", "blocks", "per", "call"],
         ["size_sweep", "llama8b-4", "128", "blocks", "per", "call"],
         ["fixed_cost", "llama8b-256B", "1", "blocks", "per", "call"],
+        ["fixed_cost", "one-plane-32K", "1", "blocks", "per", "call"],
     ]
 
 

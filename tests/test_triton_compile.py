@@ -28,6 +28,10 @@ SIGNATURE = {
     "WORD_BYTES": "constexpr",
     "ALIGN": "constexpr",
     "STEP": "constexpr",
+    "PLANE_COLUMNS": "constexpr",
+    "ADDRESS": "constexpr",
+    "BLOCK_STRIDE": "constexpr",
+    "BLOCK_BYTES": "constexpr",
 }
 
 
@@ -36,6 +40,7 @@ SIGNATURE = {
 def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     if not hasattr(triton, "compile"):
         pytest.skip("this triton has no ahead-of-time compile entry point")
+    from kvcopy import layout
     from kvcopy.methods.triton_kernel import _STEP_ELEMENTS, _block_copy_kernel
 
     kernel = _block_copy_kernel
@@ -44,7 +49,9 @@ def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     source = ASTSource(
         fn=kernel,
         signature=SIGNATURE,
-        constexprs={"WORD": word[0], "WORD_BYTES": word[1], "ALIGN": word[2], "STEP": _STEP_ELEMENTS},
+        constexprs={"WORD": word[0], "WORD_BYTES": word[1], "ALIGN": word[2], "STEP": _STEP_ELEMENTS,
+                    "PLANE_COLUMNS": len(layout.PLANE_TABLE_COLUMNS), "ADDRESS": layout.PLANE_ADDRESS,
+                    "BLOCK_STRIDE": layout.PLANE_BLOCK_STRIDE, "BLOCK_BYTES": layout.PLANE_BLOCK_BYTES},
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
     assert "ld.global" in compiled.asm["ptx"] and "st.global" in compiled.asm["ptx"]
