@@ -1,6 +1,6 @@
 """Paged block copies, every kvcopy method beside the copies a user would write instead.
 
-The benchmark lives in the package (kvcopy.bench) so that ``kvcopy bench``
+The benchmark lives in the package (kvcopy.tools.bench) so that ``kvcopy bench``
 runs it anywhere kvcopy is installed; this script is the same command run from
 a checkout:
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from kvcopy.cli import main
+from kvcopy.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -45,9 +45,9 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import offloading_manager
 
 import kvcopy
-from kvcopy.bench import IDENTITY_COLUMNS
+from kvcopy.tools.bench import IDENTITY_COLUMNS
 from kvcopy.integrations import transformers as kvt
-from kvcopy.machine import machine_identity
+from kvcopy.policy.machine import machine_identity
 
 PAGE_TOKENS = 16
 MAX_BATCH_TOKENS = 512

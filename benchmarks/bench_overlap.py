@@ -24,9 +24,9 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.bench import IDENTITY_COLUMNS, WORKLOADS
-from kvcopy.machine import machine_identity
-from kvcopy.timing import measure
+from kvcopy.tools.bench import IDENTITY_COLUMNS, WORKLOADS
+from kvcopy.policy.machine import machine_identity
+from kvcopy.policy.timing import measure
 
 GEMM_SIZE_GPU = 8192  # 8192^3 bf16: ~1.1 TFLOP per GEMM, milliseconds on an H100/H200
 GEMM_SIZE_CPU = 512

@@ -1,4 +1,4 @@
-"""kvcopy.bench: config validation, the runner on tiny CPU points, its correctness check, baselines and reports.
+"""kvcopy.tools.bench: config validation, the runner on tiny CPU points, its correctness check, baselines and reports.
 
 One tiny run (llama8b-16 at 2 blocks, a two-point count sweep, a one-point
 size sweep, the fixed-cost point, one repeat) serves the tests of rows, tables, CSV and plot; the
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.bench import (
+from kvcopy.tools.bench import (
     CSV_COLUMNS,
     IDENTITY_COLUMNS,
     LIMIT,
@@ -31,12 +31,12 @@ from kvcopy.bench import (
     with_ratios,
     write_csv,
 )
-from kvcopy.bench.baselines import per_block_copy_loop, per_layer_index_loop
-from kvcopy.bench.report import MEASURED_COLUMNS
-from kvcopy.bench.runner import PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
-from kvcopy.bench.runner import AUTO
-from kvcopy.bench.workloads import ONE_PLANE_32K, TINY_PLANES
-from kvcopy.machine import machine_identity
+from kvcopy.tools.bench.baselines import per_block_copy_loop, per_layer_index_loop
+from kvcopy.tools.bench.report import MEASURED_COLUMNS
+from kvcopy.tools.bench.runner import PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
+from kvcopy.tools.bench.runner import AUTO
+from kvcopy.tools.bench.workloads import ONE_PLANE_32K, TINY_PLANES
+from kvcopy.policy.machine import machine_identity
 from kvcopy.profile import LinkFit, MethodProfile, Profile
 from conftest import HAS_CUDA, assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
@@ -175,7 +175,7 @@ def test_device_is_resolved_from_a_string():
 
 
 def test_slow_rows_get_fewer_repeats_and_say_so(monkeypatch):
-    import kvcopy.bench.runner as runner
+    import kvcopy.tools.bench.runner as runner
 
     monkeypatch.setattr(runner, "SLOW_CALL_S", 0.0)  # every row is "slow"
     config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=2, counts=(), block_tokens=(),
@@ -186,7 +186,7 @@ def test_slow_rows_get_fewer_repeats_and_say_so(monkeypatch):
 
 
 def test_large_calls_are_checked_on_their_first_ids(monkeypatch):
-    import kvcopy.bench.runner as runner
+    import kvcopy.tools.bench.runner as runner
 
     block_bytes = WORKLOADS["llama8b-16"].build(1, CPU).nbytes_per_block
     monkeypatch.setattr(runner, "MAX_CHECKED_BYTES", 2 * block_bytes)
@@ -208,7 +208,7 @@ def test_large_calls_are_checked_on_their_first_ids(monkeypatch):
 
 
 def test_csv_writer_saves_each_point_as_it_ends(tmp_path):
-    from kvcopy.bench import CsvWriter
+    from kvcopy.tools.bench import CsvWriter
 
     out = tmp_path / "stream.csv"
     identity = {"device": "cpu", "device_name": "streamer"}
@@ -439,7 +439,7 @@ def test_format_tables_names_workloads_methods_and_device(tiny):
 
 def test_plot_bench_writes_a_png(tiny, tmp_path):
     pytest.importorskip("matplotlib", reason="plot_bench needs matplotlib")
-    from kvcopy.plots import plot_bench
+    from kvcopy.tools.plots import plot_bench
 
     _, rows, _ = tiny
     path = tmp_path / "bench.png"
@@ -453,7 +453,7 @@ def test_plot_bench_writes_a_png(tiny, tmp_path):
 
 
 def test_plot_bench_without_sweeps_is_a_value_error(tiny, tmp_path):
-    from kvcopy.plots import plot_bench
+    from kvcopy.tools.plots import plot_bench
 
     _, rows, _ = tiny
     path = tmp_path / "bench.png"

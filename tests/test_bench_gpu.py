@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.bench import BenchConfig, run_benchmarks
-from kvcopy.bench.baselines import DMA_BASELINES, dma_baseline, per_block_copy_loop, per_layer_index_loop
+from kvcopy.tools.bench import BenchConfig, run_benchmarks
+from kvcopy.tools.bench.baselines import DMA_BASELINES, dma_baseline, per_block_copy_loop, per_layer_index_loop
 from conftest import assert_same_bytes, dst_bytes, gpu, make_layout, reference_copy, requires_gpu, snapshot
 
 pytestmark = [gpu, requires_gpu]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HAS_CUDA
-from kvcopy.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
+from kvcopy.tools.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

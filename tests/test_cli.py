@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import kvcopy
-from kvcopy.bench import CSV_COLUMNS, read_csv
-from kvcopy.cli import main
+from kvcopy.tools.bench import CSV_COLUMNS, read_csv
+from kvcopy.tools.cli import main
 from kvcopy.profile import Profile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -402,7 +402,8 @@ GOOD, POOR = (0.99, 0.2), (0.533, 208.62)
 ])
 def test_a_poor_calibration_is_measured_again_and_does_not_replace_a_good_profile(
         monkeypatch, tmp_path, capsys, first, second, force, saved, status):
-    from kvcopy import calibrator, cli
+    from kvcopy.policy import calibrator
+    from kvcopy.tools import cli
 
     out = tmp_path / "profile.json"
     _profile_with(*GOOD, date="old").save(out)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy import calibrator, methods
+from kvcopy import methods
+from kvcopy.policy import calibrator
 from kvcopy.methods import CopyMethod
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kvcopy
-import kvcopy.calibrator as calibrator
+import kvcopy.policy.calibrator as calibrator
 import kvcopy.profile as profile_mod
 from conftest import (
     HAS_CUDA,
@@ -37,7 +37,7 @@ from conftest import (
 from kvcopy import _ext
 from kvcopy.methods import available_methods, choose_method
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
-from kvcopy.timing import Timing, measure
+from kvcopy.policy.timing import Timing, measure
 
 CAL_PLANES = calibrator.CALIBRATION_PLANES
 # What a CPU calibration times in this process ("triton" under the interpreter is left out).

@@ -18,7 +18,7 @@ from typing import Literal
 
 from ..host import HostKVPool
 from ..layout import PagedKV
-from ..planner import Planner
+from ..policy.planner import Planner
 from ..profile import Profile
 from ..transfer import Transfer
 from ._offload_stats import OffloadAction, OffloadDecision, OffloadStats

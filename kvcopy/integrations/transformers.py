@@ -48,8 +48,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..methods import METHODS
-from ..model import ModelSpec
-from ..planner import Planner
+from ..policy.model import ModelSpec
+from ..policy.planner import Planner
 from ..profile import Profile, default_profile
 from ._hf_compat import SUPPORTED_RANGE, check_internals, import_transformers
 from ._offload_session import POLICIES, OffloadSession, Policy

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._ext import build_info
+from .._ext import build_info
 
 __all__ = ["main"]
 
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
-    from .model import ModelSpec
+    from ..policy.model import ModelSpec
 
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists() or "/" in name_or_path:
@@ -45,7 +45,7 @@ def _load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
 
 
 def _load_profile(path: str | None):  # noqa: ANN202 - a Profile
-    from .profile import DEFAULT_PROFILE_PATH, Profile
+    from ..profile import DEFAULT_PROFILE_PATH, Profile
 
     where = Path(path) if path else DEFAULT_PROFILE_PATH
     if not where.exists():
@@ -126,10 +126,10 @@ def _fraction(text: str) -> float:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from . import calibrator
-    from .methods import METHODS
-    from .planner import Planner
-    from .profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
+    from ..policy import calibrator
+    from ..methods import METHODS
+    from ..policy.planner import Planner
+    from ..profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
 
     spec = _load_model(args.model)
     if args.out:
@@ -196,7 +196,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _poor(path: Path) -> bool:
     """Whether the profile at ``path`` is unreadable or poorly fitted."""
-    from .profile import Profile, fit_problems
+    from ..profile import Profile, fit_problems
 
     try:
         return bool(fit_problems(Profile.load(path)))
@@ -205,8 +205,8 @@ def _poor(path: Path) -> bool:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planner import Planner
-    from .timing import seconds_text
+    from ..policy.planner import Planner
+    from ..policy.timing import seconds_text
 
     spec = _load_model(args.model)
     profile = _load_profile(args.profile)
@@ -259,7 +259,7 @@ _BENCH_FLAGS = {"device": "--device", "workloads": "--workload", "ids": "--ids",
 def _bench(args: argparse.Namespace) -> int:
     from ._progress import progress_bar
     from .bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
-    from .machine import machine_identity
+    from ..policy.machine import machine_identity
 
     overrides: dict[str, object] = {"ids": args.ids}
     for name in ("blocks", "counts", "block_tokens", "sweep_blocks", "repeats"):
@@ -329,8 +329,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._version import __version__
-    from .model import ModelSpec
+    from .._version import __version__
+    from ..policy.model import ModelSpec
 
     presets = ", ".join(ModelSpec.preset_names())
     parser = _Parser(prog="kvcopy", description="Paged KV-cache block copies between GPU and host.")
@@ -385,7 +385,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
     bench.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
     bench.add_argument("--workload", action="append", help="a named workload (repeatable; default: all of "
-                                                           "kvcopy.bench.WORKLOADS)")
+                                                           "kvcopy.tools.bench.WORKLOADS)")
     bench.add_argument("--ids", choices=("random", "sequential"), default="random",
                        help="random block ids, or one run of adjacent ids on each side")
     bench.add_argument("--blocks", type=int, help="blocks per call for the workloads (default 256)")

@@ -2,8 +2,8 @@
 
 ``kvcopy bench`` runs :meth:`BenchConfig.default`; from Python::
 
-    from kvcopy.bench import BenchConfig, run_benchmarks, format_tables, write_csv
-    from kvcopy.machine import machine_identity
+    from kvcopy.tools.bench import BenchConfig, run_benchmarks, format_tables, write_csv
+    from kvcopy.policy.machine import machine_identity
 
     config = BenchConfig.default("cuda")
     rows = run_benchmarks(config)
@@ -11,9 +11,9 @@
     print(format_tables(rows, identity))
     write_csv(rows, identity, "bench.csv")
 
-Rows report medians with p20/p80 (kvcopy.timing) and, as ratios, how each
+Rows report medians with p20/p80 (kvcopy.policy.timing) and, as ratios, how each
 method compares with one contiguous copy of the same bytes (the limit) and
-with the baselines (kvcopy.bench.baselines). Each row's output is checked
+with the baselines (kvcopy.tools.bench.baselines). Each row's output is checked
 against plain indexing before it is timed (a call over 1 GiB on its first
 ids).
 """

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from .planner import Planner
-from .profile import Profile
+from ..policy.planner import Planner
+from ..profile import Profile
 
 __all__ = ["plot_bench", "plot_calibration", "plot_plan"]
 
@@ -81,7 +81,7 @@ def plot_plan(planner: Planner, path: str | os.PathLike[str], *, max_tokens: int
 def plot_bench(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *, title: str = "kvcopy bench") -> None:
     """GB/s against plane-block size and against block count, per method and direction, with the limit dashed.
 
-    ``rows``: kvcopy.bench.with_ratios or read_csv output; the size_sweep and
+    ``rows``: kvcopy.tools.bench.with_ratios or read_csv output; the size_sweep and
     count_sweep suites are drawn, one column each. ValueError when neither is there.
     """
     suites = [s for s in _SWEEP_AXES if any(r["suite"] == s for r in rows)]

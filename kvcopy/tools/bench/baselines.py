@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _ext
-from ..methods.torch_method import word_views
-from ..layout import PagedKV
+from ... import _ext
+from ...methods.torch_method import word_views
+from ...layout import PagedKV
 
 __all__ = ["per_layer_index_loop", "per_block_copy_loop", "dma_baseline", "contiguous_copy", "DMA_BASELINES"]
 

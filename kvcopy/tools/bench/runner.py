@@ -3,8 +3,8 @@
 Four suites, each a list of points (a cache, a block count, an id pattern),
 and at each point both directions (gather: cache -> host pool; scatter: host
 pool -> cache), each row checked against plain indexing and then timed with
-kvcopy.timing:
-- ``workloads``: each named workload (kvcopy.bench.workloads) at ``blocks`` blocks;
+kvcopy.policy.timing:
+- ``workloads``: each named workload (kvcopy.tools.bench.workloads) at ``blocks`` blocks;
 - ``count_sweep``: llama8b-16 at each of ``counts`` blocks (1 to thousands);
 - ``size_sweep``: Llama-3.1-8B's cache at each of ``block_tokens`` tokens per
   block (plane-blocks of 2 KiB per token), at ``sweep_blocks`` blocks;
@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _ext
-from ..methods.torch_method import word_views
-from ..host import HostKVPool
-from ..layout import PagedKV
-from ..ops import available_methods, copy_blocks
-from ..profile import Profile, direction_of
-from ..timing import COLD_BYTES, measure
+from ... import _ext
+from ...methods.torch_method import word_views
+from ...host import HostKVPool
+from ...layout import PagedKV
+from ...ops import available_methods, copy_blocks
+from ...profile import Profile, direction_of
+from ...policy.timing import COLD_BYTES, measure
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
 from .workloads import DEFAULT_WORKLOAD, ONE_PLANE_32K, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
 
@@ -59,7 +59,7 @@ MAX_PYTHON_LOOP_COPIES = 1 << 16
 SLOW_CALL_S = 0.05
 SLOW_ROW_REPEATS = 3
 # Successive timed calls of a point cycle over id sets (and offsets of the
-# contiguous buffers) that together cover at least kvcopy.timing.COLD_BYTES, as
+# contiguous buffers) that together cover at least kvcopy.policy.timing.COLD_BYTES, as
 # the calibrator's do, up to this many sets.
 MAX_ID_SETS = 32
 # Each row's output is checked against plain indexing before it is timed, on

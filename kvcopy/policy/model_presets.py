@@ -1,7 +1,7 @@
 """Presets: common models' public config.json values, for ModelSpec.preset.
 
 Each entry is (the Hugging Face repo, the keys of its public config.json that
-kvcopy.model reads), copied from https://huggingface.co/<repo>/blob/main/config.json
+kvcopy.policy.model reads), copied from https://huggingface.co/<repo>/blob/main/config.json
 without fetching them (the machines that wrote this have no network); the
 numbers were checked against the models' published parameter counts.
 """

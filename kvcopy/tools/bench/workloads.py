@@ -1,6 +1,6 @@
 """Benchmark workloads: paged caches shaped like real models' KV caches, filled with random bytes.
 
-The shapes come from kvcopy's model presets (kvcopy.model_presets), so a model's numbers are written once."""
+The shapes come from kvcopy's model presets (kvcopy.policy.model_presets), so a model's numbers are written once."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import PagedKV
-from ..model import ModelSpec
+from ...layout import PagedKV
+from ...policy.model import ModelSpec
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "MIXED_PLANE_WORKLOADS", "TINY_PLANES", "ONE_PLANE_32K",
            "llama8b_with_block_tokens", "random_tensor"]

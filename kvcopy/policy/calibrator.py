@@ -3,9 +3,9 @@
 For each direction (device->host and host->device on a GPU, host->host on the
 CPU) and each method that can run, it times block copies over a sweep of
 shapes — plane-block sizes x block counts, from one small block to hundreds of
-MB — with kvcopy.timing (CUDA events on a GPU, perf_counter on the CPU;
+MB — with kvcopy.policy.timing (CUDA events on a GPU, perf_counter on the CPU;
 warm-up, repeats, median and spread), and fits ``t = alpha + bytes / beta``
-robustly (kvcopy.fit), overall and per block size. It also measures the
+robustly (kvcopy.policy.fit), overall and per block size. It also measures the
 contiguous-copy peak of the link, and the sustained throughput of a real
 prefill-shaped layer (projections, causal attention, gated MLP) of a model,
 timed over several token counts and fitted the same way.
@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _ext
-from ._progress import progress_bar
+from .. import _ext
+from ..tools._progress import progress_bar
 from .fit import LinearFit, fit_alpha_beta
-from .host import HostKVPool
-from .layout import PagedKV
+from ..host import HostKVPool
+from ..layout import PagedKV
 from .machine import machine_identity
-from .ops import available_methods, copy_blocks
-from .profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from ..ops import available_methods, copy_blocks
+from ..profile import LinkFit, MethodProfile, PrefillProfile, Profile
 from .timing import COLD_BYTES, measure
 
 __all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
@@ -35,7 +35,7 @@ __all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 CALIBRATION_PLANES = 16
 # The model whose layer shape times prefill unless another is given.
 DEFAULT_MODEL = "llama-3.1-8b"
-# Each side of a calibration pair holds at least kvcopy.timing.COLD_BYTES, and
+# Each side of a calibration pair holds at least kvcopy.policy.timing.COLD_BYTES, and
 # successive timed calls copy different blocks. Distinct id sets cycled through
 # by the timed calls of one shape: at least this many, and enough that together
 # they cover COLD_BYTES, so a small copy's repeats do not find their blocks in cache.

@@ -347,7 +347,7 @@ class CacheKey:
             if not (isinstance(name, str) and "@" in name.strip("@")):
                 raise ValueError(f"weights_id: the model is named {name!r}, which does not identify its weights "
                                  f"(fine-tunes share a name); pass weights_id= a revision, a commit hash or "
-                                 f"kvcopy.cachekey.weights_fingerprint(checkpoint_dir)")
+                                 f"kvcopy.policy.cachekey.weights_fingerprint(checkpoint_dir)")
             weights_id = name
         self._weights_id = _check_str(weights_id, "weights_id")
         tp_size = identity.get("tp", 1)

@@ -442,7 +442,7 @@ class ModelSpec:
         """Everything structural (every field but ``source``), JSON-serialisable, for a CacheKey.
 
         ``layer_types`` comes as a list and ``rope_scaling`` as the dict its canonical JSON encodes
-        (or None), the form :class:`kvcopy.cachekey.CacheKey` takes.
+        (or None), the form :class:`kvcopy.policy.cachekey.CacheKey` takes.
         """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
         out["layer_types"] = list(self.layer_types)

@@ -1,0 +1,3 @@
+"""kvcopy's judgment around the copies: the model a cache belongs to (ModelSpec), whether a saved cache is
+valid for a request (CacheKey, BlockIndex), what this machine measures (calibrate, fits, timing) and what
+to do with a prefix (Planner). Depends on the copy core; the core never imports it."""
