@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _ext
-from ..tools._progress import progress_bar
+from .._progress import progress_bar
 from .fit import LinearFit, fit_alpha_beta
 from ..host import HostKVPool
 from ..layout import PagedKV
