@@ -22,8 +22,8 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = ("8.0", "9.0", "10.0")  # A100, H100/H200, B200
 CPU_SOURCES = [
-    "csrc/bindings.cpp",
-    "csrc/fast_path.cpp",
+    "csrc/ops/registration.cpp",
+    "csrc/python/fast_path.cpp",
     "csrc/common/block_ids.cpp",
     "csrc/ops/check_ids.cpp",
     "csrc/ops/copy_blocks_cpu.cpp",
@@ -106,7 +106,9 @@ def _extensions() -> tuple[list, dict]:
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(cuda_home)
     from torch.utils import cpp_extension
 
-    common = dict(include_dirs=[os.path.join(ROOT, "csrc", "include")], extra_link_args=["-fopenmp"])
+    # csrc/include: the torch-free headers (kvcopy/...); csrc: the rooms' own headers (cpu/, kernels/).
+    common = dict(include_dirs=[os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")],
+                  extra_link_args=["-fopenmp"])
     cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard is the one torch asks for
     if cuda_home:
         arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]

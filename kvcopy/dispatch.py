@@ -185,18 +185,18 @@ def copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, metho
 
 class _HostPlan:
     """What a host-to-host (src, dst, method) needs per call, resolved once: weak references to the objects the
-    caller passed (the plan is valid while they are the same objects), the compiled copy's arguments that depend
-    on the pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
+    caller passed (the plan is valid while they are the same objects), the compiled copy's view of the pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
     default profile or the method registry changes."""
 
-    __slots__ = ("src_ref", "dst_ref", "auto", "args", "src", "dst", "choices", "generation")
+    __slots__ = ("src_ref", "dst_ref", "auto", "copier", "src", "dst", "choices", "generation")
 
     def __init__(self, src_obj: KVLike, dst_obj: KVLike, src: PagedKV, dst: PagedKV, method: str) -> None:
         self.src_ref = weakref.ref(src_obj)
         self.dst_ref = weakref.ref(dst_obj)
         self.src, self.dst, self.auto = src, dst, method == "auto"
-        self.args = (src.plane_table.data_ptr(), dst.plane_table.data_ptr(), src.num_planes, src.num_blocks,
-                     dst.num_blocks, src is dst)
+        # The compiled side of the plan (csrc/python/fast_path.cpp): the planes, read from the tables once.
+        self.copier = _ext.extension().HostCopyPlan(src.plane_table.data_ptr(), dst.plane_table.data_ptr(),
+                                                    src.num_planes, src.num_blocks, dst.num_blocks, src is dst)
         self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
         self.generation = default_profile_generation()
 
@@ -250,8 +250,8 @@ def host_fast_path(src_obj: object, src_ids: object, dst_obj: object, dst_ids: o
     """Runs the copy and returns True when it is a host-to-host copy of two contiguous 1-D int64 CPU id
     tensors that "cpu" copies, outside torch.compile and with no debug-mode engine watching; False (nothing
     done) when the general path must take it. Raises the general path's errors for bad ids or layouts."""
-    if type(src_ids) is not _Tensor or type(dst_ids) is not _Tensor:
-        return False
+    if _is_compiling() or type(src_ids) is not _Tensor or type(dst_ids) is not _Tensor:
+        return False  # torch.compile traces the general path, whose traced entry points are registered ops
     plan = _host_plans.get((id(src_obj), id(dst_obj), method))
     if plan is None or plan.src_ref() is not src_obj or plan.dst_ref() is not dst_obj:
         plan = _new_host_plan(src_obj, dst_obj, method)
@@ -259,12 +259,10 @@ def host_fast_path(src_obj: object, src_ids: object, dst_obj: object, dst_ids: o
             return False
     if (src_ids.dtype is not _INT64 or dst_ids.dtype is not _INT64 or not src_ids.is_cpu or not dst_ids.is_cpu
             or src_ids.dim() != 1 or dst_ids.dim() != 1 or not src_ids.is_contiguous()
-            or not dst_ids.is_contiguous() or any_watched() or _is_compiling()):
+            or not dst_ids.is_contiguous() or any_watched()):
         return False
     n = src_ids.numel()
     if plan.auto and not plan.auto_runs_cpu(n):
         return False
-    src_table, dst_table, num_planes, src_blocks, dst_blocks, same_cache = plan.args
-    _ext.extension().copy_blocks_cpu(src_table, dst_table, num_planes, src_ids.data_ptr(), n, dst_ids.data_ptr(),
-                                     dst_ids.numel(), src_blocks, dst_blocks, same_cache, _num_threads())
+    plan.copier.copy(src_ids.data_ptr(), n, dst_ids.data_ptr(), dst_ids.numel(), _num_threads())
     return True

@@ -1,10 +1,10 @@
 // The one place kvcopy registers its ops: schemas, then CPU and CUDA kernels.
-// Fake (meta) implementations for torch.compile live in kvcopy/_ext.py.
-#include <Python.h>
+// Fake (meta) implementations for torch.compile live in kvcopy/_ext.py. The
+// registrations run when the library loads (importing kvcopy._C, whose Python
+// module is csrc/python/fast_path.cpp).
 #include <torch/library.h>
 
-#include "kvcopy/plane_table.h"
-#include "ops/ops.h"
+#include "ops.h"
 
 TORCH_LIBRARY(kvcopy, m) {
   // For every i and plane p: dst[p][dst_ids[i]] = src[p][src_ids[i]], bytewise.
@@ -33,30 +33,3 @@ TORCH_LIBRARY_IMPL(kvcopy, CUDA, m) {
   m.impl("copy_blocks_dma", &kvcopy::copy_blocks_dma_cuda_op);
 }
 #endif
-
-namespace kvcopy {
-extern PyMethodDef kFastPathMethods[];  // csrc/fast_path.cpp
-}
-
-// A plain extension module: importing it runs the registrations above; its
-// functions are the eager fast path (csrc/fast_path.cpp). Which CUDA archs
-// were built is recorded by setup.py in kvcopy/_build_config.py.
-static struct PyModuleDef kvcopy_c_module = {PyModuleDef_HEAD_INIT, "_C", "kvcopy's compiled ops", -1,
-                                             kvcopy::kFastPathMethods};
-
-PyMODINIT_FUNC PyInit__C(void) {
-  PyObject* module = PyModule_Create(&kvcopy_c_module);
-  if (module == nullptr) return nullptr;
-#ifdef KVCOPY_WITH_CUDA
-  const long with_cuda = 1;
-#else
-  const long with_cuda = 0;
-#endif
-  if (PyModule_AddIntConstant(module, "WITH_CUDA", with_cuda) < 0 ||
-      PyModule_AddStringConstant(module, "COMPILER", __VERSION__) < 0 ||
-      PyModule_AddIntConstant(module, "PLANE_TABLE_COLUMNS", kvcopy::kPlaneTableColumns) < 0) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  return module;
-}
