@@ -56,8 +56,10 @@ def _find_cuda_home() -> str | None:
             pass
     candidates += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
     for root in candidates:
-        if root and os.path.exists(os.path.join(root, "bin", "nvcc")) and glob.glob(
-            os.path.join(root, "lib*", "libcudart.so*")
+        if (
+            root
+            and os.path.exists(os.path.join(root, "bin", "nvcc"))
+            and glob.glob(os.path.join(root, "lib*", "libcudart.so*"))
         ):
             return root
     return None
@@ -107,8 +109,9 @@ def _extensions() -> tuple[list, dict]:
     from torch.utils import cpp_extension
 
     # csrc/include: the torch-free headers (kvcopy/...); csrc: the rooms' own headers (cpu/, kernels/).
-    common = dict(include_dirs=[os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")],
-                  extra_link_args=["-fopenmp"])
+    common = dict(
+        include_dirs=[os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"]
+    )
     cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard is the one torch asks for
     if cuda_home:
         arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
@@ -120,15 +123,18 @@ def _extensions() -> tuple[list, dict]:
             **common,
         )
         _write_build_config(
-            extension=True, cpu=True, cuda=True, cuda_archs=arch_list, cuda_home=cuda_home,
-            cuda_version=torch.version.cuda, torch_version=torch.__version__,
+            extension=True,
+            cpu=True,
+            cuda=True,
+            cuda_archs=arch_list,
+            cuda_home=cuda_home,
+            cuda_version=torch.version.cuda,
+            torch_version=torch.__version__,
         )
         _summary(f"CPU + CUDA kernels, CUDA {torch.version.cuda} at {cuda_home}, archs {arch_list}")
     else:
         why = "torch is a CPU build" if not torch.version.cuda else "no CUDA toolkit (nvcc + libcudart) found"
-        ext = cpp_extension.CppExtension(
-            "kvcopy._C", CPU_SOURCES, extra_compile_args={"cxx": cxx_flags}, **common
-        )
+        ext = cpp_extension.CppExtension("kvcopy._C", CPU_SOURCES, extra_compile_args={"cxx": cxx_flags}, **common)
         _write_build_config(extension=True, cpu=True, cuda=False, reason=why, torch_version=torch.__version__)
         _summary(f"CPU kernels only ({why})")
     return [ext], {"build_ext": cpp_extension.BuildExtension}

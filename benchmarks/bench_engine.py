@@ -45,15 +45,27 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import offloading_manager
 
 import kvcopy
-from kvcopy.tools.bench import IDENTITY_COLUMNS
 from kvcopy.integrations import transformers as kvt
 from kvcopy.policy.machine import machine_identity
+from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 PAGE_TOKENS = 16
 MAX_BATCH_TOKENS = 512
 HOST_GIB = 4.0  # room for every preempted request's KV at the default sizes
-COLUMNS = ("path", "requests", "prompt_tokens", "generated_tokens", "cache_blocks", "seconds", "tokens_per_s",
-           "preemptions", "resume_median_s", "resume_max_s", "same_tokens", "note") + IDENTITY_COLUMNS
+COLUMNS = (
+    "path",
+    "requests",
+    "prompt_tokens",
+    "generated_tokens",
+    "cache_blocks",
+    "seconds",
+    "tokens_per_s",
+    "preemptions",
+    "resume_median_s",
+    "resume_max_s",
+    "same_tokens",
+    "note",
+) + IDENTITY_COLUMNS
 
 
 class TorchWithoutPinning:
@@ -103,19 +115,27 @@ def unpinned_transformers_offload() -> Iterator[None]:
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     torch.manual_seed(0)
     heads = args.hidden // 64
-    config = LlamaConfig(vocab_size=2048, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=heads,
-                         num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        max_position_embeddings=4096,
+    )
     model = LlamaForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
     model.set_attn_implementation("sdpa")
     return model
 
 
-def run_path(model: LlamaForCausalLM, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int,
-             offload_gib: float) -> tuple[dict[str, list[int]], float, list[tuple[str, float]], dict[str, list[float]]]:
+def run_path(
+    model: LlamaForCausalLM, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int, offload_gib: float
+) -> tuple[dict[str, list[int]], float, list[tuple[str, float]], dict[str, list[float]]]:
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=PAGE_TOKENS, max_batch_tokens=MAX_BATCH_TOKENS,
-                                  cpu_offload_space=offload_gib)
+    cb = ContinuousBatchingConfig(
+        num_blocks=num_blocks, page_size=PAGE_TOKENS, max_batch_tokens=MAX_BATCH_TOKENS, cpu_offload_space=offload_gib
+    )
     with preemption_clock() as preemptions:
         start = time.perf_counter()
         out = model.generate_batch(prompts, gen, continuous_batching_config=cb, record_timestamps=True)
@@ -139,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-prompt", type=int, default=256)
     parser.add_argument("--max-prompt", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--cache-fraction", type=float, default=0.25,
-                        help="the paged cache holds this fraction of what all requests need at once")
+    parser.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.25,
+        help="the paged cache holds this fraction of what all requests need at once",
+    )
     parser.add_argument("--hidden", type=int, default=256, help="model width (heads of 64; KV heads a quarter)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -152,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_model(args)
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 2048) for _ in range(rng.randrange(args.min_prompt, args.max_prompt + 1))]
-               for _ in range(args.requests)]
+    prompts = [
+        [rng.randrange(1, 2048) for _ in range(rng.randrange(args.min_prompt, args.max_prompt + 1))]
+        for _ in range(args.requests)
+    ]
     needed = sum(math.ceil((len(p) + args.new_tokens) / PAGE_TOKENS) for p in prompts)
     longest = max(math.ceil((len(p) + args.new_tokens) / PAGE_TOKENS) for p in prompts)
     num_blocks = max(int(needed * args.cache_fraction), longest + 1)
@@ -167,17 +193,24 @@ def main(argv: list[str] | None = None) -> int:
 
     paths: list[tuple[str, str, contextlib.AbstractContextManager, float]] = [
         ("transformers soft reset", "", contextlib.nullcontext(), 0.0),
-        ("transformers offload", "" if on_gpu else "pin_memory dropped to run without a GPU",
-         contextlib.nullcontext() if on_gpu else unpinned_transformers_offload(), HOST_GIB),
+        (
+            "transformers offload",
+            "" if on_gpu else "pin_memory dropped to run without a GPU",
+            contextlib.nullcontext() if on_gpu else unpinned_transformers_offload(),
+            HOST_GIB,
+        ),
     ]
     for policy in ("offload", "recompute", "auto"):
-        paths.append((f"kvcopy {policy}", "", kvt.offloading(model, host_gib=HOST_GIB, policy=policy,
-                                                             profile=profile), 0.0))
+        paths.append(
+            (f"kvcopy {policy}", "", kvt.offloading(model, host_gib=HOST_GIB, policy=policy, profile=profile), 0.0)
+        )
     identity = machine_identity(args.device)
     rows, first_tokens = [], None
-    print(f"{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new; "
-          f"cache {num_blocks} blocks of {PAGE_TOKENS} tokens ({args.cache_fraction:g} of {needed} needed); "
-          f"Llama {args.layers} x {args.hidden} {args.dtype} on {identity['device_name']}")
+    print(
+        f"{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new; "
+        f"cache {num_blocks} blocks of {PAGE_TOKENS} tokens ({args.cache_fraction:g} of {needed} needed); "
+        f"Llama {args.layers} x {args.hidden} {args.dtype} on {identity['device_name']}"
+    )
     header = f"{'path':26} {'seconds':>8} {'tok/s':>8} {'preempt.':>8} {'resume p50':>11} {'resume max':>11}  tokens"
     print(header + "\n" + "-" * len(header))
     for name, note, context, offload_gib in paths:
@@ -186,16 +219,27 @@ def main(argv: list[str] | None = None) -> int:
         first_tokens = first_tokens or tokens
         waits = [w for w in resume_latencies(preemptions, stamps) if not math.isnan(w)]
         generated = sum(len(t) for t in tokens.values())
-        row = dict(path=name, requests=args.requests, prompt_tokens=sum(map(len, prompts)), generated_tokens=generated,
-                   cache_blocks=num_blocks, seconds=round(seconds, 3), tokens_per_s=round(generated / seconds, 1),
-                   preemptions=len(preemptions),
-                   resume_median_s=round(statistics.median(waits), 4) if waits else "",
-                   resume_max_s=round(max(waits), 4) if waits else "",
-                   same_tokens=tokens == first_tokens, note=note, **identity)
+        row = dict(
+            path=name,
+            requests=args.requests,
+            prompt_tokens=sum(map(len, prompts)),
+            generated_tokens=generated,
+            cache_blocks=num_blocks,
+            seconds=round(seconds, 3),
+            tokens_per_s=round(generated / seconds, 1),
+            preemptions=len(preemptions),
+            resume_median_s=round(statistics.median(waits), 4) if waits else "",
+            resume_max_s=round(max(waits), 4) if waits else "",
+            same_tokens=tokens == first_tokens,
+            note=note,
+            **identity,
+        )
         rows.append(row)
-        print(f"{name:26} {seconds:8.2f} {row['tokens_per_s']:8.1f} {len(preemptions):8d} "
-              f"{row['resume_median_s'] or '-':>11} {row['resume_max_s'] or '-':>11}  "
-              f"{'same' if row['same_tokens'] else 'DIFFERENT'}{'  (' + note + ')' if note else ''}")
+        print(
+            f"{name:26} {seconds:8.2f} {row['tokens_per_s']:8.1f} {len(preemptions):8d} "
+            f"{row['resume_median_s'] or '-':>11} {row['resume_max_s'] or '-':>11}  "
+            f"{'same' if row['same_tokens'] else 'DIFFERENT'}{'  (' + note + ')' if note else ''}"
+        )
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as f:

@@ -4,7 +4,7 @@ GPU: a bf16 GEMM loop on the compute stream stands in for decode. It runs
 solo, then while a TransferEngine offloads and reloads llama8b-16 blocks
 (64 planes x 32 KiB plane-blocks, random ids) with each method. Reported: the
 GEMM's throughput as a fraction of solo, and the copies' GB/s against the
-contiguous pinned-copy peak measured in the same run. Target (DESIGN.md §4):
+contiguous pinned-copy peak measured in the same run. Target (docs/measurements.md):
 >= 98% of solo GEMM throughput while "copy_engine" moves >= 90% of peak.
 
 CPU: the same question on the worker pool: a float32 matmul loop on the main
@@ -24,9 +24,9 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.tools.bench import IDENTITY_COLUMNS, WORKLOADS
 from kvcopy.policy.machine import machine_identity
 from kvcopy.policy.timing import measure
+from kvcopy.tools.bench import IDENTITY_COLUMNS, WORKLOADS
 
 GEMM_SIZE_GPU = 8192  # 8192^3 bf16: ~1.1 TFLOP per GEMM, milliseconds on an H100/H200
 GEMM_SIZE_CPU = 512
@@ -90,7 +90,9 @@ def run_gpu(args: argparse.Namespace) -> list[list[object]]:
     gemm_tflops(3)
     solo = gemm_tflops(args.gemm_iters)
     rows = [["gpu", "solo", f"{solo:.1f}", "1.000", "", f"{peak:.1f}", ""]]
-    print(f"contiguous pinned peak {peak:.1f} GB/s (d2h {peak_d2h:.1f}, h2d {peak_h2d:.1f}); solo GEMM {solo:.1f} TFLOP/s")
+    print(
+        f"contiguous pinned peak {peak:.1f} GB/s (d2h {peak_d2h:.1f}, h2d {peak_h2d:.1f}); solo GEMM {solo:.1f} TFLOP/s"
+    )
     for method in ("copy_engine", "cuda", "triton"):
         if method not in kvcopy.available_methods(kv, host):
             continue
@@ -103,10 +105,13 @@ def run_gpu(args: argparse.Namespace) -> list[list[object]]:
             for t in transfers:
                 t.wait()
             gbps = copy_gbps(transfers)
-        rows.append(["gpu", method, f"{beside:.1f}", f"{beside / solo:.3f}", f"{gbps:.1f}", f"{peak:.1f}",
-                     f"{gbps / peak:.3f}"])
-        print(f"{method:<12} GEMM {beside:6.1f} TFLOP/s ({beside / solo:6.1%} of solo); copies {gbps:5.1f} GB/s "
-              f"({gbps / peak:6.1%} of peak)")
+        rows.append(
+            ["gpu", method, f"{beside:.1f}", f"{beside / solo:.3f}", f"{gbps:.1f}", f"{peak:.1f}", f"{gbps / peak:.3f}"]
+        )
+        print(
+            f"{method:<12} GEMM {beside:6.1f} TFLOP/s ({beside / solo:6.1%} of solo); copies {gbps:5.1f} GB/s "
+            f"({gbps / peak:6.1%} of peak)"
+        )
     return rows
 
 
@@ -144,10 +149,14 @@ def run_cpu(args: argparse.Namespace) -> list[list[object]]:
         compute.join()
         copies_beside = copy_gbps(transfers)
     beside = result["gflops"]
-    print(f"CPU ({torch.get_num_threads()} threads): matmul solo {solo:.1f} GFLOP/s, beside copies {beside:.1f} "
-          f"({beside / solo:.1%}); copies solo {copies_solo:.1f} GB/s, beside the matmuls {copies_beside:.1f} GB/s")
-    return [["cpu", "solo", f"{solo:.1f}", "1.000", f"{copies_solo:.1f}", "", ""],
-            ["cpu", "cpu", f"{beside:.1f}", f"{beside / solo:.3f}", f"{copies_beside:.1f}", "", ""]]
+    print(
+        f"CPU ({torch.get_num_threads()} threads): matmul solo {solo:.1f} GFLOP/s, beside copies {beside:.1f} "
+        f"({beside / solo:.1%}); copies solo {copies_solo:.1f} GB/s, beside the matmuls {copies_beside:.1f} GB/s"
+    )
+    return [
+        ["cpu", "solo", f"{solo:.1f}", "1.000", f"{copies_solo:.1f}", "", ""],
+        ["cpu", "cpu", f"{beside:.1f}", f"{beside / solo:.3f}", f"{copies_beside:.1f}", "", ""],
+    ]
 
 
 def main() -> None:
@@ -164,8 +173,18 @@ def main() -> None:
         machine = [identity.get(key, "") for key in IDENTITY_COLUMNS]
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["machine", "method", "compute_throughput", "x_solo", "copy_gbps", "peak_gbps",
-                             "x_peak", *IDENTITY_COLUMNS])
+            writer.writerow(
+                [
+                    "machine",
+                    "method",
+                    "compute_throughput",
+                    "x_solo",
+                    "copy_gbps",
+                    "peak_gbps",
+                    "x_peak",
+                    *IDENTITY_COLUMNS,
+                ]
+            )
             writer.writerows(row + machine for row in rows)
 
 

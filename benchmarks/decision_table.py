@@ -42,9 +42,14 @@ def published_profile(reference: kvcopy.ModelSpec) -> Profile:
     return Profile(
         hardware={"device_name": "H200 + PCIe Gen5 (published figures, NOT MEASURED)"},
         links={"h2d": {"copy_engine": fit(DMA_ALPHA_S, DMA_BYTES_PER_S), "cuda": fit(SM_ALPHA_S, SM_BYTES_PER_S)}},
-        prefill=PrefillProfile(model=reference.name, alpha_s=PREFILL_ALPHA_PER_LAYER_S * reference.num_layers,
-                               flops_per_s=PREFILL_FLOPS_PER_S, r2=1.0, weight_bytes_per_s=WEIGHT_BYTES_PER_S,
-                               num_layers=reference.num_layers),
+        prefill=PrefillProfile(
+            model=reference.name,
+            alpha_s=PREFILL_ALPHA_PER_LAYER_S * reference.num_layers,
+            flops_per_s=PREFILL_FLOPS_PER_S,
+            r2=1.0,
+            weight_bytes_per_s=WEIGHT_BYTES_PER_S,
+            num_layers=reference.num_layers,
+        ),
     )
 
 
@@ -71,13 +76,27 @@ def table() -> str:
         for prefix in PREFIXES:
             d = planner.decide(prefix, NEW_TOKENS)
             split = f"{d.t_split * 1e3:.2f}" if d.t_split is not None else "-"
-            lines.append(f"| {label} | {prefix} | {d.t_reload * 1e3:.2f} | {d.t_layerwise * 1e3:.2f} | {split} | "
-                         f"{d.t_recompute * 1e3:.2f} | {d.action} |")
+            lines.append(
+                f"| {label} | {prefix} | {d.t_reload * 1e3:.2f} | {d.t_layerwise * 1e3:.2f} | {split} | "
+                f"{d.t_recompute * 1e3:.2f} | {d.action} |"
+            )
         threshold = planner.threshold_tokens(NEW_TOKENS)
-        thresholds.append(f"- {label}: " + ("recompute wins at the context length" if threshold is None else
-                                             f"keeping a cached prefix pays from {threshold} tokens"))
-    return "\n".join(lines + ["", "Thresholds (smallest prefix from which keeping pays up to the context length):",
-                              ""] + thresholds) + "\n"
+        thresholds.append(
+            f"- {label}: "
+            + (
+                "recompute wins at the context length"
+                if threshold is None
+                else f"keeping a cached prefix pays from {threshold} tokens"
+            )
+        )
+    return (
+        "\n".join(
+            lines
+            + ["", "Thresholds (smallest prefix from which keeping pays up to the context length):", ""]
+            + thresholds
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a lent GPU machine (shared/DESIGN.md §5):
+# One prepared check for a lent GPU machine (docs/measurements.md says what it checks):
 #   bash benchmarks/device_check.sh OUT_DIR              on a GPU: build for its arch, run the GPU tests,
 #                                                        calibrate, plan, benchmark, and write it all to OUT_DIR
 #   bash benchmarks/device_check.sh --dry-run [OUT_DIR]  walk every step the CPU can, at smoke-test sizes

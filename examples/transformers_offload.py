@@ -45,8 +45,15 @@ TIGHT_BLOCKS = 24  # holds the longest request, not all of them: transformers pr
 
 def build_model(device: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     model = LlamaForCausalLM(config).to(device).eval()
     model.set_attn_implementation("sdpa")
     return model
@@ -98,24 +105,38 @@ def main() -> int:
 
     def measured(policy: str, decision: kvt.OffloadDecision) -> float | None:
         """The same request preempted at the same point, in the run that always took ``policy``'s path."""
-        return next((d.measured_s for d in runs[policy].decisions
-                     if (d.request_id, d.prefix_tokens) == (decision.request_id, decision.prefix_tokens)), None)
+        return next(
+            (
+                d.measured_s
+                for d in runs[policy].decisions
+                if (d.request_id, d.prefix_tokens) == (decision.request_id, decision.prefix_tokens)
+            ),
+            None,
+        )
 
-    print(f"\n{spec.name} on {args.device}: {NUM_REQUESTS} requests, a {TIGHT_BLOCKS}-block cache "
-          f"({PAGE_TOKENS} tokens a block)")
-    header = (f"{'request':8} {'cached':>6} {'decision':9} {'pred. reload':>12} {'meas. reload':>12} "
-              f"{'pred. recomp.':>13} {'meas. recomp.':>13}  tokens")
+    print(
+        f"\n{spec.name} on {args.device}: {NUM_REQUESTS} requests, a {TIGHT_BLOCKS}-block cache "
+        f"({PAGE_TOKENS} tokens a block)"
+    )
+    header = (
+        f"{'request':8} {'cached':>6} {'decision':9} {'pred. reload':>12} {'meas. reload':>12} "
+        f"{'pred. recomp.':>13} {'meas. recomp.':>13}  tokens"
+    )
     print(header)
     print("-" * len(header))
     for d in runs["auto"].decisions:
-        print(f"{d.request_id:8} {d.prefix_tokens:6d} {d.action:9} {seconds(d.predicted_reload_s):>12} "
-              f"{seconds(measured('offload', d)):>12} {seconds(d.predicted_recompute_s):>13} "
-              f"{seconds(measured('recompute', d)):>13}  "
-              f"{'match' if matched['auto'][d.request_id] else 'MISMATCH'}")
+        print(
+            f"{d.request_id:8} {d.prefix_tokens:6d} {d.action:9} {seconds(d.predicted_reload_s):>12} "
+            f"{seconds(measured('offload', d)):>12} {seconds(d.predicted_recompute_s):>13} "
+            f"{seconds(measured('recompute', d)):>13}  "
+            f"{'match' if matched['auto'][d.request_id] else 'MISMATCH'}"
+        )
     for policy, stats in runs.items():
-        print(f"policy {policy:9}: {stats.offloaded_requests} offloaded, {stats.reloaded_requests} reloaded, "
-              f"{stats.recomputed_requests} recomputed; tokens of {sum(matched[policy].values())}/{NUM_REQUESTS} "
-              f"requests match the never-preempted run")
+        print(
+            f"policy {policy:9}: {stats.offloaded_requests} offloaded, {stats.reloaded_requests} reloaded, "
+            f"{stats.recomputed_requests} recomputed; tokens of {sum(matched[policy].values())}/{NUM_REQUESTS} "
+            f"requests match the never-preempted run"
+        )
     print(f"({time.perf_counter() - start:.0f} s in all)")
     return 0 if all(all(m.values()) for m in matched.values()) else 1
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 from ._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from ._version import __version__
 from .block_allocator import BlockAllocator
-from .policy.cachekey import BlockIndex, CacheKey
-from .policy.calibrator import calibrate
 from .engine import TransferConflictError, TransferEngine
 from .host import HostKVPool
 from .layout import PagedKV
 from .methods import CAPTURABLE_METHODS, METHODS
-from .policy.model import ModelSpec
 from .ops import available_methods, copy_blocks, gather, scatter
+from .policy.cachekey import BlockIndex, CacheKey
+from .policy.calibrator import calibrate
+from .policy.model import ModelSpec
 from .policy.planner import Decision, Planner
 from .profile import Profile, set_default_profile
 from .ranges import ByteRange, copy_ranges

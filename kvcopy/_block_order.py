@@ -115,8 +115,9 @@ class BlockOrder:
             for block in blocks:
                 readers.setdefault(block, []).append(transfer)
 
-    def conflict(self, side: str, blocks: Iterable[int], *, writes: bool,
-                 stream: int | None = None) -> tuple[int, Transfer, str] | None:
+    def conflict(
+        self, side: str, blocks: Iterable[int], *, writes: bool, stream: int | None = None
+    ) -> tuple[int, Transfer, str] | None:
         """The first (block, transfer, "reads" | "writes") of an unfinished transfer that work reading
         (``writes=False``) or writing these blocks of ``side`` would conflict with; None if there is none.
         Work queued on ``stream`` (a CUDA stream handle) after that stream waited for a transfer
@@ -180,7 +181,7 @@ def check_caller(what: str, paged: object, blocks: Iterable[int], *, writes: boo
     if engines:
         blocks = blocks.tolist() if hasattr(blocks, "tolist") else [int(b) for b in blocks]  # type: ignore[union-attr]
     for engine, side in engines:
-        found = engine._caller_conflict(side, blocks, writes=writes)  # noqa: SLF001 - the engine's own record
+        found = engine.caller_conflict(side, blocks, writes=writes)
         if found is not None:
             block, transfer, verb = found
             which = f"{side} block {block}" if block >= 0 else f"{side} blocks"

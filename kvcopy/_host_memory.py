@@ -3,7 +3,7 @@
 Why not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator
 rounds requests up to a power of two (a 65 GiB pool would take 128 GiB) and
 pins in one call, and one ``cudaHostRegister`` of 512 GiB or more fails
-(shared/REFERENCE.md). Here the region is an anonymous mapping of exactly the
+(docs/decisions.md). Here the region is an anonymous mapping of exactly the
 bytes asked for (rounded to a page), bound to a NUMA node before any page is
 touched, and registered with CUDA in chunks of at most MAX_REGISTER_BYTES.
 """
@@ -102,8 +102,9 @@ def _bind_to_node(address: int, length: int, node: int) -> None:
     mask = (ctypes.c_ulong * (mask_bits // 64))()
     mask[node // 64] = 1 << (node % 64)
     libc = ctypes.CDLL(None, use_errno=True)
-    result = libc.syscall(syscall, ctypes.c_void_p(address), ctypes.c_ulong(length), _MPOL_BIND, mask,
-                          ctypes.c_ulong(mask_bits + 1), 0)
+    result = libc.syscall(
+        syscall, ctypes.c_void_p(address), ctypes.c_ulong(length), _MPOL_BIND, mask, ctypes.c_ulong(mask_bits + 1), 0
+    )
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mbind to NUMA node {node} failed: {os.strerror(err)}")

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Union
 
 import torch
 
 from . import _ext
 from ._block_order import any_watched, check_caller
 from ._ids import BlockIds, check_disjoint, prepare_ids
-from .host import HostKVPool
+from .host import HostKVPool, KVLike, as_paged
 from .layout import PagedKV
 from .methods import registry
 from .methods.choice import available_methods, choose_method, unavailable_reason, usable
@@ -44,26 +43,15 @@ __all__ = [
     "run",
 ]
 
-KVLike = Union[PagedKV, HostKVPool]
-
-
-def as_paged(kv: KVLike, name: str) -> PagedKV:
-    if isinstance(kv, PagedKV):
-        return kv
-    if isinstance(kv, HostKVPool):
-        return kv.paged
-    raise TypeError(f"{name}: expected a PagedKV or HostKVPool, got {type(kv).__name__}")
-
 
 def check_pair(src: PagedKV, dst: PagedKV) -> None:
     """ValueError unless ``dst`` has ``src``'s planes, plane-block sizes and dtypes, on a compatible device."""
     if src.num_planes != dst.num_planes:
         raise ValueError(f"dst: expected {src.num_planes} planes like src, got {dst.num_planes}")
-    if src.block_nbytes != dst.block_nbytes:
-        p = next(i for i, (a, b) in enumerate(zip(src.block_nbytes, dst.block_nbytes)) if a != b)
-        raise ValueError(
-            f"dst: plane {p} blocks are {dst.block_nbytes[p]} bytes, expected {src.block_nbytes[p]} like src"
-        )
+    if src.plane_block_nbytes != dst.plane_block_nbytes:
+        p = next(i for i, (a, b) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes)) if a != b)
+        got, expected = dst.plane_block_nbytes[p], src.plane_block_nbytes[p]
+        raise ValueError(f"dst: plane {p} blocks are {got} bytes, expected {expected} like src")
     if src.dtypes != dst.dtypes:
         p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes)) if a != b)
         raise ValueError(f"dst: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like src")
@@ -101,16 +89,27 @@ def resolve(
         )
     available = available_methods(src, dst)
     if method != "auto" and registry.get(method) is None:
-        raise ValueError(f"method: unknown method {method!r}; known: 'auto', "
-                         f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})")
+        raise ValueError(
+            f"method: unknown method {method!r}; known: 'auto', "
+            f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})"
+        )
     if method == "auto":
-        name = choose_method(src, dst, available, host_ids=host_ids, capturing=capturing, num_blocks=num_blocks,
-                             profile=profile if profile is not None else default_profile())
+        name = choose_method(
+            src,
+            dst,
+            available,
+            host_ids=host_ids,
+            capturing=capturing,
+            num_blocks=num_blocks,
+            profile=profile if profile is not None else default_profile(),
+        )
         return registry.get(name)  # type: ignore[return-value]
     chosen = registry.get(method)
     if method not in available:
-        raise ValueError(f"method: {method!r} cannot run for this pair ({unavailable_reason(method, src, dst)}); "
-                         f"methods that can: {available}")
+        raise ValueError(
+            f"method: {method!r} cannot run for this pair ({unavailable_reason(method, src, dst)}); "
+            f"methods that can: {available}"
+        )
     if not usable(chosen, host_ids=host_ids, capturing=False):  # type: ignore[arg-type]
         raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
     if capturing and not chosen.capturable:  # type: ignore[union-attr]
@@ -140,8 +139,14 @@ def prepare_pair(
     return src_t, dst_t, host_ids
 
 
-def run(method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-        num_ctas: int | None = None) -> None:
+def run(
+    method: CopyMethod,
+    src: PagedKV,
+    src_ids: torch.Tensor,
+    dst: PagedKV,
+    dst_ids: torch.Tensor,
+    num_ctas: int | None = None,
+) -> None:
     """Runs ``method`` on validated ids: its eager entry point, or under torch.compile its traced one, after an
     op that checks host ids inside the graph (the Python checks cannot read traced values)."""
     if not torch.compiler.is_compiling():
@@ -166,8 +171,15 @@ def device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None)
     return contextlib.nullcontext()
 
 
-def copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, method: str,
-         stream: torch.cuda.Stream | None, num_ctas: int | None) -> None:
+def copy(
+    src: PagedKV,
+    src_ids: BlockIds,
+    dst: PagedKV,
+    dst_ids: BlockIds,
+    method: str,
+    stream: torch.cuda.Stream | None,
+    num_ctas: int | None,
+) -> None:
     """The whole pipeline for one copy_blocks call on a checked pair."""
     # Device and stream first: ids converted on the GPU are made on the copy's stream.
     with device_context(src, dst, stream):
@@ -175,17 +187,18 @@ def copy(src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, metho
         if host_ids:  # debug mode: the caller's copy against a TransferEngine's transfers in flight
             check_caller("copy_blocks", src, src_t, writes=False)
             check_caller("copy_blocks", dst, dst_t, writes=True)
-        chosen = resolve(method, src, dst, host_ids=host_ids, capturing=capturing(src, dst),
-                         num_blocks=src_t.numel())
+        chosen = resolve(method, src, dst, host_ids=host_ids, capturing=capturing(src, dst), num_blocks=src_t.numel())
         if src_t.numel():
             run(chosen, src, src_t, dst, dst_t, num_ctas)
 
 
 # ----------------------------------------------------------------------------- the host fast path
 
+
 class _HostPlan:
-    """What a host-to-host (src, dst, method) needs per call, resolved once: weak references to the objects the
-    caller passed (the plan is valid while they are the same objects), the compiled copy's view of the pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
+    """What a host-to-host (src, dst, method) needs per call, resolved once: weak references to the objects
+    the caller passed (the plan is valid while they are the same objects), the compiled copy's view of the
+    pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
     default profile or the method registry changes."""
 
     __slots__ = ("src_ref", "dst_ref", "auto", "copier", "src", "dst", "choices", "generation")
@@ -195,8 +208,14 @@ class _HostPlan:
         self.dst_ref = weakref.ref(dst_obj)
         self.src, self.dst, self.auto = src, dst, method == "auto"
         # The compiled side of the plan (csrc/python/fast_path.cpp): the planes, read from the tables once.
-        self.copier = _ext.extension().HostCopyPlan(src.plane_table.data_ptr(), dst.plane_table.data_ptr(),
-                                                    src.num_planes, src.num_blocks, dst.num_blocks, src is dst)
+        self.copier = _ext.extension().HostCopyPlan(
+            src.plane_table.data_ptr(),
+            dst.plane_table.data_ptr(),
+            src.num_planes,
+            src.num_blocks,
+            dst.num_blocks,
+            src is dst,
+        )
         self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
         self.generation = default_profile_generation()
 
@@ -243,7 +262,12 @@ def _new_host_plan(src_obj: object, dst_obj: object, method: str) -> _HostPlan |
 
 
 # Bound once: the fast path reads them on every call.
-_Tensor, _INT64, _is_compiling, _num_threads = torch.Tensor, torch.int64, torch.compiler.is_compiling, torch.get_num_threads
+_Tensor, _INT64, _is_compiling, _num_threads = (
+    torch.Tensor,
+    torch.int64,
+    torch.compiler.is_compiling,
+    torch.get_num_threads,
+)
 
 
 def host_fast_path(src_obj: object, src_ids: object, dst_obj: object, dst_ids: object, method: str) -> bool:
@@ -257,9 +281,17 @@ def host_fast_path(src_obj: object, src_ids: object, dst_obj: object, dst_ids: o
         plan = _new_host_plan(src_obj, dst_obj, method)
         if plan is None:
             return False
-    if (src_ids.dtype is not _INT64 or dst_ids.dtype is not _INT64 or not src_ids.is_cpu or not dst_ids.is_cpu
-            or src_ids.dim() != 1 or dst_ids.dim() != 1 or not src_ids.is_contiguous()
-            or not dst_ids.is_contiguous() or any_watched()):
+    if (
+        src_ids.dtype is not _INT64
+        or dst_ids.dtype is not _INT64
+        or not src_ids.is_cpu
+        or not dst_ids.is_cpu
+        or src_ids.dim() != 1
+        or dst_ids.dim() != 1
+        or not src_ids.is_contiguous()
+        or not dst_ids.is_contiguous()
+        or any_watched()
+    ):
         return False
     n = src_ids.numel()
     if plan.auto and not plan.auto_runs_cpu(n):

@@ -268,8 +268,15 @@ class TransferEngine:
             raise RuntimeError(f"{direction}: this TransferEngine is closed")
         src_t, dst_t, host_ids = dispatch.prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        method = dispatch.resolve(self._method, src, dst, host_ids=host_ids, capturing=capturing,
-                               num_blocks=src_t.numel(), profile=self.profile)
+        method = dispatch.resolve(
+            self._method,
+            src,
+            dst,
+            host_ids=host_ids,
+            capturing=capturing,
+            num_blocks=src_t.numel(),
+            profile=self.profile,
+        )
         # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
         num_blocks = src_t.numel()
         nbytes = num_blocks * self.kv.nbytes_per_block
@@ -278,43 +285,66 @@ class TransferEngine:
                 raise RuntimeError(f"{direction}: this TransferEngine is closed")
             reads, writes = self._blocks(direction, src_t, dst_t, host_ids)
             # Same-direction transfers share a stream (worker): they already run in submission order.
-            after = [] if capturing else [t for t in self._order.dependencies(reads, writes)
-                                          if t.direction != direction]
+            after = (
+                [] if capturing else [t for t in self._order.dependencies(reads, writes) if t.direction != direction]
+            )
             if self._cuda:
-                transfer = self._submit_cuda(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes,
-                                             capturing, after)
+                transfer = self._submit_cuda(
+                    direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, capturing, after
+                )
             else:
-                transfer = self._submit_cpu(direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes,
-                                            after)
+                transfer = self._submit_cpu(
+                    direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, after
+                )
             if not capturing:
                 self._order.add(transfer, reads, writes)
         return transfer
 
     @staticmethod
-    def _blocks(direction: str, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                host_ids: bool) -> tuple[Blocks | None, Blocks | None]:
+    def _blocks(
+        direction: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, host_ids: bool
+    ) -> tuple[Blocks | None, Blocks | None]:
         """The blocks a transfer reads and writes, per side; None where the ids live on the GPU."""
         if not host_ids:
             return None, None
         src_side, dst_side = ("device", "host") if direction == "offload" else ("host", "device")
         return {src_side: set(src_ids.tolist())}, {dst_side: set(dst_ids.tolist())}
 
-    def _caller_conflict(self, side: str, blocks: list[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
-        """Debug mode: what the caller's own work on these blocks would conflict with (kvcopy._block_order).
+    def caller_conflict(self, side: str, blocks: list[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
+        """Debug mode (kvcopy._block_order.check_caller asks): what the caller's own work on these blocks would
+        conflict with.
         The caller's work is queued on its current stream, which wait_stream may have ordered already."""
         stream = torch.cuda.current_stream(self.kv.device).cuda_stream if self._cuda else None
         with self._lock:
             return self._order.conflict(side, blocks, writes=writes, stream=stream)
 
-    def _copy(self, method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-              layer: int | None) -> None:
+    def _copy(
+        self,
+        method: CopyMethod,
+        src: PagedKV,
+        src_ids: torch.Tensor,
+        dst: PagedKV,
+        dst_ids: torch.Tensor,
+        layer: int | None,
+    ) -> None:
         if layer is not None:
             src, dst = src.layer(layer), dst.layer(layer)
         dispatch.run(method, src, src_ids, dst, dst_ids, self.sm_budget)
 
-    def _submit_cuda(self, direction: str, method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                     dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
-                     capturing: bool, after: list[Transfer]) -> Transfer:
+    def _submit_cuda(
+        self,
+        direction: str,
+        method: CopyMethod,
+        src: PagedKV,
+        src_ids: torch.Tensor,
+        dst: PagedKV,
+        dst_ids: torch.Tensor,
+        layerwise: bool,
+        num_blocks: int,
+        nbytes: int,
+        capturing: bool,
+        after: list[Transfer],
+    ) -> Transfer:
         stream = self._stream_for(direction, capturing)
         ready = self._signal_events.get()
         ready.record(torch.cuda.current_stream(self.kv.device))
@@ -347,16 +377,33 @@ class TransferEngine:
                 layer_events.append(done_event)  # back to the signal pool with the layers
         unsafe = weakref.WeakMethod(self._capture_in_progress)
         layers = [CudaSignal(e, unsafe) for e in layer_events[: self.kv.num_layers]] if layerwise else None
-        transfer = Transfer(direction, num_blocks, nbytes, CudaSignal(done_event, unsafe), layers, timer,
-                            keepalive=(src, dst, src_ids, dst_ids))
+        transfer = Transfer(
+            direction,
+            num_blocks,
+            nbytes,
+            CudaSignal(done_event, unsafe),
+            layers,
+            timer,
+            keepalive=(src, dst, src_ids, dst_ids),
+        )
         weakref.finalize(transfer, self._signal_events.put, layer_events)
         if timer:
             weakref.finalize(transfer, self._timing_events.put, list(timer))
         return transfer
 
-    def _submit_cpu(self, direction: str, method: CopyMethod, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                    dst_ids: torch.Tensor, layerwise: bool, num_blocks: int, nbytes: int,
-                    after: list[Transfer]) -> Transfer:
+    def _submit_cpu(
+        self,
+        direction: str,
+        method: CopyMethod,
+        src: PagedKV,
+        src_ids: torch.Tensor,
+        dst: PagedKV,
+        dst_ids: torch.Tensor,
+        layerwise: bool,
+        num_blocks: int,
+        nbytes: int,
+        after: list[Transfer],
+    ) -> Transfer:
         # The worker reads the ids later, and the caller may reuse its id buffers as soon as this returns.
         src_ids, dst_ids = src_ids.clone(), dst_ids.clone()
         done = ThreadSignal()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Literal
+from typing import Literal, Union
 
 import torch
 
@@ -14,7 +14,7 @@ from ._ids import BlockIds
 from .block_allocator import BlockAllocator
 from .layout import PagedKV
 
-__all__ = ["HostKVPool", "HostLayout"]
+__all__ = ["HostKVPool", "HostLayout", "KVLike", "as_paged"]
 
 HostLayout = Literal["page_first", "layer_first"]
 _LAYOUTS = ("page_first", "layer_first")
@@ -67,13 +67,16 @@ class HostKVPool:
         except (OSError, ValueError) as err:  # binding refused (e.g. mbind without CAP_SYS_NICE in a container)
             if numa_node is not None or node is None:
                 raise  # asked for explicitly: the caller should know
-            warnings.warn(f"HostKVPool: could not bind to the GPU's NUMA node {node} ({err}); left to the OS",
-                          stacklevel=2)
+            warnings.warn(
+                f"HostKVPool: could not bind to the GPU's NUMA node {node} ({err}); left to the OS", stacklevel=2
+            )
             self._region = HostRegion(nbytes, pin=pin, numa_node=None)
         self.buffer: torch.Tensor = self._region.new_tensor()  # keeps the region alive, and its views do
         self.allocator = BlockAllocator(num_blocks)
-        planes = _page_first_planes(self.buffer, like, num_blocks) if layout == "page_first" else (
-            _layer_first_planes(self.buffer, like, num_blocks)
+        planes = (
+            _page_first_planes(self.buffer, like, num_blocks)
+            if layout == "page_first"
+            else (_layer_first_planes(self.buffer, like, num_blocks))
         )
         self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=self._region)
         if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
@@ -110,8 +113,7 @@ class HostKVPool:
     def free(self, ids: BlockIds) -> None:
         """Returns allocated ids; ValueError for a double free or an id not of this pool. With a debug-mode
         TransferEngine on this pool: TransferConflictError for ids an unfinished transfer still uses."""
-        check_caller("HostKVPool.free", self.paged, ids if isinstance(ids, torch.Tensor) else list(ids),
-                     writes=True)
+        check_caller("HostKVPool.free", self.paged, ids if isinstance(ids, torch.Tensor) else list(ids), writes=True)
         self.allocator.free(ids)
 
     def close(self) -> None:
@@ -160,7 +162,9 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _plane_over(buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks: int, offset: int, stride: int) -> torch.Tensor:
+def _plane_over(
+    buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks: int, offset: int, stride: int
+) -> torch.Tensor:
     """A tensor shaped like ``like`` ([num_blocks, *block]) over ``buffer``'s storage.
 
     Block b starts at byte ``offset + b * stride``. Made with ``set_`` rather
@@ -178,14 +182,16 @@ def _plane_over(buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks
     block_shape = tuple(like.shape[1:])
     plane = torch.empty(0, dtype=like.dtype)
     return plane.set_(
-        buffer.untyped_storage(), offset // itemsize, (num_blocks, *block_shape),
+        buffer.untyped_storage(),
+        offset // itemsize,
+        (num_blocks, *block_shape),
         (stride // itemsize, *_contiguous_strides(block_shape)),
     )
 
 
 def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.block_nbytes)):
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
         planes.append(_plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
         offset += nbytes
     return planes
@@ -193,7 +199,19 @@ def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> 
 
 def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.block_nbytes)):
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
         planes.append(_plane_over(buffer, plane, index, num_blocks, offset, nbytes))
         offset += num_blocks * nbytes
     return planes
+
+
+KVLike = Union[PagedKV, HostKVPool]
+
+
+def as_paged(kv: KVLike, name: str) -> PagedKV:
+    """``kv`` as a PagedKV (a HostKVPool's ``paged``); TypeError naming ``name`` for anything else."""
+    if isinstance(kv, PagedKV):
+        return kv
+    if isinstance(kv, HostKVPool):
+        return kv.paged
+    raise TypeError(f"{name}: expected a PagedKV or HostKVPool, got {type(kv).__name__}")

@@ -62,9 +62,7 @@ def _check_plane(index: int, plane: object, first: torch.Tensor | None) -> None:
     if plane.device != first.device:
         raise ValueError(f"planes[{index}]: expected device {first.device} like planes[0], got {plane.device}")
     if plane.shape[0] != first.shape[0]:
-        raise ValueError(
-            f"planes[{index}]: expected {first.shape[0]} blocks like planes[0], got {plane.shape[0]}"
-        )
+        raise ValueError(f"planes[{index}]: expected {first.shape[0]} blocks like planes[0], got {plane.shape[0]}")
 
 
 class PagedKV:
@@ -91,10 +89,10 @@ class PagedKV:
         self.planes_per_layer = planes_per_layer
         self._device = planes[0].device
         # Derived once: the hot path and torch.compile read plain attributes.
-        self._block_nbytes = tuple(_block_numel(p) * p.element_size() for p in planes)
+        self._plane_block_nbytes = tuple(_block_numel(p) * p.element_size() for p in planes)
         self._dtypes = tuple(p.dtype for p in planes)
         self._plane_table = torch.tensor(
-            [[p.data_ptr(), p.stride(0) * p.element_size(), n] for p, n in zip(planes, self._block_nbytes)],
+            [[p.data_ptr(), p.stride(0) * p.element_size(), n] for p, n in zip(planes, self._plane_block_nbytes)],
             dtype=torch.int64,
         )
         self._plane_tables_on: dict[torch.device, torch.Tensor] = {}
@@ -199,14 +197,19 @@ class PagedKV:
         return self._device
 
     @property
+    def plane_block_nbytes(self) -> tuple[int, ...]:
+        """Bytes of one plane-block of each plane (one block of that plane; docs/glossary.md)."""
+        return self._plane_block_nbytes
+
+    @property
     def block_nbytes(self) -> tuple[int, ...]:
-        """Bytes of one block of each plane."""
-        return self._block_nbytes
+        """The same as :attr:`plane_block_nbytes` (its earlier name, kept for engines that use it)."""
+        return self._plane_block_nbytes
 
     @property
     def nbytes_per_block(self) -> int:
         """Bytes of one block across all planes."""
-        return sum(self._block_nbytes)
+        return sum(self._plane_block_nbytes)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:

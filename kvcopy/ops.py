@@ -13,15 +13,10 @@ from . import dispatch
 from ._ids import BlockIds
 from .dispatch import KVLike
 from .host import HostKVPool
-from .methods import choice
+from .methods.choice import available_methods
 from .methods.sm_budget import check_num_ctas
 
 __all__ = ["available_methods", "copy_blocks", "gather", "scatter"]
-
-
-def available_methods(src: KVLike, dst: KVLike) -> list[str]:
-    """The methods that can copy from ``src`` to ``dst`` here, "torch" first."""
-    return choice.available_methods(dispatch.as_paged(src, "src"), dispatch.as_paged(dst, "dst"))
 
 
 def copy_blocks(

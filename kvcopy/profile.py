@@ -16,8 +16,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PROFILE_PATH", "POOR_FIT_R2", "POOR_FIT_RESIDUAL", "LinkFit", "MethodProfile",
-           "PrefillProfile", "Profile", "default_profile", "direction_of", "fit_problems", "set_default_profile"]
+__all__ = [
+    "DEFAULT_PROFILE_PATH",
+    "POOR_FIT_R2",
+    "POOR_FIT_RESIDUAL",
+    "LinkFit",
+    "MethodProfile",
+    "PrefillProfile",
+    "Profile",
+    "default_profile",
+    "direction_of",
+    "fit_problems",
+    "set_default_profile",
+]
 
 PROFILE_FORMAT = 1
 DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcopy" / "profile.json"
@@ -75,8 +86,12 @@ class MethodProfile:
             alpha = alphas[hi - 1] + w * (alphas[hi] - alphas[hi - 1])
             cost = costs[hi - 1] + w * (costs[hi] - costs[hi - 1])
         nearest = self.by_block_nbytes[min(sizes, key=lambda size: abs(size - block_nbytes))]
-        return LinkFit(alpha_s=alpha, beta_bytes_per_s=block_nbytes / cost, r2=nearest.r2,
-                       max_abs_residual=nearest.max_abs_residual)
+        return LinkFit(
+            alpha_s=alpha,
+            beta_bytes_per_s=block_nbytes / cost,
+            r2=nearest.r2,
+            max_abs_residual=nearest.max_abs_residual,
+        )
 
     def predict(self, nbytes: float, block_nbytes: float | None = None) -> float:
         """Seconds for ``nbytes`` moved as plane-blocks of ``block_nbytes`` (None: the overall fit)."""
@@ -127,7 +142,12 @@ class Profile:
         return nbytes / max(num_blocks, 1) / (planes or self.hardware.get("calibration_planes", 1))
 
     def predict(
-        self, direction: str, nbytes: float, *, num_blocks: int = 1, method: str | None = None,
+        self,
+        direction: str,
+        nbytes: float,
+        *,
+        num_blocks: int = 1,
+        method: str | None = None,
         planes: int | None = None,
     ) -> float:
         """Predicted seconds to move ``nbytes`` in ``num_blocks`` blocks; ``method=None``: the best measured one.
@@ -239,7 +259,7 @@ def fit_problems(profile: Profile) -> list[str]:
 
 
 def direction_of(src_device_type: str, dst_device_type: str) -> str:
-    """"d2h", "h2d", "h2h" or "d2d" for a pair of device types."""
+    """ "d2h", "h2d", "h2h" or "d2d" for a pair of device types."""
     side = {"cpu": "h"}
     return f"{side.get(src_device_type, 'd')}2{side.get(dst_device_type, 'd')}"
 

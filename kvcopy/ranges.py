@@ -19,6 +19,7 @@ from .dispatch import KVLike, as_paged, check_pair, prepare_pair
 
 __all__ = ["ByteRange", "copy_ranges"]
 
+
 class ByteRange(NamedTuple):
     """One contiguous copy: ``nbytes`` from address ``src`` to address ``dst``."""
 
@@ -28,7 +29,11 @@ class ByteRange(NamedTuple):
 
 
 def copy_ranges(
-    src: KVLike, src_ids: BlockIds, dst: KVLike, dst_ids: BlockIds, *,
+    src: KVLike,
+    src_ids: BlockIds,
+    dst: KVLike,
+    dst_ids: BlockIds,
+    *,
     method: Literal["cpu", "copy_engine"] = "copy_engine",
 ) -> list[ByteRange]:
     """The byte ranges ``method`` turns ``copy_blocks(src, src_ids, dst, dst_ids)`` into, in order.
@@ -48,6 +53,13 @@ def copy_ranges(
     if module is None:
         error = _ext.build_info()["extension_error"]
         raise RuntimeError(f"copy_ranges: the compiled extension is not loaded ({error})")
-    planned = module.plan_copy_ranges(src_kv.plane_table.data_ptr(), dst_kv.plane_table.data_ptr(), src_kv.num_planes,
-                                      src_t.data_ptr(), dst_t.data_ptr(), src_t.numel(), method == "copy_engine")
+    planned = module.plan_copy_ranges(
+        src_kv.plane_table.data_ptr(),
+        dst_kv.plane_table.data_ptr(),
+        src_kv.num_planes,
+        src_t.data_ptr(),
+        dst_t.data_ptr(),
+        src_t.numel(),
+        method == "copy_engine",
+    )
     return [ByteRange(*r) for r in planned]

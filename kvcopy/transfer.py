@@ -51,14 +51,18 @@ class CudaSignal:
 
     def wait(self, timeout: float | None) -> None:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("wait(): this thread's stream is capturing a CUDA graph, which a host wait would "
-                               "invalidate (or, for a capture of this engine's transfers, never see end); use "
-                               "wait_stream() inside a capture")
+            raise RuntimeError(
+                "wait(): this thread's stream is capturing a CUDA graph, which a host wait would "
+                "invalidate (or, for a capture of this engine's transfers, never see end); use "
+                "wait_stream() inside a capture"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._query_is_unsafe():
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"transfer not known to be done after {timeout} s (a CUDA graph capture of its "
-                                   f"engine's transfers is in progress)")
+                raise TimeoutError(
+                    f"transfer not known to be done after {timeout} s (a CUDA graph capture of its "
+                    f"engine's transfers is in progress)"
+                )
             time.sleep(_POLL_SECONDS)
         if deadline is None:
             self.event.synchronize()  # raises what the device reported, if anything

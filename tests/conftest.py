@@ -142,12 +142,16 @@ def check_copy(src, src_ids, dst, dst_ids, *, method, **kw) -> None:
 
 
 def make_vllm(num_layers, num_blocks, block_size, heads, head_dim, dtype, gen, device="cpu"):
-    layers = [random_tensor((2, num_blocks, block_size, heads, head_dim), dtype, gen, device) for _ in range(num_layers)]
+    layers = [
+        random_tensor((2, num_blocks, block_size, heads, head_dim), dtype, gen, device) for _ in range(num_layers)
+    ]
     return kvcopy.PagedKV.from_vllm(layers), layers
 
 
 def make_flashinfer(num_layers, num_blocks, block_size, heads, head_dim, dtype, gen, device="cpu"):
-    layers = [random_tensor((num_blocks, 2, block_size, heads, head_dim), dtype, gen, device) for _ in range(num_layers)]
+    layers = [
+        random_tensor((num_blocks, 2, block_size, heads, head_dim), dtype, gen, device) for _ in range(num_layers)
+    ]
     return kvcopy.PagedKV.from_flashinfer(layers), layers
 
 

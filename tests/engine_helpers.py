@@ -142,8 +142,9 @@ def run_in_thread(fn: Callable, *args) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def run_threads(worker: Callable[[int], None], num_threads: int, timeout: float = 60.0, *,
-                interleave: bool = False) -> None:
+def run_threads(
+    worker: Callable[[int], None], num_threads: int, timeout: float = 60.0, *, interleave: bool = False
+) -> None:
     """Runs ``worker(i)`` for i in range(num_threads) on threads of its own and joins them all.
 
     ``interleave``: switch threads every microsecond meanwhile, so that

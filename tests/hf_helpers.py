@@ -14,7 +14,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-
 import transformers as hf
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -28,8 +27,15 @@ VOCAB = 512
 PAGE_TOKENS = 16
 # A cache holding every request at once: the never-preempted reference run.
 ROOMY_BLOCKS = 400
-_COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,11 @@ class ModelCase:
         return model
 
 
-MODEL_CASES = (ModelCase("llama-gqa", 24), ModelCase("qwen2-sliding", 16),
-               ModelCase("gemma2", 16, num_requests=12, new_tokens=64))
+MODEL_CASES = (
+    ModelCase("llama-gqa", 24),
+    ModelCase("qwen2-sliding", 16),
+    ModelCase("gemma2", 16, num_requests=12, new_tokens=64),
+)
 
 
 def prompts(num: int = 10, seed: int = 0) -> list[list[int]]:
@@ -75,12 +84,19 @@ def prompts(num: int = 10, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(40, 300))] for _ in range(num)]
 
 
-def generate(model: torch.nn.Module, inputs: list[list[int]], num_blocks: int, *, new_tokens: int = 40,
-             cpu_offload_space: float | None = 0.0) -> dict[str, list[int]]:
+def generate(
+    model: torch.nn.Module,
+    inputs: list[list[int]],
+    num_blocks: int,
+    *,
+    new_tokens: int = 40,
+    cpu_offload_space: float | None = 0.0,
+) -> dict[str, list[int]]:
     """Greedy continuous batching; the generated token ids of each request (a failed request raises)."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=PAGE_TOKENS, max_batch_tokens=256,
-                                  cpu_offload_space=cpu_offload_space)
+    cb = ContinuousBatchingConfig(
+        num_blocks=num_blocks, page_size=PAGE_TOKENS, max_batch_tokens=256, cpu_offload_space=cpu_offload_space
+    )
     out = model.generate_batch(inputs, gen, continuous_batching_config=cb)
     failed = {rid: o.error for rid, o in out.items() if o.error is not None}
     if failed or len(out) != len(inputs):
@@ -94,10 +110,14 @@ def crossover_profile(model: torch.nn.Module, crossover_tokens: int = 150) -> Pr
     spec = kvt.model_spec(model)
     link = LinkFit(alpha_s=1e-3, beta_bytes_per_s=10e9, r2=1.0, max_abs_residual=0.0)
     t_load = link.predict(spec.kv_bytes(crossover_tokens))
-    prefill = PrefillProfile(model=spec.name, alpha_s=0.0, flops_per_s=spec.prefill_flops(crossover_tokens) / t_load,
-                             r2=1.0)
-    return Profile(hardware={"device": "test"}, links={"h2h": {"cpu": MethodProfile(fit=link)},
-                                                       "h2d": {"cuda": MethodProfile(fit=link)}}, prefill=prefill)
+    prefill = PrefillProfile(
+        model=spec.name, alpha_s=0.0, flops_per_s=spec.prefill_flops(crossover_tokens) / t_load, r2=1.0
+    )
+    return Profile(
+        hardware={"device": "test"},
+        links={"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}},
+        prefill=prefill,
+    )
 
 
 def _bench_engine() -> ModuleType:

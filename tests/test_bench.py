@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import kvcopy
+from kvcopy.policy.machine import machine_identity
+from kvcopy.profile import LinkFit, MethodProfile, Profile
 from kvcopy.tools.bench import (
     CSV_COLUMNS,
     IDENTITY_COLUMNS,
@@ -33,11 +35,9 @@ from kvcopy.tools.bench import (
 )
 from kvcopy.tools.bench.baselines import per_block_copy_loop, per_layer_index_loop
 from kvcopy.tools.bench.report import MEASURED_COLUMNS
-from kvcopy.tools.bench.runner import PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
-from kvcopy.tools.bench.runner import AUTO
+from kvcopy.tools.bench.runner import AUTO, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
 from kvcopy.tools.bench.workloads import ONE_PLANE_32K, TINY_PLANES
-from kvcopy.policy.machine import machine_identity
-from kvcopy.profile import LinkFit, MethodProfile, Profile
+
 from conftest import HAS_CUDA, assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 CPU = torch.device("cpu")
@@ -45,8 +45,16 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DIRECTIONS = ("gather", "scatter")
 SUITES = ("workloads", "count_sweep", "size_sweep", "fixed_cost")
 CPU_ROW_METHODS = {LIMIT, "kvcopy cpu", PER_LAYER_LOOP, PER_BLOCK_LOOP}
-TINY = dict(device=CPU, workloads=("llama8b-16",), blocks=2, counts=(1, 2), block_tokens=(1,), sweep_blocks=2,
-            repeats=1, warmup=0)
+TINY = dict(
+    device=CPU,
+    workloads=("llama8b-16",),
+    blocks=2,
+    counts=(1, 2),
+    block_tokens=(1,),
+    sweep_blocks=2,
+    repeats=1,
+    warmup=0,
+)
 
 
 def _link(alpha_s: float, beta: float) -> LinkFit:
@@ -72,18 +80,21 @@ def tiny():
 # --------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize(("overrides", "field"), [
-    (dict(workloads=("llama8b-16", "nope")), "workloads"),
-    (dict(ids="zigzag"), "ids"),
-    (dict(blocks=0), "blocks"),
-    (dict(sweep_blocks=-1), "sweep_blocks"),
-    (dict(repeats=0), "repeats"),
-    (dict(counts=(1, 0)), "counts"),
-    (dict(counts=(4, 4)), "counts"),
-    (dict(block_tokens=(0,)), "block_tokens"),
-    (dict(block_tokens=(2, 1, 2)), "block_tokens"),
-    (dict(warmup=-1), "warmup"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(workloads=("llama8b-16", "nope")), "workloads"),
+        (dict(ids="zigzag"), "ids"),
+        (dict(blocks=0), "blocks"),
+        (dict(sweep_blocks=-1), "sweep_blocks"),
+        (dict(repeats=0), "repeats"),
+        (dict(counts=(1, 0)), "counts"),
+        (dict(counts=(4, 4)), "counts"),
+        (dict(block_tokens=(0,)), "block_tokens"),
+        (dict(block_tokens=(2, 1, 2)), "block_tokens"),
+        (dict(warmup=-1), "warmup"),
+    ],
+)
 def test_config_rejects_bad_fields(overrides, field):
     with pytest.raises(ValueError, match=field):
         BenchConfig(device=CPU, **overrides)
@@ -144,7 +155,9 @@ def test_fixed_cost_point_is_one_block_of_small_plane_blocks(tiny):
     _, rows, _ = tiny
     fixed = [r for r in rows if r.suite == "fixed_cost"]
     assert {(r.workload, r.num_blocks, r.num_planes, r.plane_block_bytes) for r in fixed} == {
-        (TINY_PLANES.name, 1, 64, 256), (ONE_PLANE_32K.name, 1, 1, 32768)}
+        (TINY_PLANES.name, 1, 64, 256),
+        (ONE_PLANE_32K.name, 1, 1, 32768),
+    }
     for workload in (TINY_PLANES.name, ONE_PLANE_32K.name):  # "auto" too: the call overhead a user pays
         mine = {(r.direction, r.method) for r in fixed if r.workload == workload}
         assert mine >= {(d, m) for d in DIRECTIONS for m in CPU_ROW_METHODS | {AUTO}}
@@ -178,8 +191,16 @@ def test_slow_rows_get_fewer_repeats_and_say_so(monkeypatch):
     import kvcopy.tools.bench.runner as runner
 
     monkeypatch.setattr(runner, "SLOW_CALL_S", 0.0)  # every row is "slow"
-    config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=2, counts=(), block_tokens=(),
-                         fixed_cost=False, repeats=7, warmup=0)
+    config = BenchConfig(
+        device=CPU,
+        workloads=("llama8b-16",),
+        blocks=2,
+        counts=(),
+        block_tokens=(),
+        fixed_cost=False,
+        repeats=7,
+        warmup=0,
+    )
     rows = run_benchmarks(config)
     assert rows and {r.repeats for r in rows} == {runner.SLOW_ROW_REPEATS}
     assert {r["repeats"] for r in with_ratios(rows)} == {runner.SLOW_ROW_REPEATS}
@@ -198,8 +219,16 @@ def test_large_calls_are_checked_on_their_first_ids(monkeypatch):
         return real_check(name, fn, src, src_ids, dst, dst_ids, **kw)
 
     monkeypatch.setattr(runner, "check_output", spy)
-    config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=5, counts=(), block_tokens=(),
-                         fixed_cost=False, repeats=1, warmup=0)
+    config = BenchConfig(
+        device=CPU,
+        workloads=("llama8b-16",),
+        blocks=5,
+        counts=(),
+        block_tokens=(),
+        fixed_cost=False,
+        repeats=1,
+        warmup=0,
+    )
     rows = run_benchmarks(config)
     methods = {(r.direction, r.method) for r in rows if r.method != LIMIT}
     assert {name.split(" ", 1)[1] for name, _, _ in checked} == {f"{d} {m}" for d, m in methods}
@@ -212,8 +241,16 @@ def test_csv_writer_saves_each_point_as_it_ends(tmp_path):
 
     out = tmp_path / "stream.csv"
     identity = {"device": "cpu", "device_name": "streamer"}
-    config = BenchConfig(device=CPU, workloads=("llama8b-16",), blocks=2, counts=(1,), block_tokens=(),
-                         fixed_cost=False, repeats=1, warmup=0)
+    config = BenchConfig(
+        device=CPU,
+        workloads=("llama8b-16",),
+        blocks=2,
+        counts=(1,),
+        block_tokens=(),
+        fixed_cost=False,
+        repeats=1,
+        warmup=0,
+    )
     seen_on_disk = []
     with CsvWriter(out, identity) as writer:
         assert read_csv(out) == []  # the header is there before any point
@@ -229,8 +266,17 @@ def test_csv_writer_saves_each_point_as_it_ends(tmp_path):
 
 
 def test_other_workloads_and_sequential_ids_run():
-    config = BenchConfig(device=CPU, workloads=("llama8b-fp8-16", "deepseek-v3-mla-64"), ids="sequential", blocks=2,
-                         counts=(), block_tokens=(), fixed_cost=False, repeats=1, warmup=0)
+    config = BenchConfig(
+        device=CPU,
+        workloads=("llama8b-fp8-16", "deepseek-v3-mla-64"),
+        ids="sequential",
+        blocks=2,
+        counts=(),
+        block_tokens=(),
+        fixed_cost=False,
+        repeats=1,
+        warmup=0,
+    )
     assert num_points(config) == 2
     d2h_only = Profile(hardware={}, links={"d2h": {"cpu": MethodProfile(_link(1e-5, 1e9))}})
     rows = run_benchmarks(config, profile=d2h_only)  # the profile never measured h2h: no predictions
@@ -257,14 +303,25 @@ def _cache_and_pool(layout: str, dtype: torch.dtype, gen: torch.Generator):
 SRC_IDS, DST_IDS = torch.tensor([0, 3, 4, 6]), torch.tensor([5, 1, 2, 0])
 
 
-@pytest.mark.parametrize(("layout", "dtype"), [pytest.param("vllm", torch.bfloat16, id="vllm-bf16"),
-                                               pytest.param("planes", torch.float8_e4m3fn, id="planes-fp8")])
+@pytest.mark.parametrize(
+    ("layout", "dtype"),
+    [
+        pytest.param("vllm", torch.bfloat16, id="vllm-bf16"),
+        pytest.param("planes", torch.float8_e4m3fn, id="planes-fp8"),
+    ],
+)
 def test_check_output_passes_a_correct_copy(layout, dtype, gen):
     kv, pool = _cache_and_pool(layout, dtype, gen)
     copy = functools.partial(kvcopy.copy_blocks, kv, SRC_IDS, pool, DST_IDS, method="cpu")
     check_output("kvcopy cpu", copy, kv, SRC_IDS, pool.paged, DST_IDS)
-    check_output("scatter", functools.partial(kvcopy.copy_blocks, pool, DST_IDS, kv, SRC_IDS, method="cpu"),
-                 pool.paged, DST_IDS, kv, SRC_IDS)
+    check_output(
+        "scatter",
+        functools.partial(kvcopy.copy_blocks, pool, DST_IDS, kv, SRC_IDS, method="cpu"),
+        pool.paged,
+        DST_IDS,
+        kv,
+        SRC_IDS,
+    )
 
 
 @pytest.mark.parametrize("wrong", ["shifted ids", "no copy", "last plane skipped", "already there"])
@@ -314,12 +371,16 @@ def _run_baseline(baseline: str, src, src_ids, dst, dst_ids) -> None:
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize(("layout", "dtype"), [
-    pytest.param("vllm", torch.bfloat16, id="vllm-bf16"), pytest.param("mla", torch.float16, id="mla-fp16"),
-    pytest.param("planes", torch.float8_e4m3fn, id="planes-fp8"),
-    pytest.param("flashinfer", torch.float8_e4m3fn, id="flashinfer-fp8"),
-    pytest.param("planes", torch.float32, id="planes-fp32"),
-])
+@pytest.mark.parametrize(
+    ("layout", "dtype"),
+    [
+        pytest.param("vllm", torch.bfloat16, id="vllm-bf16"),
+        pytest.param("mla", torch.float16, id="mla-fp16"),
+        pytest.param("planes", torch.float8_e4m3fn, id="planes-fp8"),
+        pytest.param("flashinfer", torch.float8_e4m3fn, id="flashinfer-fp8"),
+        pytest.param("planes", torch.float32, id="planes-fp32"),
+    ],
+)
 @pytest.mark.parametrize("baseline", [PER_LAYER_LOOP, PER_BLOCK_LOOP])
 def test_baselines_copy_like_plain_indexing(baseline, layout, dtype, direction, gen):
     kv, pool = _cache_and_pool(layout, dtype, gen)
@@ -337,21 +398,49 @@ def test_baselines_copy_like_plain_indexing(baseline, layout, dtype, direction, 
 # --------------------------------------------------------------------------- report
 
 
-def _row(method: str, median: float, *, suite: str = "workloads", direction: str = "gather", n: int = 4,
-         predicted: float | None = None, block_bytes: int = 1000, planes: int = 4) -> BenchRow:
-    return BenchRow(suite, "w", direction, "random", method, n, planes, block_bytes, median, median * 0.9,
-                    median * 1.1, 5, predicted)
+def _row(
+    method: str,
+    median: float,
+    *,
+    suite: str = "workloads",
+    direction: str = "gather",
+    n: int = 4,
+    predicted: float | None = None,
+    block_bytes: int = 1000,
+    planes: int = 4,
+) -> BenchRow:
+    return BenchRow(
+        suite,
+        "w",
+        direction,
+        "random",
+        method,
+        n,
+        planes,
+        block_bytes,
+        median,
+        median * 0.9,
+        median * 1.1,
+        5,
+        predicted,
+    )
 
 
 def _hand_made_rows() -> list[BenchRow]:
     return [
         # point A: every baseline
-        _row(LIMIT, 1.0), _row("kvcopy cpu", 2.0, predicted=3.0), _row(PER_LAYER_LOOP, 8.0),
-        _row(PER_BLOCK_LOOP, 4.0), _row(PER_BLOCK_MEMCPY, 5.0),
+        _row(LIMIT, 1.0),
+        _row("kvcopy cpu", 2.0, predicted=3.0),
+        _row(PER_LAYER_LOOP, 8.0),
+        _row(PER_BLOCK_LOOP, 4.0),
+        _row(PER_BLOCK_MEMCPY, 5.0),
         # point B (other block count): no per-block rows
-        _row(LIMIT, 0.5, n=8), _row("kvcopy cpu", 0.25, n=8, predicted=0.2), _row(PER_LAYER_LOOP, 1.0, n=8),
+        _row(LIMIT, 0.5, n=8),
+        _row("kvcopy cpu", 0.25, n=8, predicted=0.2),
+        _row(PER_LAYER_LOOP, 1.0, n=8),
         # point C (other direction): no limit row
-        _row("kvcopy cpu", 3.0, direction="scatter"), _row(PER_BLOCK_LOOP, 6.0, direction="scatter"),
+        _row("kvcopy cpu", 3.0, direction="scatter"),
+        _row(PER_BLOCK_LOOP, 6.0, direction="scatter"),
     ]
 
 
@@ -413,8 +502,10 @@ def test_csv_round_trip(tmp_path):
 
 
 def test_format_tables_on_hand_made_rows():
-    fixed = [_row(method, median, suite="fixed_cost", n=1, block_bytes=64 * 256, planes=64)
-             for method, median in ((LIMIT, 2.5e-6), ("kvcopy cpu", 12.5e-6))]
+    fixed = [
+        _row(method, median, suite="fixed_cost", n=1, block_bytes=64 * 256, planes=64)
+        for method, median in ((LIMIT, 2.5e-6), ("kvcopy cpu", 12.5e-6))
+    ]
     text = format_tables(_hand_made_rows() + fixed, {"device_name": "Test Device 9000", "device": "cpu"})
     assert "Test Device 9000" in text
     assert "pred. err" in text and "+50%" in text  # prediction error column of point A

@@ -11,6 +11,7 @@ import torch
 import kvcopy
 from kvcopy.tools.bench import BenchConfig, run_benchmarks
 from kvcopy.tools.bench.baselines import DMA_BASELINES, dma_baseline, per_block_copy_loop, per_layer_index_loop
+
 from conftest import assert_same_bytes, dst_bytes, gpu, make_layout, reference_copy, requires_gpu, snapshot
 
 pytestmark = [gpu, requires_gpu]
@@ -28,8 +29,9 @@ def _sides(direction, layout, dtype, gen):
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
-@pytest.mark.parametrize(("layout", "dtype"), [("vllm", torch.bfloat16), ("flashinfer", torch.float8_e4m3fn),
-                                               ("mla", torch.float16)])
+@pytest.mark.parametrize(
+    ("layout", "dtype"), [("vllm", torch.bfloat16), ("flashinfer", torch.float8_e4m3fn), ("mla", torch.float16)]
+)
 @pytest.mark.parametrize("baseline", [*DMA_BASELINES, "per-layer index loop", "per-block copy_ loop"])
 def test_gpu_baselines_match_reference(baseline, layout, dtype, direction):
     src, src_ids, dst, dst_ids = _sides(direction, layout, dtype, torch.Generator().manual_seed(3))
@@ -53,6 +55,13 @@ def test_gpu_benchmark_runs_every_method_and_baseline():
     rows = run_benchmarks(config)  # each row is checked against plain indexing before it is timed
     for direction in ("gather", "scatter"):
         methods = {r.method for r in rows if r.direction == direction and r.suite == "workloads"}
-        assert {"contiguous copy (limit)", "kvcopy cuda", "kvcopy copy_engine", "kvcopy triton", *DMA_BASELINES,
-                "per-layer index loop", "per-block copy_ loop"} <= methods
+        assert {
+            "contiguous copy (limit)",
+            "kvcopy cuda",
+            "kvcopy copy_engine",
+            "kvcopy triton",
+            *DMA_BASELINES,
+            "per-layer index loop",
+            "per-block copy_ loop",
+        } <= methods
     assert all(r.median_s > 0 for r in rows)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAS_CUDA
 from kvcopy.tools.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
+
+from conftest import HAS_CUDA
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,10 +39,16 @@ def _describe(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize(("workload", "ids"), [
-    ("llama8b-16", "random"), ("llama8b-16", "sequential"), ("llama70b-tp4-16", "random"),
-    ("deepseek-v3-mla-64", "random"), ("llama8b-fp8-16", "random"),
-])
+@pytest.mark.parametrize(
+    ("workload", "ids"),
+    [
+        ("llama8b-16", "random"),
+        ("llama8b-16", "sequential"),
+        ("llama70b-tp4-16", "random"),
+        ("deepseek-v3-mla-64", "random"),
+        ("llama8b-fp8-16", "random"),
+    ],
+)
 def test_bench_copy_runs_and_checks_its_rows(tmp_path: Path, workload: str, ids: str) -> None:
     out = tmp_path / "copy.csv"
     result = _run("benchmarks/bench_copy.py", *SMALL, "--workload", workload, "--ids", ids, "--csv", str(out))
@@ -60,9 +67,28 @@ def test_bench_copy_runs_and_checks_its_rows(tmp_path: Path, workload: str, ids:
 
 def test_bench_copy_sweeps_fixed_cost_and_plot(tmp_path: Path) -> None:
     out, plot = tmp_path / "copy.csv", tmp_path / "copy.png"
-    result = _run("benchmarks/bench_copy.py", "--device", "cpu", "--quick", "--workload", "llama8b-16", "--blocks",
-                  "2", "--repeats", "1", "--counts", "1,2", "--block-tokens", "1", "--sweep-blocks", "2",
-                  "--no-progress", "--csv", str(out), *(("--plot", str(plot)) if HAS_MATPLOTLIB else ()))
+    result = _run(
+        "benchmarks/bench_copy.py",
+        "--device",
+        "cpu",
+        "--quick",
+        "--workload",
+        "llama8b-16",
+        "--blocks",
+        "2",
+        "--repeats",
+        "1",
+        "--counts",
+        "1,2",
+        "--block-tokens",
+        "1",
+        "--sweep-blocks",
+        "2",
+        "--no-progress",
+        "--csv",
+        str(out),
+        *(("--plot", str(plot)) if HAS_MATPLOTLIB else ()),
+    )
     assert result.returncode == 0, _describe(result)
     assert "count_sweep:" in result.stdout and "size_sweep:" in result.stdout and "fixed cost" in result.stdout
     rows = read_csv(out)
@@ -92,12 +118,32 @@ def test_bench_overlap_runs_on_the_cpu(tmp_path: Path) -> None:
 def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
     out = tmp_path / "engine.csv"
-    result = _run("benchmarks/bench_engine.py", "--requests", "8", "--min-prompt", "32", "--max-prompt", "64",
-                  "--new-tokens", "16", "--hidden", "128", "--layers", "2", "--csv", str(out))
+    result = _run(
+        "benchmarks/bench_engine.py",
+        "--requests",
+        "8",
+        "--min-prompt",
+        "32",
+        "--max-prompt",
+        "64",
+        "--new-tokens",
+        "16",
+        "--hidden",
+        "128",
+        "--layers",
+        "2",
+        "--csv",
+        str(out),
+    )
     assert result.returncode == 0, _describe(result)
     rows = list(csv.DictReader(out.open()))
-    assert [r["path"] for r in rows] == ["transformers soft reset", "transformers offload", "kvcopy offload",
-                                         "kvcopy recompute", "kvcopy auto"]
+    assert [r["path"] for r in rows] == [
+        "transformers soft reset",
+        "transformers offload",
+        "kvcopy offload",
+        "kvcopy recompute",
+        "kvcopy auto",
+    ]
     assert all(r["same_tokens"] == "True" and float(r["tokens_per_s"]) > 0 for r in rows)
     assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
     assert "pin_memory dropped" in rows[1]["note"]
@@ -127,8 +173,14 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         TMPDIR=str(tmp_path),
     )
     env.pop("PYTHON", None)
-    result = subprocess.run(["bash", "benchmarks/device_check.sh", "--dry-run", str(out)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        ["bash", "benchmarks/device_check.sh", "--dry-run", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert result.returncode == 0, _describe(result)
     assert "device_check: done" in result.stdout
     steps = re.findall(r"^== (\S+) \(", result.stdout, re.M)
@@ -169,18 +221,30 @@ def test_steps_get_their_cap_or_what_is_left_of_the_deadline() -> None:
 
 
 def test_a_skipped_step_is_reported_and_not_run() -> None:
-    out = _budget("started=$((SECONDS - 95)); stage=$out; soft_step late 30 touch ran; "
-                  "echo ${skipped[*]}; cat $out/summary.txt; ls $out")
+    out = _budget(
+        "started=$((SECONDS - 95)); stage=$out; soft_step late 30 touch ran; "
+        "echo ${skipped[*]}; cat $out/summary.txt; ls $out"
+    )
     assert out.splitlines()[0] == "late" and "late skipped (deadline)" in out and "ran" not in out.split()
 
 
 def test_preflight_fails_in_seconds_without_a_gpu(tmp_path: Path) -> None:
     if HAS_CUDA:
         pytest.skip("this machine has a GPU: the preflight passes here")
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               KVCOPY_WHEELHOUSE=str(tmp_path / "none"), TMPDIR=str(tmp_path))
-    result = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        KVCOPY_WHEELHOUSE=str(tmp_path / "none"),
+        TMPDIR=str(tmp_path),
+    )
+    result = subprocess.run(
+        ["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert "preflight: no CUDA device visible" in result.stderr
     assert "stopped: preflight" in (tmp_path / "out" / "summary.txt").read_text()
@@ -200,12 +264,15 @@ def test_unpack_wheelhouse_unpacks_only_missing_distributions(tmp_path: Path) ->
     house, target = tmp_path / "wheelhouse", tmp_path / "deps"
     house.mkdir()
     dist_info = "fakepkg_kvcopy_test-1.0.dist-info"
-    _wheel(house / "fakepkg_kvcopy_test-1.0-py3-none-any.whl", {
-        "fakepkg_kvcopy_test/__init__.py": "VALUE = 42\n",
-        f"{dist_info}/METADATA": "Metadata-Version: 2.1\nName: fakepkg_kvcopy_test\nVersion: 1.0\n",
-        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{dist_info}/RECORD": "",
-    })
+    _wheel(
+        house / "fakepkg_kvcopy_test-1.0-py3-none-any.whl",
+        {
+            "fakepkg_kvcopy_test/__init__.py": "VALUE = 42\n",
+            f"{dist_info}/METADATA": "Metadata-Version: 2.1\nName: fakepkg_kvcopy_test\nVersion: 1.0\n",
+            f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+            f"{dist_info}/RECORD": "",
+        },
+    )
     _wheel(house / "numpy-0.0-py3-none-any.whl", {"numpy_marker.txt": "installed already\n"})
     (house / "notes.txt").write_text("not a wheel\n")
 
@@ -215,9 +282,11 @@ def test_unpack_wheelhouse_unpacks_only_missing_distributions(tmp_path: Path) ->
     assert (target / "fakepkg_kvcopy_test" / "__init__.py").is_file()
     assert not (target / "numpy_marker.txt").exists()
     # Unpacked is installed: importable, with its metadata, from TARGET on the path.
-    check = _run("-c", "import importlib.metadata as m, fakepkg_kvcopy_test as p; "
-                       "print(p.VALUE, m.version('fakepkg_kvcopy_test'))",
-                 env={**os.environ, "PYTHONPATH": str(target)})
+    check = _run(
+        "-c",
+        "import importlib.metadata as m, fakepkg_kvcopy_test as p; print(p.VALUE, m.version('fakepkg_kvcopy_test'))",
+        env={**os.environ, "PYTHONPATH": str(target)},
+    )
     assert check.returncode == 0, _describe(check)
     assert check.stdout.split() == ["42", "1.0"]
 
@@ -234,13 +303,18 @@ def test_unpack_wheelhouse_skips_other_pythons_and_moves_data_folders(tmp_path: 
     house, target = tmp_path / "wheelhouse", tmp_path / "deps"
     house.mkdir()
     other = "cp27" if sys.version_info.major == 3 else "cp312"
-    _wheel(house / f"kvcopy_other_python-1.0-{other}-{other}-manylinux2014_x86_64.whl",
-           {"kvcopy_other_python/__init__.py": ""})
+    _wheel(
+        house / f"kvcopy_other_python-1.0-{other}-{other}-manylinux2014_x86_64.whl",
+        {"kvcopy_other_python/__init__.py": ""},
+    )
     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    _wheel(house / f"kvcopy_data_test-1.0-{here}-{here}-manylinux2014_x86_64.whl", {
-        "kvcopy_data_test-1.0.data/platlib/kvcopy_data_test/__init__.py": "VALUE = 7\n",
-        "kvcopy_data_test-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: kvcopy_data_test\nVersion: 1.0\n",
-    })
+    _wheel(
+        house / f"kvcopy_data_test-1.0-{here}-{here}-manylinux2014_x86_64.whl",
+        {
+            "kvcopy_data_test-1.0.data/platlib/kvcopy_data_test/__init__.py": "VALUE = 7\n",
+            "kvcopy_data_test-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: kvcopy_data_test\nVersion: 1.0\n",
+        },
+    )
     result = _run("benchmarks/unpack_wheelhouse.py", str(house), str(target))
     assert result.returncode == 0, _describe(result)
     assert result.stdout.splitlines() == [f"unpacked kvcopy_data_test-1.0-{here}-{here}-manylinux2014_x86_64.whl"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from engine_helpers import run_threads
 
 NUM_BLOCKS = 16

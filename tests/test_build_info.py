@@ -15,8 +15,18 @@ import kvcopy
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {
-    "kvcopy", "torch", "torch_cuda", "python", "extension_loaded", "extension_error", "cpu_kernels",
-    "cuda_kernels", "cuda_archs", "triton", "triton_interpret", "cuda_available",
+    "kvcopy",
+    "torch",
+    "torch_cuda",
+    "python",
+    "extension_loaded",
+    "extension_error",
+    "cpu_kernels",
+    "cuda_kernels",
+    "cuda_archs",
+    "triton",
+    "triton_interpret",
+    "cuda_available",
 }
 
 
@@ -75,7 +85,11 @@ def test_version_is_the_pyproject_dynamic_version():
 
 def _run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "kvcopy", *args], capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [sys.executable, "-m", "kvcopy", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
 
 

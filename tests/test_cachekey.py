@@ -196,9 +196,7 @@ def test_equal_numbers_encode_the_same():
 
 def test_overrides_equal_to_the_model_values_give_the_same_key():
     identity = _identity()
-    same = _key(
-        rope_theta=identity["rope_theta"], rope_scaling=identity["rope_scaling"], kv_dtype=identity["kv_dtype"]
-    )
+    same = _key(rope_theta=identity["rope_theta"], rope_scaling=identity["rope_scaling"], kv_dtype=identity["kv_dtype"])
     assert same == _key()
     # The key depends on the value in effect, wherever it came from.
     assert _key(rope_theta=10000.0) == _key(_with(rope_theta=10000.0))

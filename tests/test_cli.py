@@ -18,16 +18,22 @@ from pathlib import Path
 import pytest
 
 import kvcopy
+from kvcopy.profile import Profile
 from kvcopy.tools.bench import CSV_COLUMNS, read_csv
 from kvcopy.tools.cli import main
-from kvcopy.profile import Profile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT_S = 120
 
 LLAMA_STYLE = {
-    "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
-    "num_hidden_layers": 8, "num_key_value_heads": 4, "vocab_size": 32000, "rope_theta": 10000.0,
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "rope_theta": 10000.0,
     "torch_dtype": "bfloat16",
 }
 
@@ -45,8 +51,14 @@ def env(home) -> dict[str, str]:
 
 
 def _start(env, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvcopy", *args], env=env, cwd=env["HOME"], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvcopy", *args],
+        env=env,
+        cwd=env["HOME"],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
@@ -131,8 +143,11 @@ def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
     # The printed threshold is the saved profile's.
     planner = kvcopy.Planner.from_profile(loaded, kvcopy.ModelSpec.preset("llama-3.1-8b"))
     threshold = planner.threshold_tokens()
-    expected = ("recompute wins at the longest prefix" if threshold is None
-                else f"keep a cached prefix from {threshold} tokens on")
+    expected = (
+        "recompute wins at the longest prefix"
+        if threshold is None
+        else f"keep a cached prefix from {threshold} tokens on"
+    )
     assert threshold_line.group(1) == expected
     # Each measured method has a row with its fit.
     for direction, method, mp in ((d, m, mp) for d in directions for m, mp in loaded.links[d].items()):
@@ -151,16 +166,20 @@ def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
 
 def test_plan_preset_prints_the_decision_and_plots(env, profile_path, home):
     plot = home / "plan.png"
-    result = run(env, "plan", "--model", "llama-3.1-8b", "--profile", str(profile_path), "--prefix", "2048",
-                 "--plot", str(plot))
+    result = run(
+        env, "plan", "--model", "llama-3.1-8b", "--profile", str(profile_path), "--prefix", "2048", "--plot", str(plot)
+    )
     assert result.returncode == 0, _describe(result)
-    planner = kvcopy.Planner.from_profile(Profile.load(profile_path), kvcopy.ModelSpec.preset("llama-3.1-8b"),
-                                          layerwise=True)
+    planner = kvcopy.Planner.from_profile(
+        Profile.load(profile_path), kvcopy.ModelSpec.preset("llama-3.1-8b"), layerwise=True
+    )
     decision = planner.decide(2048)
     threshold = planner.threshold_tokens()
     out = result.stdout
     lines = out.splitlines()
-    assert lines[0] == f"llama-3.1-8b on {Profile.load(profile_path).hardware['device_name']}: 2048 cached tokens, 1 new"
+    assert (
+        lines[0] == f"llama-3.1-8b on {Profile.load(profile_path).hardware['device_name']}: 2048 cached tokens, 1 new"
+    )
     assert lines[1] == f"decision: {decision.action} ({decision.explanation})"  # the decision first
     rows = {line.split()[1] if line.startswith("  * ") else line.split()[0]: line for line in lines[2:6]}
     assert set(rows) == {"reload", "layer-wise", "split", "recompute"}
@@ -176,11 +195,24 @@ def test_plan_preset_prints_the_decision_and_plots(env, profile_path, home):
 
 
 def test_plan_with_new_tokens_and_decode_share(env, profile_path):
-    result = run(env, "plan", "--model", "qwen3-8b", "--profile", str(profile_path), "--prefix", "512",
-                 "--new", "64", "--decode-share", "0.5")
+    result = run(
+        env,
+        "plan",
+        "--model",
+        "qwen3-8b",
+        "--profile",
+        str(profile_path),
+        "--prefix",
+        "512",
+        "--new",
+        "64",
+        "--decode-share",
+        "0.5",
+    )
     assert result.returncode == 0, _describe(result)
-    planner = kvcopy.Planner.from_profile(Profile.load(profile_path), kvcopy.ModelSpec.preset("qwen3-8b"),
-                                          decode_share=0.5, layerwise=True)
+    planner = kvcopy.Planner.from_profile(
+        Profile.load(profile_path), kvcopy.ModelSpec.preset("qwen3-8b"), decode_share=0.5, layerwise=True
+    )
     decision = planner.decide(512, 64)
     assert f"decision: {decision.action} ({decision.explanation})" in result.stdout
 
@@ -189,10 +221,21 @@ def test_plan_with_a_config_file_and_its_directory(env, profile_path, home):
     model_dir = home / "models" / "tiny-llama"
     model_dir.mkdir(parents=True)
     (model_dir / "config.json").write_text(json.dumps(LLAMA_STYLE))
-    results = run_all(env, {
-        "file": ("plan", "--model", str(model_dir / "config.json"), "--profile", str(profile_path), "--prefix", "300"),
-        "dir": ("plan", "--model", str(model_dir), "--profile", str(profile_path), "--prefix", "300"),
-    })
+    results = run_all(
+        env,
+        {
+            "file": (
+                "plan",
+                "--model",
+                str(model_dir / "config.json"),
+                "--profile",
+                str(profile_path),
+                "--prefix",
+                "300",
+            ),
+            "dir": ("plan", "--model", str(model_dir), "--profile", str(profile_path), "--prefix", "300"),
+        },
+    )
     spec = kvcopy.ModelSpec.from_hf_config(model_dir / "config.json")
     decision = kvcopy.Planner.from_profile(Profile.load(profile_path), spec, layerwise=True).decide(300)
     for result in results.values():
@@ -210,12 +253,15 @@ def test_plan_model_errors(env, profile_path, home):
     incomplete = bad_dir / "config.json"
     incomplete.write_text(json.dumps({k: v for k, v in LLAMA_STYLE.items() if k != "num_hidden_layers"}))
     p = str(profile_path)
-    results = run_all(env, {
-        "missing": ("plan", "--model", "/nonexistent/config.json", "--profile", p),
-        "malformed": ("plan", "--model", str(malformed), "--profile", p),
-        "incomplete": ("plan", "--model", str(incomplete), "--profile", p),
-        "preset": ("plan", "--model", "no-such-model-7b", "--profile", p),
-    })
+    results = run_all(
+        env,
+        {
+            "missing": ("plan", "--model", "/nonexistent/config.json", "--profile", p),
+            "malformed": ("plan", "--model", str(malformed), "--profile", p),
+            "incomplete": ("plan", "--model", str(incomplete), "--profile", p),
+            "preset": ("plan", "--model", "no-such-model-7b", "--profile", p),
+        },
+    )
     assert_user_error(results["missing"], "/nonexistent/config.json")
     assert_user_error(results["malformed"], str(malformed))
     assert "JSON" in results["malformed"].stderr
@@ -231,13 +277,16 @@ def test_plan_profile_errors(env, profile_path, home):
     data["format"] = 0
     old.write_text(json.dumps(data))
     missing = home / "no" / "profile.json"
-    results = run_all(env, {
-        "missing": ("plan", "--model", "llama-3.1-8b", "--profile", str(missing)),
-        "default": ("plan", "--model", "llama-3.1-8b"),  # none under the temporary home
-        "garbled": ("plan", "--model", "llama-3.1-8b", "--profile", str(garbled)),
-        "old": ("plan", "--model", "llama-3.1-8b", "--profile", str(old)),
-        "share": ("plan", "--model", "llama-3.1-8b", "--profile", str(profile_path), "--decode-share", "1.0"),
-    })
+    results = run_all(
+        env,
+        {
+            "missing": ("plan", "--model", "llama-3.1-8b", "--profile", str(missing)),
+            "default": ("plan", "--model", "llama-3.1-8b"),  # none under the temporary home
+            "garbled": ("plan", "--model", "llama-3.1-8b", "--profile", str(garbled)),
+            "old": ("plan", "--model", "llama-3.1-8b", "--profile", str(old)),
+            "share": ("plan", "--model", "llama-3.1-8b", "--profile", str(profile_path), "--decode-share", "1.0"),
+        },
+    )
     assert_user_error(results["missing"], str(missing), "kvcopy calibrate")
     assert_user_error(results["default"], str(home / ".cache" / "kvcopy" / "profile.json"), "kvcopy calibrate")
     assert_user_error(results["garbled"], str(garbled))
@@ -266,8 +315,20 @@ def test_info_text_and_json(env):
 # --------------------------------------------------------------------------- bench (in-process)
 
 # The smallest bench: one workload at 2 blocks, one repeat, no sweeps.
-SMALL_BENCH = ("bench", "--device", "cpu", "--quick", "--no-sweeps", "--workload", "llama8b-16", "--blocks", "2",
-               "--repeats", "1", "--no-progress")
+SMALL_BENCH = (
+    "bench",
+    "--device",
+    "cpu",
+    "--quick",
+    "--no-sweeps",
+    "--workload",
+    "llama8b-16",
+    "--blocks",
+    "2",
+    "--repeats",
+    "1",
+    "--no-progress",
+)
 
 
 def test_bench_prints_tables_and_writes_the_csv(tmp_path, capsys):
@@ -284,7 +345,8 @@ def test_bench_prints_tables_and_writes_the_csv(tmp_path, capsys):
     assert {(r["suite"], r["workload"], r["num_blocks"]) for r in rows} == {("workloads", "llama8b-16", 2)}
     for direction in ("gather", "scatter"):
         assert {"contiguous copy (limit)", "kvcopy cpu", "per-layer index loop", "per-block copy_ loop"} <= {
-            r["method"] for r in rows if r["direction"] == direction}
+            r["method"] for r in rows if r["direction"] == direction
+        }
     assert all(r["gbps"] > 0 and r["device"] == "cpu" for r in rows)
 
 
@@ -304,15 +366,18 @@ def test_bench_plot_without_sweeps_is_a_user_error(tmp_path, capsys):
     assert not plot.exists()
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
-    (("--workload", "nope"), ("--workload:", "nope", "llama8b-16")),
-    (("--blocks", "0"), ("--blocks:",)),
-    (("--repeats", "0"), ("--repeats:",)),
-    (("--device", "meta"), ("--device:",)),
-    (("--device", "gpu"), ("--device:", "'gpu'")),
-    (("--csv", "/nonexistent-dir/b.csv"), ("--csv", "/nonexistent-dir/b.csv")),
-    (("--plot", "/nonexistent-dir/b.png"), ("--plot", "/nonexistent-dir")),
-])
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (("--workload", "nope"), ("--workload:", "nope", "llama8b-16")),
+        (("--blocks", "0"), ("--blocks:",)),
+        (("--repeats", "0"), ("--repeats:",)),
+        (("--device", "meta"), ("--device:",)),
+        (("--device", "gpu"), ("--device:", "'gpu'")),
+        (("--csv", "/nonexistent-dir/b.csv"), ("--csv", "/nonexistent-dir/b.csv")),
+        (("--plot", "/nonexistent-dir/b.png"), ("--plot", "/nonexistent-dir")),
+    ],
+)
 def test_bench_bad_config_is_a_user_error(args, fragments, capsys):
     assert main(["bench", "--no-progress", *args]) == 2
     captured = capsys.readouterr()
@@ -323,8 +388,23 @@ def test_bench_bad_config_is_a_user_error(args, fragments, capsys):
 
 
 def test_bench_list_prints_the_points_without_timing(capsys):
-    assert main(["bench", "--device", "cpu", "--counts", "1,2048", "--block-tokens", "4", "--workload", "llama8b-16",
-                 "--list"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--device",
+                "cpu",
+                "--counts",
+                "1,2048",
+                "--block-tokens",
+                "4",
+                "--workload",
+                "llama8b-16",
+                "--list",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("kvcopy bench on cpu: random ids")
     assert [line.split() for line in lines[1:]] == [
@@ -358,8 +438,13 @@ BAD_VALUES = {
 
 
 def test_every_subcommand_answers_a_bad_value_with_one_line_and_status_2(env, profile_path):
-    results = run_all(env, {name: args + (("--profile", str(profile_path)) if args[0] == "plan" else ())
-                            for name, args in BAD_VALUES.items()})
+    results = run_all(
+        env,
+        {
+            name: args + (("--profile", str(profile_path)) if args[0] == "plan" else ())
+            for name, args in BAD_VALUES.items()
+        },
+    )
     for name, result in results.items():
         option = name.split()[1]
         assert_user_error(result, option)
@@ -368,8 +453,9 @@ def test_every_subcommand_answers_a_bad_value_with_one_line_and_status_2(env, pr
 
 
 def test_version_and_help_say_what_each_command_does(env):
-    results = run_all(env, {"version": ("--version",), **{cmd: (cmd, "--help") for cmd in ("calibrate", "plan",
-                                                                                             "bench", "info")}})
+    results = run_all(
+        env, {"version": ("--version",), **{cmd: (cmd, "--help") for cmd in ("calibrate", "plan", "bench", "info")}}
+    )
     assert results["version"].stdout.strip() == f"kvcopy {kvcopy.__version__}"
     for command in ("calibrate", "plan", "bench", "info"):
         assert results[command].returncode == 0
@@ -386,22 +472,29 @@ def _profile_with(r2: float, residual: float, date: str = "new") -> Profile:
     from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile
 
     fit = LinkFit(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=r2, max_abs_residual=residual)
-    return Profile(hardware={"device_name": "test", "torch": "x", "torch_threads": 2, "date": date},
-                   links={"h2h": {"cpu": MethodProfile(fit)}}, peaks={"h2h": 2e10},
-                   prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99))
+    return Profile(
+        hardware={"device_name": "test", "torch": "x", "torch_threads": 2, "date": date},
+        links={"h2h": {"cpu": MethodProfile(fit)}},
+        peaks={"h2h": 2e10},
+        prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99),
+    )
 
 
 GOOD, POOR = (0.99, 0.2), (0.533, 208.62)
 
 
-@pytest.mark.parametrize(("first", "second", "force", "saved", "status"), [
-    (GOOD, None, False, "new", 0),  # good at once: saved, measured once
-    (POOR, GOOD, False, "new", 0),  # poor, then good: measured again, saved
-    (POOR, POOR, False, "old", 1),  # stays poor: reported, the good profile kept
-    (POOR, POOR, True, "new", 0),  # unless --force
-])
+@pytest.mark.parametrize(
+    ("first", "second", "force", "saved", "status"),
+    [
+        (GOOD, None, False, "new", 0),  # good at once: saved, measured once
+        (POOR, GOOD, False, "new", 0),  # poor, then good: measured again, saved
+        (POOR, POOR, False, "old", 1),  # stays poor: reported, the good profile kept
+        (POOR, POOR, True, "new", 0),  # unless --force
+    ],
+)
 def test_a_poor_calibration_is_measured_again_and_does_not_replace_a_good_profile(
-        monkeypatch, tmp_path, capsys, first, second, force, saved, status):
+    monkeypatch, tmp_path, capsys, first, second, force, saved, status
+):
     from kvcopy.policy import calibrator
     from kvcopy.tools import cli
 
@@ -427,9 +520,11 @@ def test_the_torch_reference_loop_is_not_judged():
     from kvcopy.profile import LinkFit, MethodProfile, fit_problems
 
     profile = _profile_with(*GOOD)
-    profile.links["h2h"]["torch"] = MethodProfile(LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7,
-                                                          max_abs_residual=1.0))
+    profile.links["h2h"]["torch"] = MethodProfile(
+        LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
+    )
     assert fit_problems(profile) == []
-    profile.links["h2h"]["cpu"] = MethodProfile(LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7,
-                                                        max_abs_residual=1.0))
+    profile.links["h2h"]["cpu"] = MethodProfile(
+        LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
+    )
     assert fit_problems(profile) == ["h2h cpu: R^2 0.700, max resid 100%"]

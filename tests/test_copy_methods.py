@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import (
     CPU_METHODS,
     DTYPES,
@@ -324,8 +325,9 @@ def test_cpu_method_streaming_stores_with_unaligned_blocks(gen):
     # 8 planes x 64 blocks x 33,001 B = 16.9 MB: above the 16 MiB non-temporal-store threshold, with block
     # sizes and page_first offsets that are not multiples of 16, so every piece has an unaligned head and tail.
     num_planes, num_blocks, block_bytes = 8, 64, 33_001
-    src = kvcopy.PagedKV.from_planes([random_bytes(num_blocks * block_bytes, gen).view(num_blocks, block_bytes)
-                                      for _ in range(num_planes)])
+    src = kvcopy.PagedKV.from_planes(
+        [random_bytes(num_blocks * block_bytes, gen).view(num_blocks, block_bytes) for _ in range(num_planes)]
+    )
     pool = kvcopy.HostKVPool(src, num_blocks, pin_memory=False)
     pool.buffer.fill_(0xA5)
     src_ids = torch.randperm(num_blocks, generator=gen)
@@ -372,8 +374,11 @@ def test_flashinfer_page_first_merged_ranges(method, ids, num_layers, gen):
 
 def _with_empty_planes(num_blocks, gen, *, empty_first):
     """Planes of 12 B and 6 B with a zero-byte plane (shape [num_blocks, 0]) among them."""
-    planes = [random_tensor((num_blocks, 3, 2), torch.bfloat16, gen), torch.empty(num_blocks, 0, dtype=torch.bfloat16),
-              random_tensor((num_blocks, 6), torch.uint8, gen)]
+    planes = [
+        random_tensor((num_blocks, 3, 2), torch.bfloat16, gen),
+        torch.empty(num_blocks, 0, dtype=torch.bfloat16),
+        random_tensor((num_blocks, 6), torch.uint8, gen),
+    ]
     if empty_first:
         planes = [torch.empty(num_blocks, 0, dtype=torch.float16)] + planes
     return kvcopy.PagedKV.from_planes(planes)
@@ -383,7 +388,7 @@ def _with_empty_planes(num_blocks, gen, *, empty_first):
 @pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
 def test_zero_byte_planes(method, empty_first, gen):
     kv = _with_empty_planes(DEVICE_BLOCKS, gen, empty_first=empty_first)
-    assert 0 in kv.block_nbytes
+    assert 0 in kv.plane_block_nbytes
     other = _with_empty_planes(DEVICE_BLOCKS + 2, gen, empty_first=empty_first)
     check_copy(kv, [0, 1, 2, 7, 7], other, [3, 4, 5, 0, 9], method=method)
     for host_layout in ("page_first", "layer_first"):

@@ -13,6 +13,7 @@ import torch
 import kvcopy
 from kvcopy import _ext
 from kvcopy._host_memory import MAX_REGISTER_BYTES, registration_chunks
+
 from conftest import make_layout
 
 pytestmark = pytest.mark.skipif(not _ext.has_cpu_kernels(), reason="needs the compiled extension (the planner)")
@@ -32,7 +33,7 @@ def test_runs_of_adjacent_ids_are_one_range_per_dense_plane(method):
     ids, slots = [2, 3, 4, 5, 9, 10, 14], [0, 1, 2, 3, 7, 8, 15]  # runs: 4, 2, 1
     ranges = kvcopy.copy_ranges(kv, ids, pool, slots, method=method)
     assert len(ranges) == 3 * kv.num_planes
-    assert sorted({r.nbytes for r in ranges}) == sorted({n * kv.block_nbytes[0] for n in (1, 2, 4)})
+    assert sorted({r.nbytes for r in ranges}) == sorted({n * kv.plane_block_nbytes[0] for n in (1, 2, 4)})
     assert sum(r.nbytes for r in ranges) == len(ids) * kv.nbytes_per_block
 
 
@@ -40,7 +41,7 @@ def test_flashinfer_k_and_v_merge_into_a_page_first_block():
     kv, pool = _pair("flashinfer", "page_first")  # K and V of a layer side by side on both sides
     ranges = kvcopy.copy_ranges(kv, [1, 7], pool, [0, 5])
     assert len(ranges) == 2 * NUM_LAYERS  # one range per (block, layer), not per (block, plane)
-    assert all(r.nbytes == 2 * kv.block_nbytes[0] for r in ranges)
+    assert all(r.nbytes == 2 * kv.plane_block_nbytes[0] for r in ranges)
 
 
 def test_vllm_planes_into_page_first_blocks_do_not_merge():
@@ -66,15 +67,23 @@ def test_copy_engine_ranges_never_cross_a_registration_chunk():
     ids = torch.arange(8, dtype=torch.int64)
     module = _ext.extension()
     plan = lambda for_dma: module.plan_copy_ranges(  # noqa: E731
-        src_table.data_ptr(), dst_table.data_ptr(), 1, ids.data_ptr(), ids.data_ptr(), 8, for_dma)
+        src_table.data_ptr(), dst_table.data_ptr(), 1, ids.data_ptr(), ids.data_ptr(), 8, for_dma
+    )
     assert plan(False) == [(src_base, 8 * GiB, 8 * block)]
     dma = plan(True)
     assert [r[2] for r in dma] == [3 * block + 4096, 5 * block - 4096]
     assert dma[1][0] == MAX_REGISTER_BYTES and dma[1][1] == 8 * GiB + 3 * block + 4096
 
 
-@pytest.mark.parametrize(("address", "nbytes"), [(4096, 100 * GiB), (MAX_REGISTER_BYTES - 4096, 130 * GiB),
-                                                 (3 * MAX_REGISTER_BYTES, MAX_REGISTER_BYTES), (12288, 4096)])
+@pytest.mark.parametrize(
+    ("address", "nbytes"),
+    [
+        (4096, 100 * GiB),
+        (MAX_REGISTER_BYTES - 4096, 130 * GiB),
+        (3 * MAX_REGISTER_BYTES, MAX_REGISTER_BYTES),
+        (12288, 4096),
+    ],
+)
 def test_registration_chunks_end_at_multiples_of_the_chunk_size(address, nbytes):
     chunks = registration_chunks(address, nbytes)
     assert chunks[0][0] == address and sum(length for _, length in chunks) == nbytes

@@ -24,15 +24,32 @@ def ptx(tmp_path_factory) -> str:
     if NVCC is None:
         pytest.skip("needs nvcc (the CUDA toolkit), not a GPU")
     out = tmp_path_factory.mktemp("ptx") / "block_copy_kernel.ptx"
-    subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc'}",
-                    str(ROOT / "csrc" / "kernels" / "block_copy_kernel.cu"), "-o", str(out)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            NVCC,
+            "-ptx",
+            "-arch=sm_90",
+            "-std=c++17",
+            f"-I{ROOT / 'csrc' / 'include'}",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "csrc" / "kernels" / "block_copy_kernel.cu"),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return out.read_text()
 
 
 def test_one_kernel_per_plane_table_capacity_with_parameters_to_match(ptx: str) -> None:
-    params = {int(capacity): int(size) for capacity, size in
-              re.findall(r"block_copy_kernelILl(\d+)EEEvNS0_13BlockCopyArgsIXT_EEE_param_0\[(\d+)\]", ptx)}
+    params = {
+        int(capacity): int(size)
+        for capacity, size in re.findall(
+            r"block_copy_kernelILl(\d+)EEEvNS0_13BlockCopyArgsIXT_EEE_param_0\[(\d+)\]", ptx
+        )
+    }
     assert sorted(params) == [8, 64, 256]
     for capacity, size in params.items():
         assert capacity * PLANE_BYTES <= size < capacity * PLANE_BYTES + 128, (capacity, size)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import (
     CPU_METHODS,
     assert_same_bytes,
@@ -41,8 +42,16 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _setup(layout="vllm", dtype=torch.bfloat16, *, num_blocks=12, host_blocks=10, host_layout="page_first",
-           num_layers=2, seed=0):
+def _setup(
+    layout="vllm",
+    dtype=torch.bfloat16,
+    *,
+    num_blocks=12,
+    host_blocks=10,
+    host_layout="page_first",
+    num_layers=2,
+    seed=0,
+):
     """A small random cache and a random pool shaped like it."""
     gen = _gen(seed)
     kv = make_layout(layout, num_blocks, dtype, gen, num_layers=num_layers)
@@ -367,8 +376,9 @@ def test_many_transfers_in_flight_from_threads(engines, debug):
     """4 threads, each with its own blocks, queue offloads and reloads without waiting, then wait all."""
     num_threads, rounds, n = 4, 6, 3
     per_thread = rounds * 2 * n
-    kv, pool = _setup("flashinfer", torch.bfloat16, num_blocks=num_threads * per_thread,
-                      host_blocks=num_threads * per_thread, seed=7)
+    kv, pool = _setup(
+        "flashinfer", torch.bfloat16, num_blocks=num_threads * per_thread, host_blocks=num_threads * per_thread, seed=7
+    )
     eng = engines(kv, pool, debug=debug)
     dev0, host0 = snapshot(kv)[: kv.num_planes], snapshot(pool)[: kv.num_planes]
     errors: list[BaseException] = []
@@ -695,6 +705,7 @@ def test_10000_cycles_do_not_grow():
     block0, host1, block2 = [0], [1], [2]
 
     with kvcopy.TransferEngine(kv, pool) as eng:
+
         def cycles(n: int) -> None:
             for _ in range(n):
                 eng.offload(block0, host1).wait()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 from engine_helpers import run_threads
 
@@ -46,8 +47,9 @@ CONFLICTS = [
     pytest.param(("reload", [1], [5]), ("reload", [2], [5]), "device", 5, id="waw-device"),
     pytest.param(("reload", [3], [7]), ("offload", [8], [3]), "host", 3, id="war-host"),
     pytest.param(("reload", [1, 2, 3], [5, 6, 7], True), ("reload", [4], [7]), "device", 7, id="waw-device-layerwise"),
-    pytest.param(("offload", [0, 1, 2], [4, 5, 6]), ("reload", [9, 6], [10, 11], True), "host", 6,
-                 id="raw-host-layerwise-second"),
+    pytest.param(
+        ("offload", [0, 1, 2], [4, 5, 6]), ("reload", [9, 6], [10, 11], True), "host", 6, id="raw-host-layerwise-second"
+    ),
     pytest.param(("offload", [2, 3], [0, 1]), ("offload", [4, 5], [8, 0]), "host", 0, id="waw-host-one-of-many"),
 ]
 
@@ -148,6 +150,7 @@ def test_disjoint_transfers_are_accepted_while_in_flight(engines, monkeypatch, f
 
 # --------------------------------------------------------------------------- debug mode: the caller's own work
 
+
 # Only the engine's workers wait at the gate: the caller's own copies run on the test's thread.
 def engine_workers_only(src, dst) -> bool:
     del src, dst
@@ -156,16 +159,36 @@ def engine_workers_only(src, dst) -> bool:
 
 # (transfer in flight, the caller's copy_blocks(src, src_ids, dst, dst_ids) by name, what the error says)
 CALLER_CONFLICTS = [
-    pytest.param(("offload", [2], [3]), ("pool", [5], "pool", [3]), "would write host block 3, which an "
-                 "unfinished offload still writes", id="copy-into-host-block-being-written"),
-    pytest.param(("offload", [2], [3]), ("pool", [3], "kv", [9]), "would read host block 3, which an "
-                 "unfinished offload still writes", id="copy-from-host-block-being-written"),
-    pytest.param(("offload", [2], [3]), ("pool", [5], "kv", [2]), "would write device block 2, which an "
-                 "unfinished offload still reads", id="copy-into-block-being-read"),
-    pytest.param(("reload", [4], [6]), ("kv", [6], "pool", [8]), "would read device block 6, which an "
-                 "unfinished reload still writes", id="copy-from-block-being-reloaded"),
-    pytest.param(("reload", [4], [6], True), ("kv", [1], "kv", [6]), "would write device block 6, which an "
-                 "unfinished reload still writes", id="copy-into-layerwise-reload"),
+    pytest.param(
+        ("offload", [2], [3]),
+        ("pool", [5], "pool", [3]),
+        "would write host block 3, which an unfinished offload still writes",
+        id="copy-into-host-block-being-written",
+    ),
+    pytest.param(
+        ("offload", [2], [3]),
+        ("pool", [3], "kv", [9]),
+        "would read host block 3, which an unfinished offload still writes",
+        id="copy-from-host-block-being-written",
+    ),
+    pytest.param(
+        ("offload", [2], [3]),
+        ("pool", [5], "kv", [2]),
+        "would write device block 2, which an unfinished offload still reads",
+        id="copy-into-block-being-read",
+    ),
+    pytest.param(
+        ("reload", [4], [6]),
+        ("kv", [6], "pool", [8]),
+        "would read device block 6, which an unfinished reload still writes",
+        id="copy-from-block-being-reloaded",
+    ),
+    pytest.param(
+        ("reload", [4], [6], True),
+        ("kv", [1], "kv", [6]),
+        "would write device block 6, which an unfinished reload still writes",
+        id="copy-into-layerwise-reload",
+    ),
 ]
 
 

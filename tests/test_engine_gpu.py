@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvcopy
-from engine_helpers import run_threads
+
 from conftest import (
     assert_same_bytes,
     byte_rows,
@@ -30,6 +30,7 @@ from conftest import (
     requires_gpu,
     snapshot,
 )
+from engine_helpers import run_threads
 
 pytestmark = [gpu, requires_gpu]
 
@@ -53,8 +54,18 @@ class Resources:
         self.engines: list[kvcopy.TransferEngine] = []
         self.pools: list[kvcopy.HostKVPool] = []
 
-    def setup(self, layout="vllm", dtype=torch.bfloat16, *, num_blocks=16, host_blocks=12, num_layers=2, seed=0,
-              host_layout="page_first", **sizes):
+    def setup(
+        self,
+        layout="vllm",
+        dtype=torch.bfloat16,
+        *,
+        num_blocks=16,
+        host_blocks=12,
+        num_layers=2,
+        seed=0,
+        host_layout="page_first",
+        **sizes,
+    ):
         gen = _gen(seed)
         kv = make_layout(layout, num_blocks, dtype, gen, device="cuda", num_layers=num_layers, **sizes)
         pool = self.pool(kv, host_blocks, layout=host_layout)
@@ -90,8 +101,9 @@ def res():
 
 def _zero_vllm(num_layers, num_blocks, block_size, heads, head_dim, dtype=torch.bfloat16):
     """A vLLM cache of zeros on the GPU (the PagedKV and the per-layer tensors)."""
-    layers = [torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype, device="cuda")
-              for _ in range(num_layers)]
+    layers = [
+        torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype, device="cuda") for _ in range(num_layers)
+    ]
     return kvcopy.PagedKV.from_vllm(layers), layers
 
 
@@ -112,7 +124,7 @@ def _attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor) 
 # --------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=[l for l, _ in LAYOUT_DTYPES])
+@pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=[name for name, _ in LAYOUT_DTYPES])
 @pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_round_trip_per_method(res, method, layout, dtype):
     kv, pool = res.setup(layout, dtype, seed=1)
@@ -355,8 +367,8 @@ def test_layerwise_reload_with_attention_per_layer(res, method, consumer_stream)
     q = torch.randn(4, head_dim, generator=gen).cuda()
     h = torch.tensor(host_ids)
     expected = [
-        _attention(q, pool.paged.planes[2 * l][h].cuda(), pool.paged.planes[2 * l + 1][h].cuda())
-        for l in range(num_layers)
+        _attention(q, pool.paged.planes[2 * layer][h].cuda(), pool.paged.planes[2 * layer + 1][h].cuda())
+        for layer in range(num_layers)
     ]
     expected_bytes = reference_copy(pool, host_ids, kv, block_ids)
     eng.reload(host_ids, block_ids, layerwise=True).wait()  # warm-up
@@ -403,8 +415,9 @@ def test_wait_layer_errors_on_gpu(res):
 def test_many_transfers_in_flight_from_threads(res, method):
     num_threads, rounds, n = 4, 8, 3
     per_thread = rounds * 2 * n
-    kv, pool = res.setup("flashinfer", torch.bfloat16, num_blocks=num_threads * per_thread,
-                         host_blocks=num_threads * per_thread, seed=13)
+    kv, pool = res.setup(
+        "flashinfer", torch.bfloat16, num_blocks=num_threads * per_thread, host_blocks=num_threads * per_thread, seed=13
+    )
     eng = res.engine(kv, pool, method=method)
     eng.offload([0], [0]).wait()  # warm-up
     fill_random_(kv, _gen(130))
@@ -688,15 +701,16 @@ def test_captured_layerwise_reload_with_consumers(res, method):
         torch.cuda.synchronize()
         hh = torch.tensor(h)
         expected = [
-            _attention(q, pool.paged.planes[2 * l][hh].cuda(), pool.paged.planes[2 * l + 1][hh].cuda())
-            for l in range(num_layers)
+            _attention(q, pool.paged.planes[2 * layer][hh].cuda(), pool.paged.planes[2 * layer + 1][hh].cuda())
+            for layer in range(num_layers)
         ]
         expected_bytes = reference_copy(pool, h, kv, b)
         g.replay()
         torch.cuda.synchronize()
         for layer, (out, exp) in enumerate(zip(outs, expected)):
-            torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, layer=layer: f"replay {i}, layer {layer}: {m}")
+            torch.testing.assert_close(
+                out, exp, rtol=1e-5, atol=1e-5, msg=lambda m, layer=layer: f"replay {i}, layer {layer}: {m}"
+            )
         assert_same_bytes(dst_bytes(kv), expected_bytes)
 
 

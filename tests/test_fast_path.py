@@ -10,6 +10,7 @@ import torch
 
 import kvcopy
 from kvcopy import _ext, dispatch, layout
+
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 pytestmark = pytest.mark.skipif(not _ext.has_cpu_kernels(), reason="the fast path runs the compiled CPU copy")
@@ -86,8 +87,9 @@ def test_errors_match_the_general_path(src_ids, dst_ids, error, general_path_cal
     assert_same_bytes(snapshot(pool), before)
     if len(src_ids) == len(dst_ids):  # the op that torch.compile graphs keep says the same
         with pytest.raises(error) as op:
-            torch.ops.kvcopy.check_block_ids(torch.tensor(src_ids), torch.tensor(dst_ids), kv.num_blocks,
-                                             pool.num_blocks)
+            torch.ops.kvcopy.check_block_ids(
+                torch.tensor(src_ids), torch.tensor(dst_ids), kv.num_blocks, pool.num_blocks
+            )
         assert str(op.value).splitlines()[0] == str(general.value)
 
 

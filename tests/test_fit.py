@@ -54,8 +54,12 @@ def test_two_points_are_enough():
 def test_accepts_lists_tuples_and_arrays():
     x = [1e5, 1e6, 1e7, 1e8]
     t = [float(v) for v in _times(5e-6, 1e10, x)]
-    fits = [fit_alpha_beta(x, t), fit_alpha_beta(tuple(x), tuple(t)), fit_alpha_beta(np.array(x), np.array(t)),
-            fit_alpha_beta(np.array(x, dtype=np.int64), np.array(t, dtype=np.float32))]
+    fits = [
+        fit_alpha_beta(x, t),
+        fit_alpha_beta(tuple(x), tuple(t)),
+        fit_alpha_beta(np.array(x), np.array(t)),
+        fit_alpha_beta(np.array(x, dtype=np.int64), np.array(t, dtype=np.float32)),
+    ]
     for fit in fits:
         assert fit.alpha == pytest.approx(5e-6, rel=1e-5)
         assert fit.beta == pytest.approx(1e10, rel=1e-5)
@@ -155,11 +159,14 @@ def test_tiny_negative_intercept_from_noise_is_clamped():
 # --------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("x,t", [
-    ([1e6], [1e-3]),
-    ([1e6, 1e6, 1e6], [1e-3, 1.1e-3, 0.9e-3]),
-    ([], []),
-])
+@pytest.mark.parametrize(
+    "x,t",
+    [
+        ([1e6], [1e-3]),
+        ([1e6, 1e6, 1e6], [1e-3, 1.1e-3, 0.9e-3]),
+        ([], []),
+    ],
+)
 def test_fewer_than_two_distinct_sizes_is_an_error(x, t):
     with pytest.raises(ValueError, match="x"):
         fit_alpha_beta(x, t)
@@ -173,11 +180,14 @@ def test_non_positive_or_non_finite_times_are_an_error(bad):
         fit_alpha_beta([1e5, 1e6, 1e7], t)
 
 
-@pytest.mark.parametrize("x,t", [
-    ([1e5, 1e6, 1e7], [1e-3, 2e-3]),
-    ([1e5, 1e6], [1e-3, 2e-3, 3e-3]),
-    ([[1e5, 1e6], [1e7, 1e8]], [[1e-3, 2e-3], [3e-3, 4e-3]]),
-])
+@pytest.mark.parametrize(
+    "x,t",
+    [
+        ([1e5, 1e6, 1e7], [1e-3, 2e-3]),
+        ([1e5, 1e6], [1e-3, 2e-3, 3e-3]),
+        ([[1e5, 1e6], [1e7, 1e8]], [[1e-3, 2e-3], [3e-3, 4e-3]]),
+    ],
+)
 def test_mismatched_or_non_1d_inputs_are_an_error(x, t):
     with pytest.raises(ValueError, match="x, t"):
         fit_alpha_beta(x, t)

@@ -13,6 +13,7 @@ import torch
 
 import kvcopy
 from kvcopy.methods import HOST_LINK_CTA_BUDGET
+
 from conftest import (
     HAS_CUDA,
     as_id_list,
@@ -62,7 +63,7 @@ def _sides(direction, layout, dtype, gen, *, pinned=True, host_layout="page_firs
 
 @pytest.mark.parametrize("stream_kind", ["default", "side"])
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
-@pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=[l for l, _ in LAYOUT_DTYPES])
+@pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=[name for name, _ in LAYOUT_DTYPES])
 @pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
 def test_gpu_methods_match_reference(method, layout, dtype, direction, stream_kind):
     src, dst, src_ids, dst_ids = _sides(direction, layout, dtype, _gen(1))
@@ -194,11 +195,17 @@ def test_device_resident_ids_dtype_and_shape_checked(method):
     src, dst, _, _ = _sides("d2d", "vllm", torch.bfloat16, _gen(9))
     before = snapshot(dst)
     with pytest.raises(TypeError, match="src_ids"):
-        kvcopy.copy_blocks(src, torch.tensor([0.0], device="cuda"), dst, torch.tensor([1], device="cuda"), method=method)
+        kvcopy.copy_blocks(
+            src, torch.tensor([0.0], device="cuda"), dst, torch.tensor([1], device="cuda"), method=method
+        )
     with pytest.raises(ValueError, match="dst_ids"):
-        kvcopy.copy_blocks(src, torch.tensor([0], device="cuda"), dst, torch.tensor([[1]], device="cuda"), method=method)
+        kvcopy.copy_blocks(
+            src, torch.tensor([0], device="cuda"), dst, torch.tensor([[1]], device="cuda"), method=method
+        )
     with pytest.raises(ValueError, match="dst_ids"):
-        kvcopy.copy_blocks(src, torch.tensor([0, 1], device="cuda"), dst, torch.tensor([1], device="cuda"), method=method)
+        kvcopy.copy_blocks(
+            src, torch.tensor([0, 1], device="cuda"), dst, torch.tensor([1], device="cuda"), method=method
+        )
     torch.cuda.synchronize()
     assert_same_bytes(snapshot(dst), before)
 
@@ -230,8 +237,9 @@ def test_more_than_256_planes(method, direction):
         [random_tensor((6, 3 + p % 5), torch.bfloat16, gen, device="cuda") for p in range(num_planes)]
     )
     if direction == "d2d":
-        other = kvcopy.PagedKV.from_planes([random_tensor((6, *p.shape[1:]), p.dtype, gen, device="cuda")
-                                            for p in dev.planes])
+        other = kvcopy.PagedKV.from_planes(
+            [random_tensor((6, *p.shape[1:]), p.dtype, gen, device="cuda") for p in dev.planes]
+        )
         src, dst = dev, other
     else:
         pool = kvcopy.HostKVPool(dev, 6, layout="page_first", pin_memory=True)
@@ -245,8 +253,9 @@ def test_more_than_256_planes(method, direction):
 def test_large_blocks(method):
     # 256 KiB plane-blocks: "auto" sends these to the copy engines.
     gen = _gen(12)
-    dev = kvcopy.PagedKV.from_planes([random_tensor((6, 64 * 1024), torch.float32, gen, device="cuda")
-                                      for _ in range(3)])
+    dev = kvcopy.PagedKV.from_planes(
+        [random_tensor((6, 64 * 1024), torch.float32, gen, device="cuda") for _ in range(3)]
+    )
     pool = kvcopy.HostKVPool(dev, 5, pin_memory=True)
     fill_random_(pool, gen)
     available = kvcopy.methods.available_methods(dev, pool.paged)
@@ -260,11 +269,13 @@ def test_large_blocks(method):
 def test_odd_sizes_and_alignments(method):
     # Block bytes not a multiple of 16 (or even 2), planes at odd offsets of a pinned pool.
     gen = _gen(13)
-    dev = kvcopy.PagedKV.from_planes([
-        random_tensor((7, 3, 5), torch.uint8, gen, device="cuda"),
-        random_tensor((7, 13), torch.float8_e4m3fn, gen, device="cuda"),
-        random_tensor((7,), torch.uint8, gen, device="cuda"),
-    ])
+    dev = kvcopy.PagedKV.from_planes(
+        [
+            random_tensor((7, 3, 5), torch.uint8, gen, device="cuda"),
+            random_tensor((7, 13), torch.float8_e4m3fn, gen, device="cuda"),
+            random_tensor((7,), torch.uint8, gen, device="cuda"),
+        ]
+    )
     pool = kvcopy.HostKVPool(dev, 6, pin_memory=True)
     fill_random_(pool, gen)
     check_copy(dev, [6, 0, 1, 2], pool, [5, 0, 1, 2], method=method)
@@ -325,7 +336,7 @@ def test_ops_on_cuda_reject_bad_ids(direction):
     torch.cuda.synchronize()
     before = snapshot(dst)
     src_planes, dst_planes = list(paged(src).planes), list(paged(dst).planes)
-    n_src, n_dst = paged(src).num_blocks, paged(dst).num_blocks
+    n_src = paged(src).num_blocks
     with pytest.raises(IndexError, match="src_ids"):
         torch.ops.kvcopy.copy_blocks_dma(src_planes, _cpu_ids([0, n_src]), dst_planes, _cpu_ids([0, 1]))
     with pytest.raises(IndexError, match="dst_ids"):
@@ -335,9 +346,7 @@ def test_ops_on_cuda_reject_bad_ids(direction):
     with pytest.raises(RuntimeError):  # the SM kernel reads its ids on the device
         torch.ops.kvcopy.copy_blocks(src_planes, _cpu_ids([0, 1]), dst_planes, _cpu_ids([2, 3]), 0)
     with pytest.raises(RuntimeError):  # int64 only
-        torch.ops.kvcopy.copy_blocks(
-            src_planes, _cuda_ids([0, 1]).int(), dst_planes, _cuda_ids([2, 3]).int(), 0
-        )
+        torch.ops.kvcopy.copy_blocks(src_planes, _cuda_ids([0, 1]).int(), dst_planes, _cuda_ids([2, 3]).int(), 0)
     torch.cuda.synchronize()
     assert_same_bytes(snapshot(dst), before)
 
@@ -397,7 +406,7 @@ def test_torch_compile_on_gpu_with_host_ids(method, direction, backend):
     ("method", "backend"), [("cuda", "aot_eager"), ("cuda", "inductor"), ("copy_engine", "aot_eager")]
 )
 def test_torch_compile_on_gpu_validates_host_ids(method, backend, direction):
-    """"cuda" checks host ids with torch.ops.kvcopy.check_block_ids inside the graph; the DMA op checks its own."""
+    """ "cuda" checks host ids with torch.ops.kvcopy.check_block_ids inside the graph; the DMA op checks its own."""
     torch._dynamo.reset()
     src, dst, _, _ = _sides(direction, "vllm", torch.bfloat16, _gen(31))
     n_src, n_dst = paged(src).num_blocks, paged(dst).num_blocks
@@ -598,8 +607,10 @@ def _width_case(case, gen):
         planes = [random_tensor((WIDTH_BLOCKS, 3), torch.float32, gen, device="cuda") for _ in range(2)]
         return kvcopy.PagedKV.from_planes(planes), "layer_first"
     if case == "mixed":  # page_first host blocks of 32 KiB + 6 B: host-side alignment varies per block
-        planes = [random_tensor((WIDTH_BLOCKS, 16384), torch.bfloat16, gen, device="cuda"),
-                  random_tensor((WIDTH_BLOCKS, 3), torch.bfloat16, gen, device="cuda")]
+        planes = [
+            random_tensor((WIDTH_BLOCKS, 16384), torch.bfloat16, gen, device="cuda"),
+            random_tensor((WIDTH_BLOCKS, 3), torch.bfloat16, gen, device="cuda"),
+        ]
         return kvcopy.PagedKV.from_planes(planes), "page_first"
     raise ValueError(case)
 
@@ -630,12 +641,14 @@ def test_blocks_larger_than_one_chunk(method, direction, host_layout):
     # The SM kernel splits plane-blocks into 32 KiB chunks: 100,000 B is 3 full chunks and 1,696 B;
     # 100,003 B is odd (byte words, odd page_first offsets); 41 B has one partial chunk and skips the rest.
     gen = _gen(61)
-    kv = kvcopy.PagedKV.from_planes([
-        random_tensor((5, 25_000), torch.float32, gen, device="cuda"),
-        random_tensor((5, 100_003), torch.uint8, gen, device="cuda"),
-        random_tensor((5, 41), torch.uint8, gen, device="cuda"),
-    ])
-    assert kv.block_nbytes == (100_000, 100_003, 41)
+    kv = kvcopy.PagedKV.from_planes(
+        [
+            random_tensor((5, 25_000), torch.float32, gen, device="cuda"),
+            random_tensor((5, 100_003), torch.uint8, gen, device="cuda"),
+            random_tensor((5, 41), torch.uint8, gen, device="cuda"),
+        ]
+    )
+    assert kv.plane_block_nbytes == (100_000, 100_003, 41)
     src, dst = _pair_for(kv, direction, 5, host_layout, gen)
     torch.cuda.synchronize()
     check_copy(src, [4, 0, 1, 3], dst, [0, 2, 3, 4], method=method)
@@ -722,11 +735,13 @@ def test_same_cache_on_gpu(method):
 @pytest.mark.parametrize("method", GPU_METHODS)
 def test_zero_byte_plane_on_gpu(method, direction):
     gen = _gen(90)
-    kv = kvcopy.PagedKV.from_planes([
-        random_tensor((6, 3, 8), torch.bfloat16, gen, device="cuda"),
-        torch.empty(6, 0, dtype=torch.bfloat16, device="cuda"),
-        random_tensor((6, 6), torch.uint8, gen, device="cuda"),
-    ])
+    kv = kvcopy.PagedKV.from_planes(
+        [
+            random_tensor((6, 3, 8), torch.bfloat16, gen, device="cuda"),
+            torch.empty(6, 0, dtype=torch.bfloat16, device="cuda"),
+            random_tensor((6, 6), torch.uint8, gen, device="cuda"),
+        ]
+    )
     src, dst = _pair_for(kv, direction, 6, "page_first", gen)
     torch.cuda.synchronize()
     check_copy(src, [5, 0, 1, 1], dst, [4, 0, 1, 2], method=method)
@@ -776,8 +791,16 @@ def test_a_failed_submission_leaves_no_cuda_error_behind():
     ids = torch.zeros(1, dtype=torch.int64)
     stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(RuntimeError, match="copy-engine submission failed"):
-        fast.copy_blocks_dma(table.data_ptr(), table.data_ptr(), 1, ids.data_ptr(), ids.data_ptr(), 1, stream,
-                             torch.cuda.current_device())
+        fast.copy_blocks_dma(
+            table.data_ptr(),
+            table.data_ptr(),
+            1,
+            ids.data_ptr(),
+            ids.data_ptr(),
+            1,
+            stream,
+            torch.cuda.current_device(),
+        )
     assert torch.ones(4, device="cuda").sum().item() == 4.0
     torch.cuda.synchronize()
 

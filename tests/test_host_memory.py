@@ -10,6 +10,7 @@ import torch
 
 import kvcopy
 from kvcopy import _host_memory
+
 from conftest import HAS_CUDA, byte_rows, make_vllm
 
 PAGE = mmap.PAGESIZE

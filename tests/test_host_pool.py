@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import HAS_CUDA, byte_rows, make_flashinfer, make_vllm, random_bytes, random_tensor
 
 
@@ -48,7 +49,7 @@ def test_page_first_byte_layout(gen, num_blocks):
     expected = torch.empty(num_blocks * npb, dtype=torch.uint8)
     for i in range(num_blocks):
         offset = i * npb
-        for p, nbytes in enumerate(like.block_nbytes):
+        for p, nbytes in enumerate(like.plane_block_nbytes):
             expected[offset : offset + nbytes] = _pattern(i, p, nbytes)
             offset += nbytes
         assert offset == (i + 1) * npb  # no padding
@@ -63,10 +64,10 @@ def test_page_first_buffer_writes_show_through_planes(gen):
     pool.buffer.copy_(data)
     npb = like.nbytes_per_block
     for p, plane in enumerate(pool.paged.planes):
-        offset = sum(like.block_nbytes[:p])
+        offset = sum(like.plane_block_nbytes[:p])
         for i in range(4):
             start = i * npb + offset
-            assert torch.equal(byte_rows(plane)[i], data[start : start + like.block_nbytes[p]])
+            assert torch.equal(byte_rows(plane)[i], data[start : start + like.plane_block_nbytes[p]])
 
 
 def test_page_first_planes_match_like(gen):
@@ -76,7 +77,7 @@ def test_page_first_planes_match_like(gen):
     assert pool.paged.num_planes == like.num_planes
     assert pool.paged.num_blocks == 10
     assert pool.num_blocks == 10
-    assert pool.paged.block_nbytes == like.block_nbytes
+    assert pool.paged.plane_block_nbytes == like.plane_block_nbytes
     assert pool.paged.planes_per_layer == like.planes_per_layer
     for hp, lp in zip(pool.paged.planes, like.planes):
         assert hp.dtype == lp.dtype
@@ -97,7 +98,7 @@ def test_layer_first_byte_layout(gen, num_blocks):
     _write_patterns(pool)
     expected = torch.empty(num_blocks * like.nbytes_per_block, dtype=torch.uint8)
     offset = 0
-    for p, nbytes in enumerate(like.block_nbytes):
+    for p, nbytes in enumerate(like.plane_block_nbytes):
         for i in range(num_blocks):
             expected[offset + i * nbytes : offset + (i + 1) * nbytes] = _pattern(i, p, nbytes)
         offset += num_blocks * nbytes

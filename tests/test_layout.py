@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import byte_rows, random_tensor
 
 
@@ -34,9 +35,9 @@ def test_from_vllm_planes_are_k_and_v_views(gen):
     # A write through a plane is visible in the engine's tensor: no copy was made.
     kv.planes[3][5].fill_(7.0)
     assert torch.all(layers[1][1, 5] == 7.0)
-    assert kv.block_nbytes == (4 * 2 * 8 * 2,) * 6
+    assert kv.plane_block_nbytes == (4 * 2 * 8 * 2,) * 6
     assert kv.nbytes_per_block == 6 * 4 * 2 * 8 * 2
-    assert isinstance(kv.block_nbytes, tuple)
+    assert isinstance(kv.plane_block_nbytes, tuple)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +72,7 @@ def test_from_flashinfer_planes_are_strided_views(gen):
             assert torch.equal(byte_rows(plane), byte_rows(layer[:, half]))
     kv.planes[1][2].fill_(3.0)
     assert torch.all(layers[0][2, 1] == 3.0)
-    assert kv.block_nbytes == (block_elems * 2,) * 4
+    assert kv.plane_block_nbytes == (block_elems * 2,) * 4
     assert kv.nbytes_per_block == 4 * block_elems * 2
 
 
@@ -105,7 +106,7 @@ def test_from_mla_one_plane_per_layer(gen):
         assert plane.shape == layer.shape
         assert plane.dtype == torch.float8_e4m3fn
         assert _shares_storage(plane, layer)
-    assert kv.block_nbytes == (33, 33, 33)
+    assert kv.plane_block_nbytes == (33, 33, 33)
     assert kv.nbytes_per_block == 99
 
 
@@ -151,7 +152,7 @@ def test_from_planes_properties(gen):
     assert kv.num_planes == 4
     assert kv.num_blocks == 9
     assert kv.device == torch.device("cpu")
-    assert kv.block_nbytes == (30, 28, 1, 8)
+    assert kv.plane_block_nbytes == (30, 28, 1, 8)
     assert kv.nbytes_per_block == 67
     assert all(p is q or p.data_ptr() == q.data_ptr() for p, q in zip(kv.planes, planes))
     assert isinstance(kv.planes, (tuple, list))
@@ -165,13 +166,13 @@ def test_from_planes_accepts_a_strided_plane_with_contiguous_blocks():
         kvcopy.PagedKV.from_planes([plane])
     plane = base.view(6, 30)[:, 5:20]  # each block one contiguous run of 15 floats, block stride 30
     kv = kvcopy.PagedKV.from_planes([plane])
-    assert kv.block_nbytes == (60,)
+    assert kv.plane_block_nbytes == (60,)
 
 
 def test_from_planes_size_one_dims_may_have_any_stride():
     plane = torch.zeros(4, 8, 1).transpose(1, 2)  # [4, 1, 8], strides (8, 1, 1): each block is contiguous
     kv = kvcopy.PagedKV.from_planes([plane])
-    assert kv.block_nbytes == (32,)
+    assert kv.plane_block_nbytes == (32,)
 
 
 def test_transposed_plane_is_rejected():

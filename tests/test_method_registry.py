@@ -9,8 +9,9 @@ import torch
 
 import kvcopy
 from kvcopy import methods
-from kvcopy.policy import calibrator
 from kvcopy.methods import CopyMethod
+from kvcopy.policy import calibrator
+
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 
@@ -30,7 +31,8 @@ def toy():
         _toy_run(src, src_ids, dst, dst_ids, num_ctas)
 
     method = CopyMethod(
-        "toy", run=run,
+        "toy",
+        run=run,
         unavailable=lambda src, dst: None if src.device.type == dst.device.type == "cpu" else "host only",
         auto_rank=lambda src, dst: -1,
     )
@@ -94,8 +96,9 @@ def test_a_method_that_cannot_run_says_why(toy):
 
 def _device_like(kv):
     """A PagedKV whose device is not the CPU, without a GPU: the meta device."""
-    return kvcopy.PagedKV([torch.empty(p.shape, dtype=p.dtype, device="meta") for p in kv.planes],
-                          planes_per_layer=kv.planes_per_layer)
+    return kvcopy.PagedKV(
+        [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in kv.planes], planes_per_layer=kv.planes_per_layer
+    )
 
 
 def test_registering_twice_or_as_auto_is_refused(toy):

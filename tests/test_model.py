@@ -49,8 +49,13 @@ LLAMA_31_8B = {
     "vocab_size": 128256,
 }
 
-LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
-                "num_hidden_layers": 80}
+LLAMA_31_70B = {
+    **LLAMA_31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+}
 
 MISTRAL_7B_V01 = {
     "architectures": ["MistralForCausalLM"],
@@ -229,11 +234,22 @@ DEEPSEEK_V3 = {
     "q_lora_rank": 1536,
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
     "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
     "rope_theta": 10000,
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",
@@ -289,8 +305,15 @@ def spec(config: dict, **kwargs) -> ModelSpec:
 
 def small(**overrides) -> dict:
     """A tiny Llama-style config for hand-computed FLOPs."""
-    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+    }
     return {**config, **overrides}
 
 
@@ -432,9 +455,20 @@ def test_deepseek_v3_mla():
 
 
 def test_mla_without_q_lora_rank():
-    config = {"model_type": "deepseek_v2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 4, "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16,
-              "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+    config = {
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 96,
+        "vocab_size": 100,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+    }
     s = spec(config)
     q = 64 * 4 * (8 + 4)
     kv = 64 * (16 + 4) + 16 * 4 * (8 + 8)
@@ -544,7 +578,7 @@ def test_prefill_flops_by_hand():
     n = 10
     # QKᵀ and A·V, 2 FLOPs per multiply-add each, over n²/2 causal pairs per layer.
     assert s.prefill_flops(n) == 2 * n_ne * n + 2 * 2 * (2 * d_q) * (n * n / 2)
-    assert s.prefill_flops(n) == 2 * n_ne * n + 2 * 2 * d_q * n * n  # REFERENCE.md F_prefill
+    assert s.prefill_flops(n) == 2 * n_ne * n + 2 * 2 * d_q * n * n  # docs/measurements.md F_prefill
     assert s.prefill_flops(0) == 0.0
 
 
@@ -643,22 +677,28 @@ def test_malformed_json_names_the_file(tmp_path):
         ModelSpec.from_hf_config(path)
 
 
-@pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                                 "vocab_size"])
+@pytest.mark.parametrize(
+    "key", ["num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"]
+)
 def test_missing_key_is_named(key):
     config = {k: v for k, v in LLAMA_31_8B.items() if k != key}
     with pytest.raises(ValueError, match=f"missing required key '{key}'"):
         spec(config)
 
 
-@pytest.mark.parametrize("config, key", [
-    ({k: v for k, v in OPT_67B.items() if k != "ffn_dim"}, "ffn_dim"),
-    ({k: v for k, v in DEEPSEEK_V3.items() if k != "qk_rope_head_dim"}, "qk_rope_head_dim"),
-    ({k: v for k, v in DEEPSEEK_V3.items() if k != "moe_intermediate_size"}, "moe_intermediate_size"),
-    ({k: v for k, v in MIXTRAL_8X7B.items() if k != "num_experts_per_tok"}, "num_experts_per_tok"),
-    ({k: v for k, v in QWEN25_7B.items() if k != "max_window_layers"} | {"use_sliding_window": True},
-     "max_window_layers"),
-])
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({k: v for k, v in OPT_67B.items() if k != "ffn_dim"}, "ffn_dim"),
+        ({k: v for k, v in DEEPSEEK_V3.items() if k != "qk_rope_head_dim"}, "qk_rope_head_dim"),
+        ({k: v for k, v in DEEPSEEK_V3.items() if k != "moe_intermediate_size"}, "moe_intermediate_size"),
+        ({k: v for k, v in MIXTRAL_8X7B.items() if k != "num_experts_per_tok"}, "num_experts_per_tok"),
+        (
+            {k: v for k, v in QWEN25_7B.items() if k != "max_window_layers"} | {"use_sliding_window": True},
+            "max_window_layers",
+        ),
+    ],
+)
 def test_missing_family_key_is_named(config, key):
     with pytest.raises(ValueError, match=f"missing required key '{key}'"):
         spec(config)
@@ -669,19 +709,22 @@ def test_missing_num_key_value_heads_means_mha():
     assert spec(config).num_kv_heads == 32
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads"),
-    ({"num_key_value_heads": 64}, "not a multiple of num_key_value_heads"),
-    ({"hidden_size": 4100}, "hidden_size 4100 is not a multiple"),
-    ({"hidden_size": 0}, "'hidden_size': expected a positive integer"),
-    ({"num_hidden_layers": -2}, "'num_hidden_layers'"),
-    ({"intermediate_size": 1.5}, "'intermediate_size'"),
-    ({"head_dim": 0}, "'head_dim'"),
-    ({"layer_types": ["full_attention"] * 3}, "layer_types"),
-    ({"layer_types": ["linear_attention"] * 32, "sliding_window": 64}, "linear_attention"),
-    ({"rope_scaling": "yarn"}, "rope_scaling"),
-    ({"num_local_experts": 8, "num_experts_per_tok": 9}, "exceeds"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads"),
+        ({"num_key_value_heads": 64}, "not a multiple of num_key_value_heads"),
+        ({"hidden_size": 4100}, "hidden_size 4100 is not a multiple"),
+        ({"hidden_size": 0}, "'hidden_size': expected a positive integer"),
+        ({"num_hidden_layers": -2}, "'num_hidden_layers'"),
+        ({"intermediate_size": 1.5}, "'intermediate_size'"),
+        ({"head_dim": 0}, "'head_dim'"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+        ({"layer_types": ["linear_attention"] * 32, "sliding_window": 64}, "linear_attention"),
+        ({"rope_scaling": "yarn"}, "rope_scaling"),
+        ({"num_local_experts": 8, "num_experts_per_tok": 9}, "exceeds"),
+    ],
+)
 def test_contradictory_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
         spec({**LLAMA_31_8B, **overrides})
@@ -702,20 +745,61 @@ def test_an_unsupported_model_type_is_an_error_listing_the_supported_ones(model_
         ModelSpec.from_hf_config(config, assume="mamba")
 
 
-FALCON_7B = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
-             "multi_query": True, "new_decoder_architecture": False, "vocab_size": 65024, "torch_dtype": "bfloat16"}
-FALCON_40B = {"model_type": "falcon", "hidden_size": 8192, "num_attention_heads": 128, "num_hidden_layers": 60,
-              "num_kv_heads": 8, "new_decoder_architecture": True, "vocab_size": 65024, "torch_dtype": "bfloat16"}
+FALCON_7B = {
+    "model_type": "falcon",
+    "hidden_size": 4544,
+    "num_attention_heads": 71,
+    "num_hidden_layers": 32,
+    "multi_query": True,
+    "new_decoder_architecture": False,
+    "vocab_size": 65024,
+    "torch_dtype": "bfloat16",
+}
+FALCON_40B = {
+    "model_type": "falcon",
+    "hidden_size": 8192,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 60,
+    "num_kv_heads": 8,
+    "new_decoder_architecture": True,
+    "vocab_size": 65024,
+    "torch_dtype": "bfloat16",
+}
 
 
-@pytest.mark.parametrize(("config", "per_token"), [
-    (FALCON_7B, 8192), (FALCON_40B, 122880),
-    # The original RefinedWeb names of the same models.
-    ({"model_type": "RefinedWebModel", "hidden_size": 4544, "n_head": 71, "n_layer": 32, "multi_query": True,
-      "vocab_size": 65024, "torch_dtype": "bfloat16"}, 8192),
-    ({"model_type": "RefinedWeb", "hidden_size": 8192, "n_head": 128, "n_head_kv": 8, "n_layer": 60,
-      "new_decoder_architecture": True, "vocab_size": 65024, "torch_dtype": "bfloat16"}, 122880),
-])
+@pytest.mark.parametrize(
+    ("config", "per_token"),
+    [
+        (FALCON_7B, 8192),
+        (FALCON_40B, 122880),
+        # The original RefinedWeb names of the same models.
+        (
+            {
+                "model_type": "RefinedWebModel",
+                "hidden_size": 4544,
+                "n_head": 71,
+                "n_layer": 32,
+                "multi_query": True,
+                "vocab_size": 65024,
+                "torch_dtype": "bfloat16",
+            },
+            8192,
+        ),
+        (
+            {
+                "model_type": "RefinedWeb",
+                "hidden_size": 8192,
+                "n_head": 128,
+                "n_head_kv": 8,
+                "n_layer": 60,
+                "new_decoder_architecture": True,
+                "vocab_size": 65024,
+                "torch_dtype": "bfloat16",
+            },
+            122880,
+        ),
+    ],
+)
 def test_falcon_kv_bytes(config, per_token):
     """Falcon-7B caches one multi-query KV head; Falcon-40B 8 (2 x layers x heads x 64 x 2 bytes)."""
     s = spec(config)
@@ -731,8 +815,14 @@ def test_falcon_7b_parameters():
 
 
 def test_unknown_moe_layout_is_rejected():
-    llama4_like = {**LLAMA_31_8B, "model_type": "llama4_text", "num_local_experts": 16, "num_experts_per_tok": 1,
-                   "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384}
+    llama4_like = {
+        **LLAMA_31_8B,
+        "model_type": "llama4_text",
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "intermediate_size_mlp": 16384,
+    }
     with pytest.raises(ValueError, match="llama4_text' is not supported"):
         spec(llama4_like)
     with pytest.raises(ValueError, match="interleave_moe_layer_step"):  # read as Llama-style: still refused
@@ -742,9 +832,16 @@ def test_unknown_moe_layout_is_rejected():
 
 
 def test_qwen_moe_layers():
-    config = {**small(model_type="qwen2_moe"), "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
-              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
-              "mlp_only_layers": [0]}
+    config = {
+        **small(model_type="qwen2_moe"),
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    }
     s = spec(config)
     attention = 2 * 64 * 64 + 2 * 64 * 32
     dense = 3 * 64 * 128
@@ -766,15 +863,29 @@ def test_presets_load(name):
 
 
 def test_preset_names_cover_the_issue():
-    assert {"llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b", "mixtral-8x7b", "gemma-2-9b",
-            "deepseek-v3"} <= set(ModelSpec.preset_names())
+    assert {
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+        "qwen2.5-7b",
+        "mistral-7b",
+        "mixtral-8x7b",
+        "gemma-2-9b",
+        "deepseek-v3",
+    } <= set(ModelSpec.preset_names())
 
 
-@pytest.mark.parametrize("name, config", [
-    ("llama-3.1-8b", LLAMA_31_8B), ("llama-3.1-70b", LLAMA_31_70B), ("qwen2.5-7b", QWEN25_7B),
-    ("mistral-7b", MISTRAL_7B_V01), ("mixtral-8x7b", MIXTRAL_8X7B), ("gemma-2-9b", GEMMA2_9B),
-    ("deepseek-v3", DEEPSEEK_V3),
-])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("llama-3.1-8b", LLAMA_31_8B),
+        ("llama-3.1-70b", LLAMA_31_70B),
+        ("qwen2.5-7b", QWEN25_7B),
+        ("mistral-7b", MISTRAL_7B_V01),
+        ("mixtral-8x7b", MIXTRAL_8X7B),
+        ("gemma-2-9b", GEMMA2_9B),
+        ("deepseek-v3", DEEPSEEK_V3),
+    ],
+)
 def test_presets_match_the_full_configs(name, config):
     assert ModelSpec.preset(name).identity() == spec(config, name=name).identity()
 
@@ -798,8 +909,17 @@ def test_identity():
 
 
 def test_direct_construction_is_validated_and_frozen():
-    base = dict(name="m", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
-                intermediate_size=128, vocab_size=100, active_params=1000)
+    base = dict(
+        name="m",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=100,
+        active_params=1000,
+    )
     s = ModelSpec(**base, kv_dtype="bf16", rope_scaling={"b": 1, "a": 2})
     assert s.kv_dtype == "bfloat16" and s.layer_types == ("full_attention", "full_attention")
     assert s.rope_scaling == '{"a": 2, "b": 1}'
@@ -819,8 +939,10 @@ def test_direct_construction_is_validated_and_frozen():
             ModelSpec(**{**base, **bad})
 
 
-@pytest.mark.parametrize(("key", "a", "b"), [("rope_local_base_freq", 10000.0, 20000.0), ("rotary_pct", 0.25, 0.5),
-                                             ("partial_rotary_factor", 0.5, 1.0)])
+@pytest.mark.parametrize(
+    ("key", "a", "b"),
+    [("rope_local_base_freq", 10000.0, 20000.0), ("rotary_pct", 0.25, 0.5), ("partial_rotary_factor", 0.5, 1.0)],
+)
 def test_rope_keys_that_change_the_cached_keys_are_part_of_the_identity(key, a, b):
     one, other = spec({**LLAMA_31_8B, key: a}), spec({**LLAMA_31_8B, key: b})
     assert json.loads(one.rope_scaling)[key] == a

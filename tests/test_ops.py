@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import (
     assert_same_bytes,
     byte_rows,
@@ -70,10 +71,16 @@ def test_schema_marks_dst_mutated(name):
 
 
 def _planes_pair(gen):
-    src = [random_tensor((6, 3, 5), torch.float32, gen), random_tensor((6, 4), torch.bfloat16, gen),
-           random_tensor((6, 7), torch.float8_e4m3fn, gen)]
-    dst = [random_tensor((5, 3, 5), torch.float32, gen), random_tensor((5, 4), torch.bfloat16, gen),
-           random_tensor((5, 7), torch.float8_e4m3fn, gen)]
+    src = [
+        random_tensor((6, 3, 5), torch.float32, gen),
+        random_tensor((6, 4), torch.bfloat16, gen),
+        random_tensor((6, 7), torch.float8_e4m3fn, gen),
+    ]
+    dst = [
+        random_tensor((5, 3, 5), torch.float32, gen),
+        random_tensor((5, 4), torch.bfloat16, gen),
+        random_tensor((5, 7), torch.float8_e4m3fn, gen),
+    ]
     return src, dst
 
 
@@ -199,15 +206,21 @@ def test_torch_compile_still_validates_ids(src_ids, dst_ids, exc, backend, gen):
 
 def _check_ids(src_ids, dst_ids, src_num_blocks=6, dst_num_blocks=7):
     return torch.ops.kvcopy.check_block_ids(
-        torch.tensor(src_ids, dtype=torch.int64), torch.tensor(dst_ids, dtype=torch.int64),
-        src_num_blocks, dst_num_blocks,
+        torch.tensor(src_ids, dtype=torch.int64),
+        torch.tensor(dst_ids, dtype=torch.int64),
+        src_num_blocks,
+        dst_num_blocks,
     )
 
 
 def test_check_block_ids_schema():
     schema = _op("check_block_ids")._schema
     assert [a.name for a in schema.arguments] == [
-        "src_ids", "dst_ids", "src_num_blocks", "dst_num_blocks", "same_cache"
+        "src_ids",
+        "dst_ids",
+        "src_num_blocks",
+        "dst_num_blocks",
+        "same_cache",
     ]
     assert all(a.alias_info is None for a in schema.arguments)  # mutates nothing
     assert len(schema.returns) == 0
@@ -296,8 +309,11 @@ def test_torch_compile_validates_ids_against_pools(backend, method, gen):
     compiled(s, d)
     assert_same_bytes(dst_bytes(dst), expected)
     before = dst.buffer.clone()
-    for bad_src, bad_dst, exc in (([0, 6], [1, 2], IndexError), ([0, 1], [1, 5], IndexError),
-                                  ([0, 1], [3, 3], ValueError)):
+    for bad_src, bad_dst, exc in (
+        ([0, 6], [1, 2], IndexError),
+        ([0, 1], [1, 5], IndexError),
+        ([0, 1], [3, 3], ValueError),
+    ):
         with pytest.raises(exc):
             compiled(torch.tensor(bad_src), torch.tensor(bad_dst))
         assert torch.equal(dst.buffer, before)

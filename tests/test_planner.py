@@ -19,8 +19,14 @@ LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 B_TOK = LLAMA.kv_bytes_per_token()  # 131072 = 2^17 bytes per token, all layers
 
 MISTRAL_CONFIG = {
-    "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000, "torch_dtype": "bfloat16",
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "torch_dtype": "bfloat16",
 }
 WINDOW = 256
 MISTRAL_SWA = kvcopy.ModelSpec.from_hf_config({**MISTRAL_CONFIG, "sliding_window": WINDOW}, name="mistral-swa")
@@ -32,13 +38,22 @@ DEEPSEEK = kvcopy.ModelSpec.preset("deepseek-v3")
 
 
 def linear(spec=LLAMA, *, la, bw, r, pa=0.0, share=0.0, **kw) -> Planner:
-    return Planner(spec, load_alpha_s=la, load_bytes_per_s=bw, prefill_tokens_per_s=r, prefill_alpha_s=pa,
-                   decode_share=share, **kw)
+    return Planner(
+        spec, load_alpha_s=la, load_bytes_per_s=bw, prefill_tokens_per_s=r, prefill_alpha_s=pa, decode_share=share, **kw
+    )
 
 
 def flops(spec=LLAMA, *, la, bw, fps, pa=0.0, share=0.0, wbps=None, **kw) -> Planner:
-    return Planner(spec, load_alpha_s=la, load_bytes_per_s=bw, prefill_flops_per_s=fps, prefill_alpha_s=pa,
-                   weight_bytes_per_s=wbps, decode_share=share, **kw)
+    return Planner(
+        spec,
+        load_alpha_s=la,
+        load_bytes_per_s=bw,
+        prefill_flops_per_s=fps,
+        prefill_alpha_s=pa,
+        weight_bytes_per_s=wbps,
+        decode_share=share,
+        **kw,
+    )
 
 
 def h200_like(spec=LLAMA, **kw) -> Planner:
@@ -72,7 +87,8 @@ def brute_threshold(planner: Planner, limit: int, new: int = 1) -> int | None:
 def model_flops(spec, tokens: int, cached: int = 0) -> float:
     """Prefill FLOPs of a full-attention MHA spec from its fields: 2·N·n + 4·L·H·d·(n·P + n²/2)."""
     return 2 * spec.active_params * tokens + 4 * spec.num_layers * spec.num_attention_heads * spec.head_dim * (
-        tokens * cached + tokens * tokens / 2)
+        tokens * cached + tokens * tokens / 2
+    )
 
 
 # --------------------------------------------------------------------------- the roofline prefill
@@ -210,7 +226,8 @@ def test_new_tokens_add_the_extend_cost(prefix, new):
     assert d.new_tokens == new
     assert d.t_reload == pytest.approx(la + LLAMA.kv_bytes(prefix) / bw + extend, rel=1e-12)
     assert d.t_recompute == pytest.approx(
-        pa + max(model_flops(LLAMA, prefix + new) / fps, LLAMA.weight_bytes(prefix + new) / wbps), rel=1e-12)
+        pa + max(model_flops(LLAMA, prefix + new) / fps, LLAMA.weight_bytes(prefix + new) / wbps), rel=1e-12
+    )
 
 
 def test_load_nbytes_overrides_the_prefix_bytes():
@@ -251,8 +268,9 @@ def test_split_beats_both_when_load_and_compute_are_comparable(prefix):
     bw = B_TOK * 5000.0
     d = linear(la=0.0, bw=bw, r=5000).decide(prefix)
     assert d.action == "split", d
-    assert d.t_split == pytest.approx(min(_split_costs(linear(la=0.0, bw=bw, r=5000), LLAMA, prefix).values())
-                                      + 1 / 5000, rel=1e-12)
+    assert d.t_split == pytest.approx(
+        min(_split_costs(linear(la=0.0, bw=bw, r=5000), LLAMA, prefix).values()) + 1 / 5000, rel=1e-12
+    )
     assert abs(d.split_tokens - prefix / 2) <= 1
     assert f"first {d.split_tokens} of {prefix}" in d.explanation
 
@@ -336,34 +354,38 @@ def test_decode_share_can_flip_a_reload():
 # --------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9),  # neither prefill rate
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_flops_per_s=1e12),  # both
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, weight_bytes_per_s=1e12),  # no roofline
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, weight_bytes_per_s=0.0),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, load_options=[(0.0, -1.0)]),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, split_margin=1.0),
-    dict(load_alpha_s=-1e-6, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
-    dict(load_alpha_s=0.0, load_bytes_per_s=0.0, prefill_tokens_per_s=1e3),
-    dict(load_alpha_s=0.0, load_bytes_per_s=-1e9, prefill_tokens_per_s=1e3),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=0.0),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=-5.0),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=-1e12),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_alpha_s=-1e-3),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=1.0),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=1.5),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=-0.1),
-    dict(load_alpha_s=math.nan, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
-    dict(load_alpha_s=0.0, load_bytes_per_s=math.nan, prefill_tokens_per_s=1e3),
-    dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=math.nan),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9),  # neither prefill rate
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_flops_per_s=1e12),  # both
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, weight_bytes_per_s=1e12),  # no roofline
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, weight_bytes_per_s=0.0),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, load_options=[(0.0, -1.0)]),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, split_margin=1.0),
+        dict(load_alpha_s=-1e-6, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
+        dict(load_alpha_s=0.0, load_bytes_per_s=0.0, prefill_tokens_per_s=1e3),
+        dict(load_alpha_s=0.0, load_bytes_per_s=-1e9, prefill_tokens_per_s=1e3),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=0.0),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=-5.0),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=-1e12),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_alpha_s=-1e-3),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=1.0),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=1.5),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=-0.1),
+        dict(load_alpha_s=math.nan, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
+        dict(load_alpha_s=0.0, load_bytes_per_s=math.nan, prefill_tokens_per_s=1e3),
+        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=math.nan),
+    ],
+)
 def test_bad_arguments_are_value_errors(kwargs):
     with pytest.raises(ValueError):
         Planner(LLAMA, **kwargs)
 
 
-@pytest.mark.parametrize("prefix,new", [(-1, 1), (1.5, 1), (True, 1), ("10", 1), (10, -1), (10, 0), (10, 2.0),
-                                        (10, False)])
+@pytest.mark.parametrize(
+    "prefix,new", [(-1, 1), (1.5, 1), (True, 1), ("10", 1), (10, -1), (10, 0), (10, 2.0), (10, False)]
+)
 def test_decide_rejects_bad_token_counts(prefix, new):
     with pytest.raises(ValueError):
         linear(la=0.0, bw=1e9, r=1e3).decide(prefix, new)
@@ -377,15 +399,23 @@ def _fit(alpha, beta):
 
 
 def _profile(links, prefill=True, planes=16):
-    return Profile(hardware={"device_name": "synthetic", "calibration_planes": planes}, links=links,
-                   prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.03, flops_per_s=2e13, r2=1.0)
-                   if prefill else None)
+    return Profile(
+        hardware={"device_name": "synthetic", "calibration_planes": planes},
+        links=links,
+        prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.03, flops_per_s=2e13, r2=1.0) if prefill else None,
+    )
 
 
 def test_from_profile_uses_the_fit_at_the_models_block_size():
     per_block = {4096: _fit(10e-6, 20e9), 32768: _fit(18e-6, 33e9), 262144: _fit(32e-6, 42e9)}
-    p = _profile({"h2h": {"cpu": MethodProfile(_fit(13e-6, 30e9), per_block),
-                          "torch": MethodProfile(_fit(1e-3, 1e9), {b: _fit(1e-3, 1e9) for b in per_block})}})
+    p = _profile(
+        {
+            "h2h": {
+                "cpu": MethodProfile(_fit(13e-6, 30e9), per_block),
+                "torch": MethodProfile(_fit(1e-3, 1e9), {b: _fit(1e-3, 1e9) for b in per_block}),
+            }
+        }
+    )
     # Llama: 16 tokens x 8 heads x 128 x 2 bytes = 32 KiB per K (or V) plane-block.
     assert LLAMA.block_nbytes(16) / (2 * LLAMA.num_layers) == 32768
     planner = Planner.from_profile(p, LLAMA, decode_share=0.25)
@@ -404,9 +434,13 @@ def test_from_profile_without_block_fits_uses_the_overall_fit():
 
 
 def test_from_profile_prefers_host_to_device():
-    p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))},
-                  "h2d": {"copy_engine": MethodProfile(_fit(20e-6, 50e9)), "cuda": MethodProfile(_fit(5e-6, 1e9))},
-                  "d2h": {"cuda": MethodProfile(_fit(1e-6, 1e12))}})
+    p = _profile(
+        {
+            "h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))},
+            "h2d": {"copy_engine": MethodProfile(_fit(20e-6, 50e9)), "cuda": MethodProfile(_fit(5e-6, 1e9))},
+            "d2h": {"cuda": MethodProfile(_fit(1e-6, 1e12))},
+        }
+    )
     planner = Planner.from_profile(p, LLAMA)
     # 64 blocks of 2 MiB: copy_engine is far ahead on h2d.
     assert (planner.load_alpha_s, planner.load_bytes_per_s) == (20e-6, 50e9)
@@ -422,8 +456,14 @@ def test_from_profile_picks_the_method_fastest_at_the_models_block_size():
     32 KiB fit: 1 GB/s.
     """
     fast, slow = _fit(1e-6, 50e9), _fit(1e-3, 1e9)
-    p = _profile({"h2h": {"cpu": MethodProfile(_fit(1e-5, 20e9), {32768: fast, 262144: slow}),
-                          "torch": MethodProfile(_fit(1e-5, 20e9), {32768: slow, 262144: fast})}})
+    p = _profile(
+        {
+            "h2h": {
+                "cpu": MethodProfile(_fit(1e-5, 20e9), {32768: fast, 262144: slow}),
+                "torch": MethodProfile(_fit(1e-5, 20e9), {32768: slow, 262144: fast}),
+            }
+        }
+    )
     planner = Planner.from_profile(p, LLAMA)
     assert planner.load_bytes_per_s == pytest.approx(50e9)
     assert planner.load_alpha_s == pytest.approx(1e-6)
@@ -437,8 +477,7 @@ def test_from_profile_errors():
 
 
 def test_from_profile_plans_for_mla_and_sliding_specs():
-    p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9), {4096: _fit(5e-6, 5e9),
-                                                                   32768: _fit(7e-6, 9e9)})}})
+    p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9), {4096: _fit(5e-6, 5e9), 32768: _fit(7e-6, 9e9)})}})
     for spec in (kvcopy.ModelSpec.preset("deepseek-v3"), kvcopy.ModelSpec.preset("gemma-2-9b"), MISTRAL_SWA):
         planner = Planner.from_profile(p, spec)
         d = planner.decide(4096, 16)
@@ -451,8 +490,9 @@ def test_from_profile_plans_for_mla_and_sliding_specs():
 
 def test_from_profile_scales_a_prefill_calibrated_on_another_model():
     p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))}})
-    p.prefill = PrefillProfile(model="llama-3.1-8b", alpha_s=0.032, flops_per_s=2e13, r2=1.0,
-                               weight_bytes_per_s=1e11, num_layers=32)
+    p.prefill = PrefillProfile(
+        model="llama-3.1-8b", alpha_s=0.032, flops_per_s=2e13, r2=1.0, weight_bytes_per_s=1e11, num_layers=32
+    )
     same = Planner.from_profile(p, LLAMA)
     assert same.note == "" and same.prefill_alpha_s == 0.032 and same.weight_bytes_per_s == 1e11
     big = kvcopy.ModelSpec.preset("llama-3.1-70b")
@@ -462,7 +502,8 @@ def test_from_profile_scales_a_prefill_calibrated_on_another_model():
     assert "prefill calibrated on llama-3.1-8b, scaled to llama-3.1-70b" in other.decide(1000).explanation
     # FLOPs and weight bytes scale it: a 70B forward reads ~9x the weights of an 8B one.
     assert other.t_prefill(1) / same.t_prefill(1) == pytest.approx(
-        (0.032 * 80 / 32 + big.weight_bytes(1) / 1e11) / (0.032 + LLAMA.weight_bytes(1) / 1e11), rel=1e-9)
+        (0.032 * 80 / 32 + big.weight_bytes(1) / 1e11) / (0.032 + LLAMA.weight_bytes(1) / 1e11), rel=1e-9
+    )
 
 
 def test_from_profile_loads_with_the_fastest_method_at_each_size():

@@ -24,6 +24,11 @@ import torch
 import kvcopy
 import kvcopy.policy.calibrator as calibrator
 import kvcopy.profile as profile_mod
+from kvcopy import _ext
+from kvcopy.methods import available_methods, choose_method
+from kvcopy.policy.timing import Timing, measure
+from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+
 from conftest import (
     HAS_CUDA,
     assert_same_bytes,
@@ -34,10 +39,6 @@ from conftest import (
     reference_copy,
     snapshot,
 )
-from kvcopy import _ext
-from kvcopy.methods import available_methods, choose_method
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
-from kvcopy.policy.timing import Timing, measure
 
 CAL_PLANES = calibrator.CALIBRATION_PLANES
 # What a CPU calibration times in this process ("triton" under the interpreter is left out).
@@ -64,17 +65,29 @@ def synthetic_profile(fast: str = "torch", slow: str = "cpu", direction: str = "
     """``fast`` predicted well ahead of ``slow`` at every size in ``direction``."""
     fast_fit, slow_fit = _fit(1e-6, 1e12), _fit(1e-3, 1e8)
     shapes = [(4096, 1), (4096, 64), (262144, 1), (262144, 8)]
-    links = {direction: {
-        fast: MethodProfile(fast_fit, {4096: fast_fit, 262144: fast_fit} if by_block else {}, _points(fast_fit, shapes)),
-        slow: MethodProfile(slow_fit, {4096: slow_fit} if by_block else {}, _points(slow_fit, shapes)),
-    }}
+    links = {
+        direction: {
+            fast: MethodProfile(
+                fast_fit, {4096: fast_fit, 262144: fast_fit} if by_block else {}, _points(fast_fit, shapes)
+            ),
+            slow: MethodProfile(slow_fit, {4096: slow_fit} if by_block else {}, _points(slow_fit, shapes)),
+        }
+    }
     return Profile(
-        hardware={"device": "cpu", "device_name": "synthetic", "calibration_planes": CAL_PLANES, "torch": "x",
-                  "kvcopy": kvcopy.__version__, "date": "2025-01-01T00:00:00+00:00", "host_cpu": "synthetic"},
+        hardware={
+            "device": "cpu",
+            "device_name": "synthetic",
+            "calibration_planes": CAL_PLANES,
+            "torch": "x",
+            "kvcopy": kvcopy.__version__,
+            "date": "2025-01-01T00:00:00+00:00",
+            "host_cpu": "synthetic",
+        },
         links=links,
         peaks={direction: 5e10},
-        prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e13, r2=0.99,
-                               points=((1e12, 0.11), (2e12, 0.21))),
+        prefill=PrefillProfile(
+            model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e13, r2=0.99, points=((1e12, 0.11), (2e12, 0.21))
+        ),
     )
 
 
@@ -186,8 +199,10 @@ def test_best_method_is_the_fastest_measured_one():
 
 def test_best_method_follows_the_crossover():
     """A method with a low fixed cost wins small copies, one with high bandwidth big ones."""
-    p = Profile(hardware={"calibration_planes": 1}, links={"h2d": {
-        "cuda": MethodProfile(_fit(2e-6, 10e9)), "copy_engine": MethodProfile(_fit(20e-6, 50e9))}})
+    p = Profile(
+        hardware={"calibration_planes": 1},
+        links={"h2d": {"cuda": MethodProfile(_fit(2e-6, 10e9)), "copy_engine": MethodProfile(_fit(20e-6, 50e9))}},
+    )
     # Equal at nbytes = 18e-6 / (1/10e9 - 1/50e9) = 225 kB.
     assert p.best_method("h2d", 4096, 1) == "cuda"
     assert p.best_method("h2d", 4 << 20, 16) == "copy_engine"
@@ -298,7 +313,7 @@ def fake_timer(monkeypatch):
     state = {"last": None, "links": None, "calls": 0, "prefill_slow": {}}
 
     def fake_copy(src, src_ids, dst, dst_ids, *, method):
-        state["last"] = ("copy", method, len(src_ids) * src.nbytes_per_block, src.block_nbytes[0])
+        state["last"] = ("copy", method, len(src_ids) * src.nbytes_per_block, src.plane_block_nbytes[0])
 
     def fake_layer(spec, device):
         def forward(x):
@@ -480,8 +495,9 @@ def test_real_profile_round_trips_through_json(real_profile, tmp_path):
     assert loaded.to_dict() == real_profile.to_dict()
     assert loaded == real_profile
     for method in real_profile.methods("h2h"):
-        assert loaded.predict("h2h", 3 << 20, num_blocks=6, method=method) == \
-            real_profile.predict("h2h", 3 << 20, num_blocks=6, method=method)
+        assert loaded.predict("h2h", 3 << 20, num_blocks=6, method=method) == real_profile.predict(
+            "h2h", 3 << 20, num_blocks=6, method=method
+        )
 
 
 def test_real_predict_grows_with_bytes(real_profile):
@@ -519,8 +535,10 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     host = pool.paged
     method = real_profile.best_method("h2h", block * CAL_PLANES, count)
     gen = torch.Generator().manual_seed(5)
-    id_sets = [(torch.randperm(pool_blocks, generator=gen)[:count], torch.randperm(pool_blocks, generator=gen)[:count])
-               for _ in range(16)]
+    id_sets = [
+        (torch.randperm(pool_blocks, generator=gen)[:count], torch.randperm(pool_blocks, generator=gen)[:count])
+        for _ in range(16)
+    ]
     calls = iter(range(1 << 30))
 
     def copy_next():
@@ -556,8 +574,10 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     recorded = [row[3] for row in mp.points if row[1] == count and row[2] == block]
     fresh = min(t.p20 for _, t in timings)
     if used.max_abs_residual > 0.5 or (recorded and not 1 / 3 < recorded[0] / fresh < 3):
-        pytest.skip(f"timings too noisy to compare (load from other processes): calibration fit {used}, "
-                    f"calibrated median {recorded}, fresh {seen}")
+        pytest.skip(
+            f"timings too noisy to compare (load from other processes): calibration fit {used}, "
+            f"calibrated median {recorded}, fresh {seen}"
+        )
     pytest.fail(f"{method}: predicted {predicted * 1e6:.0f} us for 4 MiB in 8 blocks; measured {seen}")
 
 
@@ -606,8 +626,12 @@ def test_choose_method_follows_the_profile():
     chosen = choose_method(kv, pool.paged, available, host_ids=True, num_blocks=4, profile=synthetic_profile("torch"))
     assert chosen == "torch"
     if _ext.has_cpu_kernels():
-        assert choose_method(kv, pool.paged, available, host_ids=True, num_blocks=4,
-                             profile=synthetic_profile("cpu", "torch")) == "cpu"
+        assert (
+            choose_method(
+                kv, pool.paged, available, host_ids=True, num_blocks=4, profile=synthetic_profile("cpu", "torch")
+            )
+            == "cpu"
+        )
     # A profile that did not measure this direction: the documented defaults.
     other = synthetic_profile("torch", "cpu", direction="d2h")
     assert choose_method(kv, pool.paged, available, host_ids=True, num_blocks=4, profile=other) == default
@@ -715,10 +739,17 @@ def test_direction_of():
 
 def test_timed_layer_executes_the_dense_models_flops():
     """The calibrator fits FLOP/s against the FLOPs its layer runs; for a dense model those are the spec's."""
-    spec = kvcopy.ModelSpec.from_hf_config({
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
-        "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000,
-    })
+    spec = kvcopy.ModelSpec.from_hf_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_attention_heads": 8,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": 1000,
+        }
+    )
     forward, executed, dtype, weight_bytes = calibrator._layer_forward(spec, torch.device("cpu"))
     assert forward(torch.randn(5, 256, dtype=dtype)).shape == (5, 256)
     for n in (1, 17, 128):

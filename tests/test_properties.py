@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcopy
+
 from conftest import DTYPES, TRITON_ON_CPU, assert_same_bytes, check_copy, dst_bytes, random_bytes, reference_copy
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -81,7 +82,7 @@ def test_triton_matches_reference(case):
 def _aligned(like: kvcopy.PagedKV, num_blocks: int, layout: str) -> bool:
     """Whether an unpadded host layout can place every plane at an offset aligned to its element size."""
     offset = 0
-    for plane, nbytes in zip(like.planes, like.block_nbytes):
+    for plane, nbytes in zip(like.planes, like.plane_block_nbytes):
         itemsize = plane.element_size()
         if offset % itemsize:
             return False

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy import _ext, methods
-from kvcopy import dispatch
+from kvcopy import _ext, dispatch, methods
 from kvcopy.methods import builtin, pairs, sm_budget
+
 from conftest import make_layout
 
 
@@ -26,8 +26,9 @@ def _pair():
     return kv, kvcopy.HostKVPool(kv, 4, pin_memory=False)
 
 
-@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-2, ValueError), (1.5, TypeError),
-                                              (True, TypeError), ("4", TypeError)])
+@pytest.mark.parametrize(
+    ("value", "error"), [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError), ("4", TypeError)]
+)
 def test_bad_num_ctas_is_refused_before_copying(value, error):
     kv, pool = _pair()
     before = pool.buffer.clone()
@@ -47,7 +48,9 @@ def test_num_ctas_reaches_the_kernel_launch(monkeypatch):
     assert sm_budget.cta_budget(gpu, gpu, None) == 0
     assert sm_budget.cta_budget(gpu, host, 24) == 24
     seen = []
-    monkeypatch.setattr(dispatch, "run", lambda method, src, src_ids, dst, dst_ids, num_ctas=None: seen.append(num_ctas))
+    monkeypatch.setattr(
+        dispatch, "run", lambda method, src, src_ids, dst, dst_ids, num_ctas=None: seen.append(num_ctas)
+    )
     kv, pool = _pair()
     kvcopy.copy_blocks(kv, [1], pool, [0], num_ctas=8)
     with kvcopy.TransferEngine(kv, pool, sm_budget=12) as engine:
@@ -56,8 +59,8 @@ def test_num_ctas_reaches_the_kernel_launch(monkeypatch):
 
 
 def test_without_host_pointer_reads_the_sm_kernels_are_not_offered(monkeypatch):
-    host = SimpleNamespace(device=torch.device("cpu"), is_pinned=True, block_nbytes=(4096,))
-    gpu = SimpleNamespace(device=torch.device("cuda", 0), block_nbytes=(4096,))
+    host = SimpleNamespace(device=torch.device("cpu"), is_pinned=True, plane_block_nbytes=(4096,))
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), plane_block_nbytes=(4096,))
     for module in (builtin, pairs):  # a stand-in: a GPU and a pinned pool
         monkeypatch.setattr(module, "pair_problem", lambda src, dst: None)
     monkeypatch.setattr(_ext, "has_cuda_kernels", lambda: True)

@@ -31,8 +31,9 @@ def test_median_and_percentiles_of_known_samples(monkeypatch):
     assert timing.gbps(6e9) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize(("kw", "name"), [({"warmup": -1}, "warmup"), ({"repeats": 0}, "repeats"),
-                                          ({"inner": 0}, "inner")])
+@pytest.mark.parametrize(
+    ("kw", "name"), [({"warmup": -1}, "warmup"), ({"repeats": 0}, "repeats"), ({"inner": 0}, "inner")]
+)
 def test_bad_arguments(kw, name):
     with pytest.raises(ValueError, match=name):
         measure(lambda: None, **kw)

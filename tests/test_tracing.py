@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from kvcopy import dispatch
 from kvcopy.methods import staging
+
 from conftest import make_layout
 
 

@@ -180,8 +180,9 @@ def test_cancelled_offloaded_request_frees_its_host_blocks(monkeypatch):
     gen = GenerationConfig(max_new_tokens=LLAMA.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=LLAMA.num_blocks, page_size=16, max_batch_tokens=256)
     with kvt.offloading(model, host_gib=0.25, policy="offload") as stats:
-        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                        timeout=5) as manager:
+        with model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb, timeout=5
+        ) as manager:
             for i, prompt in enumerate(LLAMA.prompts()):
                 manager.add_request(prompt, request_id=f"req_{i}", max_new_tokens=LLAMA.new_tokens)
             results = {}
@@ -233,17 +234,20 @@ def test_exception_in_the_context_restores_transformers():
 # --------------------------------------------------------------------------- bad input, nesting, versions
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    (dict(host_gib=0), ValueError, "host_gib"),
-    (dict(host_gib=-1.0), ValueError, "host_gib"),
-    (dict(host_gib=float("nan")), ValueError, "host_gib"),
-    (dict(host_gib="1"), TypeError, "host_gib"),
-    (dict(host_gib=True), TypeError, "host_gib"),
-    (dict(policy="sometimes"), ValueError, "policy.*'auto', 'offload', 'recompute'"),
-    (dict(profile="/no/such/profile.json"), FileNotFoundError, "/no/such/profile.json"),
-    (dict(profile=3), TypeError, "profile"),
-    (dict(method="fast"), ValueError, "method"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(host_gib=0), ValueError, "host_gib"),
+        (dict(host_gib=-1.0), ValueError, "host_gib"),
+        (dict(host_gib=float("nan")), ValueError, "host_gib"),
+        (dict(host_gib="1"), TypeError, "host_gib"),
+        (dict(host_gib=True), TypeError, "host_gib"),
+        (dict(policy="sometimes"), ValueError, "policy.*'auto', 'offload', 'recompute'"),
+        (dict(profile="/no/such/profile.json"), FileNotFoundError, "/no/such/profile.json"),
+        (dict(profile=3), TypeError, "profile"),
+        (dict(method="fast"), ValueError, "method"),
+    ],
+)
 def test_bad_arguments_fail_before_anything_is_patched(kwargs, error, match):
     model = LLAMA.build()
     with pytest.raises(error, match=match):
@@ -305,11 +309,13 @@ def test_without_transformers_the_module_imports_and_offloading_names_the_extra(
     import subprocess
     import sys
 
-    code = ("import sys, types; sys.modules['transformers'] = None\n"
-            "from kvcopy.integrations import transformers as kvt\n"
-            "model = types.SimpleNamespace(generate_batch=print, config=types.SimpleNamespace(to_dict=dict))\n"
-            "try:\n    kvt.offloading(model, policy='offload').__enter__()\n"
-            "except ImportError as err:\n    print(err)\n")
+    code = (
+        "import sys, types; sys.modules['transformers'] = None\n"
+        "from kvcopy.integrations import transformers as kvt\n"
+        "model = types.SimpleNamespace(generate_batch=print, config=types.SimpleNamespace(to_dict=dict))\n"
+        "try:\n    kvt.offloading(model, policy='offload').__enter__()\n"
+        "except ImportError as err:\n    print(err)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'kvcopy[transformers]'" in out.stdout
 

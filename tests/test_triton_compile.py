@@ -49,9 +49,16 @@ def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     source = ASTSource(
         fn=kernel,
         signature=SIGNATURE,
-        constexprs={"WORD": word[0], "WORD_BYTES": word[1], "ALIGN": word[2], "STEP": _STEP_ELEMENTS,
-                    "PLANE_COLUMNS": len(layout.PLANE_TABLE_COLUMNS), "ADDRESS": layout.PLANE_ADDRESS,
-                    "BLOCK_STRIDE": layout.PLANE_BLOCK_STRIDE, "BLOCK_BYTES": layout.PLANE_BLOCK_BYTES},
+        constexprs={
+            "WORD": word[0],
+            "WORD_BYTES": word[1],
+            "ALIGN": word[2],
+            "STEP": _STEP_ELEMENTS,
+            "PLANE_COLUMNS": len(layout.PLANE_TABLE_COLUMNS),
+            "ADDRESS": layout.PLANE_ADDRESS,
+            "BLOCK_STRIDE": layout.PLANE_BLOCK_STRIDE,
+            "BLOCK_BYTES": layout.PLANE_BLOCK_BYTES,
+        },
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
     assert "ld.global" in compiled.asm["ptx"] and "st.global" in compiled.asm["ptx"]

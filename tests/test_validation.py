@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvcopy
+
 from conftest import (
     CPU_METHODS,
     assert_same_bytes,
@@ -142,8 +143,15 @@ def test_ids_not_1d(pair, method, bad, side):
 def test_length_mismatch(pair, method, src_ids, dst_ids):
     kv, pool = pair
     _expect_no_copy(ValueError, "ids", kv, src_ids, pool, dst_ids, method)
-    _expect_no_copy(ValueError, "ids", kv, torch.tensor(src_ids, dtype=torch.int64), pool,
-                    torch.tensor(dst_ids, dtype=torch.int64), method)
+    _expect_no_copy(
+        ValueError,
+        "ids",
+        kv,
+        torch.tensor(src_ids, dtype=torch.int64),
+        pool,
+        torch.tensor(dst_ids, dtype=torch.int64),
+        method,
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -119,8 +119,8 @@ void finish_streaming(bool streaming) {
 
 }  // namespace
 
-void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                     const int64_t* dst_ids, int64_t num_ids, int num_threads) {
+void copy_blocks_cpu(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
+                     int64_t num_ids, int num_threads) {
   if (num_ids <= 0 || num_planes <= 0) return;
   const std::vector<CopyPiece> pieces = plan_pieces(planes, num_planes, src_ids, dst_ids, num_ids);
 

@@ -32,9 +32,8 @@ cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested
 // resident at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor x SMs). Each
 // launch passes a plane table of the smallest capacity (8, 64, 256) that holds
 // its planes. The current device must be the stream's.
-cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes,
-                                     const int64_t* src_ids, const int64_t* dst_ids,
-                                     int64_t num_ids, int64_t src_num_blocks,
+cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                     const int64_t* dst_ids, int64_t num_ids, int64_t src_num_blocks,
                                      int64_t dst_num_blocks, int num_ctas, cudaStream_t stream);
 
 // Copy-engine path: the byte ranges of kvcopy/copy_ranges.h (adjacent runs
@@ -42,9 +41,8 @@ cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes
 // (CUDA 12.8+; on the legacy default stream through an event-ordered side
 // stream), else one cudaMemcpyAsync per range. `src_ids`/`dst_ids` are host
 // pointers, validated by the caller; the current device is the stream's.
-cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes,
-                                  const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
-                                  cudaStream_t stream);
+cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream);
 
 // Side streams the copy-engine path holds for host threads that submitted on the legacy default
 // stream (one per thread and device, destroyed when the thread exits). For tests.

@@ -34,8 +34,7 @@ DmaCopies plan_dma(const std::vector<CopyRange>& ranges) {
 
 cudaError_t submit_one_by_one(const DmaCopies& copies, cudaStream_t stream) {
   for (size_t i = 0; i < copies.sizes.size(); ++i) {
-    const cudaError_t err =
-        cudaMemcpyAsync(copies.dsts[i], copies.srcs[i], copies.sizes[i], cudaMemcpyDefault, stream);
+    const cudaError_t err = cudaMemcpyAsync(copies.dsts[i], copies.srcs[i], copies.sizes[i], cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -48,8 +47,8 @@ cudaError_t submit_batch(DmaCopies& copies, cudaStream_t stream) {
   attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   size_t attrs_index = 0;
 #if CUDART_VERSION >= 13000
-  return cudaMemcpyBatchAsync(copies.dsts.data(), copies.srcs.data(), copies.sizes.data(), copies.sizes.size(),
-                              &attrs, &attrs_index, 1, stream);
+  return cudaMemcpyBatchAsync(copies.dsts.data(), copies.srcs.data(), copies.sizes.data(), copies.sizes.size(), &attrs,
+                              &attrs_index, 1, stream);
 #else
   size_t fail_index = 0;
   return cudaMemcpyBatchAsync(copies.dsts.data(), const_cast<void**>(copies.srcs.data()), copies.sizes.data(),
@@ -135,8 +134,7 @@ int64_t dma_side_streams_alive() { return g_side_streams_alive.load(); }
 cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
                                   const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  return submit_copy_ranges(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids), /*batched=*/true,
-                            stream);
+  return submit_copy_ranges(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids), /*batched=*/true, stream);
 }
 
 cudaError_t submit_copy_ranges(const std::vector<CopyRange>& ranges, bool batched, cudaStream_t stream) {

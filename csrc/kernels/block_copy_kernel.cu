@@ -34,7 +34,7 @@ struct BlockCopyArgs {
   int64_t num_ids;
   int64_t src_num_blocks;
   int64_t dst_num_blocks;
-  int64_t num_planes;       // <= kCapacity
+  int64_t num_planes;        // <= kCapacity
   int64_t chunks_per_block;  // ceil(largest block / kMaxItemBytes)
   PlaneCopy planes[kCapacity];
 };
@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kThreadsPerCta)
     const uint8_t* src = plane.src + src_id * plane.src_stride + offset;
     uint8_t* dst = plane.dst + dst_id * plane.dst_stride + offset;
     const int64_t nbytes = min(kMaxItemBytes, plane.nbytes - offset);
-    const uint64_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
-                          static_cast<uint64_t>(nbytes);
+    const uint64_t bits =
+        reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | static_cast<uint64_t>(nbytes);
     if (bits % 16 == 0) {
       warp_copy<uint4>(src, dst, nbytes, lane);
     } else if (bits % 8 == 0) {
@@ -145,9 +145,9 @@ cudaError_t grid_for_work(int64_t num_items, int requested, int* num_ctas) {
 }
 
 template <int64_t kCapacity>
-cudaError_t launch_planes(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                          const int64_t* dst_ids, int64_t num_ids, int64_t src_num_blocks, int64_t dst_num_blocks,
-                          int num_ctas, cudaStream_t stream) {
+cudaError_t launch_planes(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
+                          int64_t num_ids, int64_t src_num_blocks, int64_t dst_num_blocks, int num_ctas,
+                          cudaStream_t stream) {
   BlockCopyArgs<kCapacity> args{};
   args.src_ids = src_ids;
   args.dst_ids = dst_ids;

@@ -17,8 +17,8 @@ std::vector<CopyRange> block_by_block_ranges(const PlaneCopy* planes, int64_t nu
   for (int64_t i = 0; i < num_ids; ++i) {
     for (int64_t p = 0; p < num_planes; ++p) {
       const PlaneCopy& plane = planes[p];
-      ranges.push_back({plane.src + src_ids[i] * plane.src_stride, plane.dst + dst_ids[i] * plane.dst_stride,
-                        plane.nbytes});
+      ranges.push_back(
+          {plane.src + src_ids[i] * plane.src_stride, plane.dst + dst_ids[i] * plane.dst_stride, plane.nbytes});
     }
   }
   return ranges;

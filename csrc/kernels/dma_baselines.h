@@ -15,8 +15,8 @@ namespace kvcopy {
 
 enum class DmaBaseline : int { kPerBlockMemcpy = 0, kUnmergedBatch = 1 };
 
-cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes,
-                                           const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
-                                           DmaBaseline baseline, cudaStream_t stream);
+cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                           const int64_t* dst_ids, int64_t num_ids, DmaBaseline baseline,
+                                           cudaStream_t stream);
 
 }  // namespace kvcopy

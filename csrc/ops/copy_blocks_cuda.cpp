@@ -3,16 +3,18 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "../kernels/block_copy_cuda.h"
-#include "ops.h"
 #include "aten_planes.h"
+#include "ops.h"
 
 namespace kvcopy {
 namespace {
 
 // The device all CUDA planes are on (the Python layer rejects two GPUs).
 c10::Device cuda_device_of(at::TensorList src, at::TensorList dst) {
-  for (const at::Tensor& t : src) if (t.is_cuda()) return t.device();
-  for (const at::Tensor& t : dst) if (t.is_cuda()) return t.device();
+  for (const at::Tensor& t : src)
+    if (t.is_cuda()) return t.device();
+  for (const at::Tensor& t : dst)
+    if (t.is_cuda()) return t.device();
   TORCH_CHECK(false, "kvcopy: the CUDA copy needs a CUDA tensor on one side");
 }
 
@@ -24,24 +26,21 @@ void check_cuda(cudaError_t err, const char* what) {
 
 }  // namespace
 
-void copy_blocks_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
-                         const at::Tensor& dst_ids, int64_t num_ctas) {
+void copy_blocks_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst, const at::Tensor& dst_ids,
+                         int64_t num_ctas) {
   check_id_tensor(src_ids, "src_ids", src_ids.numel());
   check_id_tensor(dst_ids, "dst_ids", src_ids.numel());
   const c10::Device device = cuda_device_of(src, dst);
-  TORCH_CHECK(src_ids.device() == device && dst_ids.device() == device,
-              "kvcopy: the SM kernel reads ids on ", device, ", got ", src_ids.device(), " and ",
-              dst_ids.device());
+  TORCH_CHECK(src_ids.device() == device && dst_ids.device() == device, "kvcopy: the SM kernel reads ids on ", device,
+              ", got ", src_ids.device(), " and ", dst_ids.device());
   const c10::cuda::CUDAGuard guard(device);
   const std::vector<PlaneCopy> planes = make_plane_table(src, dst);
-  check_cuda(launch_block_copy_kernel(planes.data(), static_cast<int64_t>(planes.size()),
-                                      src_ids.const_data_ptr<int64_t>(),
-                                      dst_ids.const_data_ptr<int64_t>(), src_ids.numel(),
-                                      src.empty() ? 0 : src[0].size(0),
-                                      dst.empty() ? 0 : dst[0].size(0),
-                                      static_cast<int>(num_ctas),
-                                      c10::cuda::getCurrentCUDAStream(device.index()).stream()),
-             "block copy kernel launch");
+  check_cuda(
+      launch_block_copy_kernel(planes.data(), static_cast<int64_t>(planes.size()), src_ids.const_data_ptr<int64_t>(),
+                               dst_ids.const_data_ptr<int64_t>(), src_ids.numel(), src.empty() ? 0 : src[0].size(0),
+                               dst.empty() ? 0 : dst[0].size(0), static_cast<int>(num_ctas),
+                               c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+      "block copy kernel launch");
 }
 
 void copy_blocks_dma_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
@@ -51,9 +50,8 @@ void copy_blocks_dma_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::
   const c10::Device device = cuda_device_of(src, dst);
   const c10::cuda::CUDAGuard guard(device);
   check_cuda(submit_block_copy_dma(planes.data(), static_cast<int64_t>(planes.size()),
-                                   src_ids.const_data_ptr<int64_t>(),
-                                   dst_ids.const_data_ptr<int64_t>(), src_ids.numel(),
-                                   c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+                                   src_ids.const_data_ptr<int64_t>(), dst_ids.const_data_ptr<int64_t>(),
+                                   src_ids.numel(), c10::cuda::getCurrentCUDAStream(device.index()).stream()),
              "copy-engine submission");
 }
 

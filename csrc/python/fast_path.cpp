@@ -47,8 +47,8 @@ std::vector<PlaneCopy> planes_from_tables(Address src_table, Address dst_table, 
     const int64_t* s = src + p * kPlaneTableColumns;
     const int64_t* d = dst + p * kPlaneTableColumns;
     planes[p] = {as_ptr<const uint8_t>(static_cast<Address>(s[kPlaneAddress])),
-                 as_ptr<uint8_t>(static_cast<Address>(d[kPlaneAddress])), s[kPlaneBlockStride],
-                 d[kPlaneBlockStride], s[kPlaneBlockBytes]};
+                 as_ptr<uint8_t>(static_cast<Address>(d[kPlaneAddress])), s[kPlaneBlockStride], d[kPlaneBlockStride],
+                 s[kPlaneBlockBytes]};
   }
   return planes;
 }
@@ -56,8 +56,8 @@ std::vector<PlaneCopy> planes_from_tables(Address src_table, Address dst_table, 
 // Throws IndexError / ValueError (as the Python checks and the ops do) unless the host ids are valid.
 void check_host_ids(Address src_ids, int64_t src_len, Address dst_ids, int64_t dst_len, int64_t src_blocks,
                     int64_t dst_blocks, bool same_cache, const IdNames& names) {
-  const IdProblem problem = check_ids(as_ptr<const int64_t>(src_ids), src_len, as_ptr<const int64_t>(dst_ids),
-                                      dst_len, src_blocks, dst_blocks, same_cache);
+  const IdProblem problem = check_ids(as_ptr<const int64_t>(src_ids), src_len, as_ptr<const int64_t>(dst_ids), dst_len,
+                                      src_blocks, dst_blocks, same_cache);
   if (problem.kind == IdProblem::kNone) return;
   const std::string message = describe(problem, names, src_len, src_blocks, dst_blocks);
   if (is_index_problem(problem)) throw py::index_error(message);
@@ -96,8 +96,7 @@ class HostCopyPlan {
 // registration chunks) turns a copy into. Ids on the host, validated by the caller. Plans only.
 std::vector<std::tuple<Address, Address, int64_t>> py_plan_copy_ranges(Address src_table, Address dst_table,
                                                                        int64_t num_planes, Address src_ids,
-                                                                       Address dst_ids, int64_t num_ids,
-                                                                       bool for_dma) {
+                                                                       Address dst_ids, int64_t num_ids, bool for_dma) {
   const std::vector<PlaneCopy> planes = planes_from_tables(src_table, dst_table, num_planes);
   std::vector<CopyRange> ranges = plan_copy_ranges(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
                                                    as_ptr<const int64_t>(dst_ids), num_ids);
@@ -172,8 +171,8 @@ void py_copy_blocks_dma_baseline(Address src_table, Address dst_table, int64_t n
   const std::vector<PlaneCopy> planes = planes_from_tables(src_table, dst_table, num_planes);
   check_device_is_current(device);
   check_cuda(submit_block_copy_dma_baseline(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                            as_ptr<const int64_t>(dst_ids), num_ids,
-                                            static_cast<DmaBaseline>(baseline), as_ptr<CUstream_st>(stream)),
+                                            as_ptr<const int64_t>(dst_ids), num_ids, static_cast<DmaBaseline>(baseline),
+                                            as_ptr<CUstream_st>(stream)),
              "baseline copy-engine submission");
 }
 
@@ -243,11 +242,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("PLANE_TABLE_COLUMNS") = static_cast<int64_t>(kPlaneTableColumns);
 
   py::class_<HostCopyPlan>(m, "HostCopyPlan", "A host-to-host pair's planes, resolved once.")
-      .def(py::init<Address, Address, int64_t, int64_t, int64_t, bool>(), py::arg("src_table"),
-           py::arg("dst_table"), py::arg("num_planes"), py::arg("src_num_blocks"), py::arg("dst_num_blocks"),
-           py::arg("same_cache"))
-      .def("copy", &HostCopyPlan::copy, "Checks host ids, then copies them.", py::arg("src_ids"),
-           py::arg("src_len"), py::arg("dst_ids"), py::arg("dst_len"), py::arg("num_threads"));
+      .def(py::init<Address, Address, int64_t, int64_t, int64_t, bool>(), py::arg("src_table"), py::arg("dst_table"),
+           py::arg("num_planes"), py::arg("src_num_blocks"), py::arg("dst_num_blocks"), py::arg("same_cache"))
+      .def("copy", &HostCopyPlan::copy, "Checks host ids, then copies them.", py::arg("src_ids"), py::arg("src_len"),
+           py::arg("dst_ids"), py::arg("dst_len"), py::arg("num_threads"));
   m.def(
       "check_block_ids",
       [](Address src_ids, int64_t src_len, Address dst_ids, int64_t dst_len, int64_t src_blocks, int64_t dst_blocks,

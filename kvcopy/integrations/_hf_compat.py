@@ -42,12 +42,25 @@ REQUIRED_INTERNALS: tuple[tuple[str, str], ...] = (
     (f"{_CB}.utils", "stream_context"),
 )
 # The OffloadingManager constructor transformers calls (continuous_api.ContinuousBatchProcessor).
-MANAGER_INIT_PARAMETERS = ("self", "cache", "scheduler", "cpu_offload_space_gib", "safety_threshold",
-                           "compute_stream", "distributed_helper")
+MANAGER_INIT_PARAMETERS = (
+    "self",
+    "cache",
+    "scheduler",
+    "cpu_offload_space_gib",
+    "safety_threshold",
+    "compute_stream",
+    "distributed_helper",
+)
 # Per-request and per-allocator fields read from instances: class annotations, or attributes the class's
 # own code assigns (``self.block_table: ... =``).
-REQUEST_FIELDS = ("request_id", "initial_tokens", "generated_tokens", "position_offset", "is_cpu_offloaded",
-                  "remaining_prefill_tokens")
+REQUEST_FIELDS = (
+    "request_id",
+    "initial_tokens",
+    "generated_tokens",
+    "position_offset",
+    "is_cpu_offloaded",
+    "remaining_prefill_tokens",
+)
 ALLOCATOR_FIELDS = ("_copy_view", "block_table", "bytes_per_block", "index")
 
 
@@ -62,12 +75,15 @@ def import_transformers() -> ModuleType:
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as err:
-        raise ImportError(f"kvcopy.integrations.transformers needs transformers {SUPPORTED_RANGE}: {EXTRA} "
-                          f"({err})") from None
+        raise ImportError(
+            f"kvcopy.integrations.transformers needs transformers {SUPPORTED_RANGE}: {EXTRA} ({err})"
+        ) from None
     version = transformers.__version__
     if not _version_tuple(SUPPORTED_MIN) <= _version_tuple(version) < _version_tuple(SUPPORTED_BELOW):
-        raise RuntimeError(f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}; "
-                           f"{version} is installed ({EXTRA})")
+        raise RuntimeError(
+            f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}; "
+            f"{version} is installed ({EXTRA})"
+        )
     return transformers
 
 
@@ -84,22 +100,33 @@ def check_internals() -> None:
         try:
             _resolve(module_name, path)
         except (ImportError, AttributeError) as err:
-            raise RuntimeError(f"transformers' continuous batching has no {module_name}.{path} ({err}); "
-                               f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}") from None
+            raise RuntimeError(
+                f"transformers' continuous batching has no {module_name}.{path} ({err}); "
+                f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}"
+            ) from None
     manager = _resolve(f"{_CB}.offloading_manager", "OffloadingManager")
     parameters = tuple(inspect.signature(manager.__init__).parameters)  # type: ignore[misc]
     if parameters != MANAGER_INIT_PARAMETERS:
-        raise RuntimeError(f"transformers' OffloadingManager takes {parameters}, expected {MANAGER_INIT_PARAMETERS}; "
-                           f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}")
-    for (module_name, cls_name), fields in (((f"{_CB}.requests", "RequestState"), REQUEST_FIELDS),
-                                             ((f"{_CB}.cache_allocators", "CacheAllocator"), ALLOCATOR_FIELDS)):
+        raise RuntimeError(
+            f"transformers' OffloadingManager takes {parameters}, expected {MANAGER_INIT_PARAMETERS}; "
+            f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}"
+        )
+    for (module_name, cls_name), fields in (
+        ((f"{_CB}.requests", "RequestState"), REQUEST_FIELDS),
+        ((f"{_CB}.cache_allocators", "CacheAllocator"), ALLOCATOR_FIELDS),
+    ):
         cls = _resolve(module_name, cls_name)
         annotations: dict[str, object] = {}
         for klass in reversed(inspect.getmro(cls)):  # type: ignore[arg-type]
             annotations.update(getattr(klass, "__annotations__", {}))
         source = inspect.getsource(cls)  # type: ignore[arg-type]
-        missing = [name for name in fields if name not in annotations and not hasattr(cls, name)
-                   and not re.search(rf"self\.{name}\s*[:=]", source)]
+        missing = [
+            name
+            for name in fields
+            if name not in annotations and not hasattr(cls, name) and not re.search(rf"self\.{name}\s*[:=]", source)
+        ]
         if missing:
-            raise RuntimeError(f"transformers' {cls_name} has no {missing[0]!r}; kvcopy.integrations.transformers "
-                               f"supports transformers {SUPPORTED_RANGE}")
+            raise RuntimeError(
+                f"transformers' {cls_name} has no {missing[0]!r}; kvcopy.integrations.transformers "
+                f"supports transformers {SUPPORTED_RANGE}"
+            )

@@ -80,8 +80,17 @@ class KvcopyOffloadingManager(OffloadingManager):
     pool is the session's (``host_gib``).
     """
 
-    def __init__(self, cache: Any, scheduler: Any, cpu_offload_space_gib: float | None, safety_threshold: float,
-                 compute_stream: Any, distributed_helper: Any, *, session: OffloadSession) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        scheduler: Any,
+        cpu_offload_space_gib: float | None,
+        safety_threshold: float,
+        compute_stream: Any,
+        distributed_helper: Any,
+        *,
+        session: OffloadSession,
+    ) -> None:
         # Not the base __init__: it would pin a CPU pool of its own (which fails without a GPU).
         del cpu_offload_space_gib, safety_threshold, distributed_helper
         self.cache = cache
@@ -94,8 +103,11 @@ class KvcopyOffloadingManager(OffloadingManager):
         allocators = cache.cache_allocators
         caches = {name: PagedKV.from_planes([allocator._copy_view]) for name, allocator in allocators.items()}
         pools = session.pools_for(caches)
-        self._engines = {name: TransferEngine(caches[name], pool, method=session.method, profile=session.profile)
-                         for name, pool in pools.items() if pool is not None}
+        self._engines = {
+            name: TransferEngine(caches[name], pool, method=session.method, profile=session.profile)
+            for name, pool in pools.items()
+            if pool is not None
+        }
         # Allocators view one cache tensor with different block sizes, and a sector one allocator frees may go
         # to another: overlap is judged in units of the largest size dividing every block.
         self._unit = math.gcd(*(allocator.bytes_per_block for allocator in allocators.values()))
@@ -130,8 +142,9 @@ class KvcopyOffloadingManager(OffloadingManager):
 
     def _ordered_fork_copy(self, perform_cache_copy: Any) -> Any:
         def ordered(copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
-            self._wait_for_offloads(lambda: set().union(
-                *(self._units(name, dst) for name, (_, dst) in copy_src_and_dst.items())))
+            self._wait_for_offloads(
+                lambda: set().union(*(self._units(name, dst) for name, (_, dst) in copy_src_and_dst.items()))
+            )
             perform_cache_copy(copy_src_and_dst)
 
         return ordered
@@ -145,7 +158,9 @@ class KvcopyOffloadingManager(OffloadingManager):
             cached -= 1  # in flight in async batching: transformers rolls the last token back
         allocators = self.cache.cache_allocators
         return self._session.decide(
-            state.request_id, prefix_tokens=cached, new_tokens=total - cached,
+            state.request_id,
+            prefix_tokens=cached,
+            new_tokens=total - cached,
             reload_blocks=sum(len(blocks) for blocks in tables.values()),
             reload_nbytes=sum(len(blocks) * allocators[name].bytes_per_block for name, blocks in tables.items()),
         )
@@ -164,8 +179,9 @@ class KvcopyOffloadingManager(OffloadingManager):
             decision = self._decide(state, tables)
             reserved = None
             if decision.action == "reload":
-                reserved = self._session.reserve({name: len(blocks) for name, blocks in tables.items()}) if tables \
-                    else None
+                reserved = (
+                    self._session.reserve({name: len(blocks) for name, blocks in tables.items()}) if tables else None
+                )
                 if reserved is None:
                     decision.action = "recompute"
                     decision.reason = "host pool full" if tables else "nothing cached"
@@ -183,8 +199,9 @@ class KvcopyOffloadingManager(OffloadingManager):
             for name, ids in device_ids.items():
                 if ids:
                     transfer = self._engines[name].offload(ids, host_ids[name])
-                    self._offloads.append(_Offload(transfer, name, frozenset(self._units(name, ids)),
-                                                   frozenset(host_ids[name])))
+                    self._offloads.append(
+                        _Offload(transfer, name, frozenset(self._units(name, ids)), frozenset(host_ids[name]))
+                    )
         return kept
 
     # ------------------------------------------------------------------ reload
@@ -218,9 +235,15 @@ class KvcopyOffloadingManager(OffloadingManager):
                     restored_blocks = state.position_offset // allocator.tokens_per_page
                     if restored_blocks:
                         future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
-        self._wait_for_offloads(lambda: set().union(  # this batch writes into every block of its requests
-            *(self._units(name, allocators[name].block_table.get(f.state.request_id, []))
-              for f in requests_in_batch for name in allocators)))
+        self._wait_for_offloads(
+            lambda: set().union(  # this batch writes into every block of its requests
+                *(
+                    self._units(name, allocators[name].block_table.get(f.state.request_id, []))
+                    for f in requests_in_batch
+                    for name in allocators
+                )
+            )
+        )
         transfers: dict[str, Transfer] = {}
         try:
             with stream_context(self._compute_stream):
@@ -236,8 +259,7 @@ class KvcopyOffloadingManager(OffloadingManager):
         for request_id, counts in restored.items():
             resume = self._resuming.get(request_id)
             if resume is not None:
-                resume.copy_shares = [(transfers[name], n / len(device_ids[name]))
-                                      for name, n in counts.items() if n]
+                resume.copy_shares = [(transfers[name], n / len(device_ids[name])) for name, n in counts.items() if n]
         if restored:
             self._session.count_reloaded(len(restored))
         self._start_batch(requests_in_batch)
@@ -275,8 +297,11 @@ class KvcopyOffloadingManager(OffloadingManager):
         total = sum(f.query_length for f in requests_in_batch) or 1
         self._batch = _Batch(
             started=time.perf_counter(),
-            shares={f.state.request_id: f.query_length / total for f in requests_in_batch
-                    if f.state.request_id in self._resuming},
+            shares={
+                f.state.request_id: f.query_length / total
+                for f in requests_in_batch
+                if f.state.request_id in self._resuming
+            },
             completes={f.state.request_id for f in requests_in_batch if f.has_new_token},
         )
 

@@ -40,8 +40,9 @@ class OffloadSession:
     behaves as ``"offload"``.
     """
 
-    def __init__(self, *, host_bytes: int, policy: Policy, planner: Planner | None, method: str,
-                 profile: Profile | None) -> None:
+    def __init__(
+        self, *, host_bytes: int, policy: Policy, planner: Planner | None, method: str, profile: Profile | None
+    ) -> None:
         self.host_bytes = host_bytes
         self.policy = policy
         self.planner = planner
@@ -78,8 +79,11 @@ class OffloadSession:
             for name, kv in caches.items():
                 num_blocks = self.host_bytes * kv.nbytes_per_block // weights // kv.nbytes_per_block
                 if num_blocks < 1:
-                    warnings.warn(f"offloading: host_gib={self.host_bytes / 2**30:g} holds no {kv.nbytes_per_block}-"
-                                  f"byte block of {name!r}; its requests are recomputed", stacklevel=2)
+                    warnings.warn(
+                        f"offloading: host_gib={self.host_bytes / 2**30:g} holds no {kv.nbytes_per_block}-"
+                        f"byte block of {name!r}; its requests are recomputed",
+                        stacklevel=2,
+                    )
                 self._pools[name] = HostKVPool(kv, num_blocks) if num_blocks >= 1 else None
             self._pool_layout = layout
             return self._pools
@@ -140,8 +144,9 @@ class OffloadSession:
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, request_id: str, *, prefix_tokens: int, new_tokens: int, reload_blocks: int,
-               reload_nbytes: int) -> OffloadDecision:
+    def decide(
+        self, request_id: str, *, prefix_tokens: int, new_tokens: int, reload_blocks: int, reload_nbytes: int
+    ) -> OffloadDecision:
         """Reload (keep the KV on the host) or recompute, by the policy and the Planner; not yet counted."""
         predicted_reload = predicted_recompute = None
         explanation = ""
@@ -157,9 +162,17 @@ class OffloadSession:
         else:  # the engine reloads or recomputes whole requests: no split, so the cheaper of the two
             action = "reload" if predicted_reload <= predicted_recompute else "recompute"  # type: ignore[operator]
             reason = f"planner: {explanation}"
-        return OffloadDecision(request_id=request_id, prefix_tokens=prefix_tokens, new_tokens=new_tokens,
-                               reload_blocks=reload_blocks, reload_nbytes=reload_nbytes, action=action, reason=reason,
-                               predicted_reload_s=predicted_reload, predicted_recompute_s=predicted_recompute)
+        return OffloadDecision(
+            request_id=request_id,
+            prefix_tokens=prefix_tokens,
+            new_tokens=new_tokens,
+            reload_blocks=reload_blocks,
+            reload_nbytes=reload_nbytes,
+            action=action,
+            reason=reason,
+            predicted_reload_s=predicted_reload,
+            predicted_recompute_s=predicted_recompute,
+        )
 
     def record(self, decision: OffloadDecision, offloaded_blocks: int = 0) -> None:
         """Counts a decision as carried out (``offloaded_blocks`` copied to the host for a reload)."""
@@ -183,4 +196,3 @@ class OffloadSession:
             self.retire(wait=True)
             self._close_pools()
             self.closed = True
-

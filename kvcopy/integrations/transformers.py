@@ -76,8 +76,10 @@ def model_spec(model: Any) -> ModelSpec:
 
 def _check_arguments(model: object, host_gib: object, policy: object, profile: object, method: object) -> None:
     if not callable(getattr(model, "generate_batch", None)) or not hasattr(getattr(model, "config", None), "to_dict"):
-        raise TypeError(f"model: expected a transformers model with continuous batching (generate_batch) and a "
-                        f".config, got {type(model).__name__}")
+        raise TypeError(
+            f"model: expected a transformers model with continuous batching (generate_batch) and a "
+            f".config, got {type(model).__name__}"
+        )
     if isinstance(host_gib, bool) or not isinstance(host_gib, (int, float)):
         raise TypeError(f"host_gib: expected a number of GiB, got {type(host_gib).__name__}")
     if not (math.isfinite(host_gib) and host_gib > 0):
@@ -94,15 +96,18 @@ def _planner(model: Any, policy: Policy, profile: Profile | None) -> Planner | N
     """The Planner for this model and profile; None (with a log line) where there is no profile."""
     if profile is None:
         if policy == "auto":
-            logger.warning("kvcopy offloading: no calibrated profile (run `kvcopy calibrate`), so policy 'auto' "
-                           "keeps every preempted request's KV while the host pool has room, as 'offload' does")
+            logger.warning(
+                "kvcopy offloading: no calibrated profile (run `kvcopy calibrate`), so policy 'auto' "
+                "keeps every preempted request's KV while the host pool has room, as 'offload' does"
+            )
         return None
     try:
         spec = model_spec(model)
     except ValueError as err:
         if policy == "auto":
-            raise ValueError(f"model: policy 'auto' needs the model's shape, and its config cannot be read: {err}") \
-                from None
+            raise ValueError(
+                f"model: policy 'auto' needs the model's shape, and its config cannot be read: {err}"
+            ) from None
         logger.warning("kvcopy offloading: no predictions (the model's config cannot be read: %s)", err)
         return None
     return Planner.from_profile(profile, spec)
@@ -138,15 +143,18 @@ def offloading(
     check_internals()
     planner = _planner(model, policy, profile if profile is not None else default_profile())
     if not _ACTIVE.acquire(blocking=False):
-        raise RuntimeError("offloading: a kvcopy offloading context is already open in this process "
-                           "(contexts do not nest and are not shared between threads)")
+        raise RuntimeError(
+            "offloading: a kvcopy offloading context is already open in this process "
+            "(contexts do not nest and are not shared between threads)"
+        )
     try:
         from transformers.generation.continuous_batching import continuous_api
 
         from ._hf_manager import KvcopyOffloadingManager
 
-        session = OffloadSession(host_bytes=int(host_gib * 2**30), policy=policy, planner=planner, method=method,
-                                 profile=profile)
+        session = OffloadSession(
+            host_bytes=int(host_gib * 2**30), policy=policy, planner=planner, method=method, profile=profile
+        )
         # Weak: a finished generate_batch's cache (and its device memory) must not outlive its run.
         managers: weakref.WeakSet[KvcopyOffloadingManager] = weakref.WeakSet()
 

@@ -51,6 +51,7 @@ def _tables(src: PagedKV, dst: PagedKV) -> tuple[int, int, int]:
 
 # ----------------------------------------------------------------------------- torch
 
+
 def _torch_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     copy_blocks_torch(src, src_ids, dst, dst_ids)
 
@@ -70,17 +71,33 @@ def _cpu_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
 
 def _cpu_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     n = src_ids.numel()
-    _ext.extension().copy_blocks_cpu(*_tables(src, dst), src_ids.data_ptr(), n, dst_ids.data_ptr(), n,
-                                     src.num_blocks, dst.num_blocks, src is dst, torch.get_num_threads())
+    _ext.extension().copy_blocks_cpu(
+        *_tables(src, dst),
+        src_ids.data_ptr(),
+        n,
+        dst_ids.data_ptr(),
+        n,
+        src.num_blocks,
+        dst.num_blocks,
+        src is dst,
+        torch.get_num_threads(),
+    )
 
 
-def _cpu_run_traced(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-                    num_ctas: int | None) -> None:
+def _cpu_run_traced(
+    src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None
+) -> None:
     torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, 0)
 
 
-CPU = CopyMethod("cpu", run=_cpu_run, run_traced=_cpu_run_traced, unavailable=_cpu_unavailable,
-                 auto_rank=lambda src, dst: _RANK_FIRST, host_ids_only=True)
+CPU = CopyMethod(
+    "cpu",
+    run=_cpu_run,
+    run_traced=_cpu_run_traced,
+    unavailable=_cpu_unavailable,
+    auto_rank=lambda src, dst: _RANK_FIRST,
+    host_ids_only=True,
+)
 
 # ----------------------------------------------------------------------------- triton
 
@@ -97,8 +114,7 @@ def _triton_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
     return gpu_kernel_problem(src, dst)
 
 
-def _triton_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-                num_ctas: int | None) -> None:
+def _triton_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     from .triton_kernel import copy_blocks_triton  # importing triton takes seconds: only when first used
 
     device = cuda_device(src, dst) if uses_cuda(src, dst) else src.device
@@ -107,9 +123,15 @@ def _triton_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torc
     copy_blocks_triton(src, src_ids, dst, dst_ids, num_programs=programs)
 
 
-TRITON = CopyMethod("triton", run=_triton_run, unavailable=_triton_unavailable,
-                    auto_rank=lambda src, dst: _RANK_TRITON if uses_cuda(src, dst) else None,
-                    stages_ids=True, capturable=True, uses_sms=True)
+TRITON = CopyMethod(
+    "triton",
+    run=_triton_run,
+    unavailable=_triton_unavailable,
+    auto_rank=lambda src, dst: _RANK_TRITON if uses_cuda(src, dst) else None,
+    stages_ids=True,
+    capturable=True,
+    uses_sms=True,
+)
 
 # ----------------------------------------------------------------------------- cuda
 
@@ -127,19 +149,35 @@ def _cuda_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.
     device = cuda_device(src, dst)
     src_ids, dst_ids = ids_on(src_ids, dst_ids, device)
     _ext.extension().copy_blocks_cuda(
-        *_tables(src, dst), src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(), src.num_blocks,
-        dst.num_blocks, cta_budget(src, dst, num_ctas), _raw_stream(device), device.index,
+        *_tables(src, dst),
+        src_ids.data_ptr(),
+        dst_ids.data_ptr(),
+        src_ids.numel(),
+        src.num_blocks,
+        dst.num_blocks,
+        cta_budget(src, dst, num_ctas),
+        _raw_stream(device),
+        device.index,
     )
 
 
-def _cuda_run_traced(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-                     num_ctas: int | None) -> None:
+def _cuda_run_traced(
+    src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None
+) -> None:
     src_ids, dst_ids = ids_on(src_ids, dst_ids, cuda_device(src, dst))
     torch.ops.kvcopy.copy_blocks(src.planes, src_ids, dst.planes, dst_ids, cta_budget(src, dst, num_ctas))
 
 
-CUDA = CopyMethod("cuda", run=_cuda_run, run_traced=_cuda_run_traced, unavailable=_cuda_unavailable,
-                  auto_rank=lambda src, dst: _RANK_SM_KERNEL, stages_ids=True, capturable=True, uses_sms=True)
+CUDA = CopyMethod(
+    "cuda",
+    run=_cuda_run,
+    run_traced=_cuda_run_traced,
+    unavailable=_cuda_unavailable,
+    auto_rank=lambda src, dst: _RANK_SM_KERNEL,
+    stages_ids=True,
+    capturable=True,
+    uses_sms=True,
+)
 
 # ----------------------------------------------------------------------------- copy_engine
 
@@ -153,23 +191,31 @@ def _dma_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
 
 def _dma_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     device = cuda_device(src, dst)
-    _ext.extension().copy_blocks_dma(*_tables(src, dst), src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(),
-                                     _raw_stream(device), device.index)
+    _ext.extension().copy_blocks_dma(
+        *_tables(src, dst), src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(), _raw_stream(device), device.index
+    )
 
 
-def _dma_run_traced(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-                    num_ctas: int | None) -> None:
+def _dma_run_traced(
+    src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None
+) -> None:
     torch.ops.kvcopy.copy_blocks_dma(src.planes, src_ids, dst.planes, dst_ids)
 
 
 def _dma_rank(src: PagedKV, dst: PagedKV) -> int:
-    if min(src.block_nbytes) >= DMA_MIN_BLOCK_BYTES:
+    if min(src.plane_block_nbytes) >= DMA_MIN_BLOCK_BYTES:
         return _RANK_FIRST
     return _RANK_DMA_FALLBACK
 
 
-COPY_ENGINE = CopyMethod("copy_engine", run=_dma_run, run_traced=_dma_run_traced, unavailable=_dma_unavailable,
-                         auto_rank=_dma_rank, host_ids_only=True)
+COPY_ENGINE = CopyMethod(
+    "copy_engine",
+    run=_dma_run,
+    run_traced=_dma_run_traced,
+    unavailable=_dma_unavailable,
+    auto_rank=_dma_rank,
+    host_ids_only=True,
+)
 
 BUILTIN_METHODS = (TORCH, CPU, TRITON, CUDA, COPY_ENGINE)
 for _method in BUILTIN_METHODS:

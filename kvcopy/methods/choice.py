@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..host import KVLike, as_paged
 from ..layout import PagedKV
 from ..profile import Profile, direction_of
 from . import registry
@@ -10,8 +11,10 @@ from .registry import CopyMethod
 __all__ = ["available_methods", "choose_method", "unavailable_reason", "usable"]
 
 
-def available_methods(src: PagedKV, dst: PagedKV) -> list[str]:
-    """The registered methods that can copy from ``src`` to ``dst`` in this process, "torch" first."""
+def available_methods(src: KVLike, dst: KVLike) -> list[str]:
+    """The registered methods that can copy from ``src`` to ``dst`` (PagedKV or HostKVPool) in this process,
+    "torch" first."""
+    src, dst = as_paged(src, "src"), as_paged(dst, "dst")
     return [m.name for m in registry.methods() if m.can_run(src, dst)]
 
 
@@ -51,14 +54,18 @@ def choose_method(
     is being captured into a CUDA graph: "cuda", else "triton" (ValueError if
     neither can run).
     """
-    candidates = [m for m in (registry.get(name) for name in available)
-                  if m is not None and usable(m, host_ids=host_ids, capturing=capturing)]
+    candidates = [
+        m
+        for m in (registry.get(name) for name in available)
+        if m is not None and usable(m, host_ids=host_ids, capturing=capturing)
+    ]
     if profile is not None:
         direction = direction_of(src.device.type, dst.device.type)
         if direction in profile.links:
             nbytes = src.nbytes_per_block * max(num_blocks, 1)
-            measured = profile.fastest_method(direction, nbytes, src.nbytes_per_block / src.num_planes,
-                                              [m.name for m in candidates])
+            measured = profile.fastest_method(
+                direction, nbytes, src.nbytes_per_block / src.num_planes, [m.name for m in candidates]
+            )
             if measured is not None:
                 return measured
     ranked = [(rank, m.name) for m in candidates if (rank := m.auto_rank(src, dst)) is not None]

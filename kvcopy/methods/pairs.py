@@ -10,9 +10,11 @@ from ..layout import PagedKV
 __all__ = ["HOST_POINTER_PROBLEM", "cuda_device", "kernels_reach_host", "pair_problem", "uses_cuda"]
 
 # Why the SM kernels cannot reach pinned host memory on some platforms.
-HOST_POINTER_PROBLEM = ("this GPU cannot read registered host memory through its host address "
-                        "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0); use 'copy_engine', "
-                        "which 'auto' picks here")
+HOST_POINTER_PROBLEM = (
+    "this GPU cannot read registered host memory through its host address "
+    "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0); use 'copy_engine', "
+    "which 'auto' picks here"
+)
 
 
 def uses_cuda(src: PagedKV, dst: PagedKV) -> bool:

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 from ..layout import PagedKV
 
-__all__ = ["HOST_LINK_CTA_BUDGET", "SM_KERNEL_THREADS_PER_CTA", "TRITON_PROGRAMS_PER_CTA", "TRITON_WARPS",
-           "check_num_ctas", "cta_budget"]
+__all__ = [
+    "HOST_LINK_CTA_BUDGET",
+    "SM_KERNEL_THREADS_PER_CTA",
+    "TRITON_PROGRAMS_PER_CTA",
+    "TRITON_WARPS",
+    "check_num_ctas",
+    "cta_budget",
+]
 
 # CTAs the "cuda" SM kernel uses by default when host memory is on one side: a few CTAs saturate PCIe
 # (each has 32 warps of 16-byte loads in flight), and every other SM stays with decode. `num_ctas` overrides it.

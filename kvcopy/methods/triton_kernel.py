@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import PagedKV, PLANE_TABLE_COLUMNS, PLANE_ADDRESS, PLANE_BLOCK_STRIDE, PLANE_BLOCK_BYTES
+from ..layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE, PLANE_TABLE_COLUMNS, PagedKV
 from .sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA, TRITON_WARPS
 
 __all__ = ["copy_blocks_triton"]
@@ -24,7 +24,7 @@ _STEP_ELEMENTS = 1024
 # Triton programs (the same threads), which keeps PCIe busy and leaves the SMs to decode...
 HOST_LINK_PROGRAMS = HOST_LINK_CTA_BUDGET * TRITON_PROGRAMS_PER_CTA
 # ...as long as enough bytes are in flight: a host-link copy reaches 80-90% of the
-# link from 1-2 MB outstanding (shared/REFERENCE.md's half-peak sizes). Each program
+# link from 1-2 MB outstanding (the half-peak sizes of docs/measurements.md). Each program
 # has one plane-block in flight, so small plane-blocks get more programs, up to:
 HOST_LINK_BYTES_IN_FLIGHT = 1 << 20
 HOST_LINK_MAX_PROGRAMS = 128
@@ -82,7 +82,7 @@ def programs_for(src: PagedKV, dst: PagedKV) -> int:
     """Programs for a copy between these caches (see the constants above)."""
     if src.device.type == dst.device.type:
         return DEVICE_PROGRAMS
-    smallest = max(1, min(src.block_nbytes))
+    smallest = max(1, min(src.plane_block_nbytes))
     return max(HOST_LINK_PROGRAMS, min(HOST_LINK_MAX_PROGRAMS, HOST_LINK_BYTES_IN_FLIGHT // smallest))
 
 
@@ -98,9 +98,21 @@ def copy_blocks_triton(
         num_programs = programs_for(src, dst)
     grid = (max(1, min(num_items, num_programs)),)
     _block_copy_kernel[grid](
-        src.plane_table_on(device), dst.plane_table_on(device), src_ids, dst_ids,
-        src_ids.numel(), src.num_planes, src.num_blocks, dst.num_blocks,
-        WORD=_WORD_DTYPES[word_bytes], WORD_BYTES=word_bytes, ALIGN=alignment, STEP=_STEP_ELEMENTS,
-        PLANE_COLUMNS=len(PLANE_TABLE_COLUMNS), ADDRESS=PLANE_ADDRESS, BLOCK_STRIDE=PLANE_BLOCK_STRIDE,
-        BLOCK_BYTES=PLANE_BLOCK_BYTES, num_warps=TRITON_WARPS,
+        src.plane_table_on(device),
+        dst.plane_table_on(device),
+        src_ids,
+        dst_ids,
+        src_ids.numel(),
+        src.num_planes,
+        src.num_blocks,
+        dst.num_blocks,
+        WORD=_WORD_DTYPES[word_bytes],
+        WORD_BYTES=word_bytes,
+        ALIGN=alignment,
+        STEP=_STEP_ELEMENTS,
+        PLANE_COLUMNS=len(PLANE_TABLE_COLUMNS),
+        ADDRESS=PLANE_ADDRESS,
+        BLOCK_STRIDE=PLANE_BLOCK_STRIDE,
+        BLOCK_BYTES=PLANE_BLOCK_BYTES,
+        num_warps=TRITON_WARPS,
     )

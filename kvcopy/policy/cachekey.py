@@ -31,11 +31,11 @@ from .cachekey_fields import (
     DOMAIN,
     FORMAT_VERSION,
     FROM_MODEL,
-    FromModel,
     REPR_HASH_CHARS,
     SEPARATE_FIELDS,
-    SupportsIdentity,
     TOKEN_DTYPE,
+    FromModel,
+    SupportsIdentity,
     TokenIds,
     canonical,
     canonical_json,
@@ -131,9 +131,11 @@ class CacheKey:
         if weights_id is None:
             name = identity.get("name")
             if not (isinstance(name, str) and "@" in name.strip("@")):
-                raise ValueError(f"weights_id: the model is named {name!r}, which does not identify its weights "
-                                 f"(fine-tunes share a name); pass weights_id= a revision, a commit hash or "
-                                 f"kvcopy.policy.cachekey.weights_fingerprint(checkpoint_dir)")
+                raise ValueError(
+                    f"weights_id: the model is named {name!r}, which does not identify its weights "
+                    f"(fine-tunes share a name); pass weights_id= a revision, a commit hash or "
+                    f"kvcopy.policy.cachekey.weights_fingerprint(checkpoint_dir)"
+                )
             weights_id = name
         self._weights_id = check_str(weights_id, "weights_id")
         tp_size = identity.get("tp", 1)
@@ -238,8 +240,9 @@ class CacheKey:
 
     # ------------------------------------------------------------------ blocks
 
-    def block_hashes(self, token_ids: TokenIds, *, parent: str | None = None,
-                     extra_keys: Sequence[str | bytes | None] | None = None) -> list[str]:
+    def block_hashes(
+        self, token_ids: TokenIds, *, parent: str | None = None, extra_keys: Sequence[str | bytes | None] | None = None
+    ) -> list[str]:
         """The chained hash (hex) of each FULL block of ``token_ids``.
 
         ``h_0 = sha256(context || tokens of block 0)``,
@@ -329,8 +332,9 @@ class CacheKey:
         if any(k in identity for k in SEPARATE_FIELDS):
             raise ValueError(f"data['model_identity']: must not hold {SEPARATE_FIELDS} (they are fields of their own)")
         if identity.get("tp", 1) != data["tp_size"]:
-            raise ValueError(f"data['tp_size']: {data['tp_size']!r} but the model identity's tp is "
-                             f"{identity.get('tp', 1)!r}")
+            raise ValueError(
+                f"data['tp_size']: {data['tp_size']!r} but the model identity's tp is {identity.get('tp', 1)!r}"
+            )
         key = cls(
             identity,
             weights_id=data["weights_id"],

@@ -205,8 +205,9 @@ def weights_fingerprint(directory: str | os.PathLike[str]) -> str:
     fingerprints. FileNotFoundError without such a file.
     """
     root = Path(directory)
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES) if (
-        root.is_dir()) else []
+    files = (
+        sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES) if (root.is_dir()) else []
+    )
     if not files:
         raise FileNotFoundError(f"{root}: no checkpoint files ({', '.join(_CHECKPOINT_SUFFIXES)}) to fingerprint")
     digest = hashlib.sha256(b"kvcopy.weights_fingerprint/1")

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import _ext
 from .._progress import progress_bar
-from .fit import LinearFit, fit_alpha_beta
 from ..host import HostKVPool
 from ..layout import PagedKV
-from .machine import machine_identity
 from ..ops import available_methods, copy_blocks
 from ..profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from .fit import LinearFit, fit_alpha_beta
+from .machine import machine_identity
 from .timing import COLD_BYTES, measure
+
+if TYPE_CHECKING:
+    from .model import ModelSpec
 
 __all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 
@@ -57,7 +61,7 @@ PREFILL_COMPUTE_BOUND = 2.0
 class _Sweep:
     """Shapes to time: plane-block sizes x block counts, capped in total bytes."""
 
-    block_nbytes: tuple[int, ...]
+    plane_block_nbytes: tuple[int, ...]
     num_blocks: tuple[int, ...]
     max_total_bytes: int
     repeats: int
@@ -65,8 +69,9 @@ class _Sweep:
 
 
 # Full: 4 KiB (a 16-token fp8 head slice) to 256 KiB plane-blocks, 1 to 1024 blocks, up to 512 MiB per call.
-_FULL_GPU = _Sweep((4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 << 20, 10,
-                   (512, 1024, 2048, 4096, 8192))
+_FULL_GPU = _Sweep(
+    (4096, 16384, 65536, 262144), (1, 4, 16, 64, 256, 1024), 512 << 20, 10, (512, 1024, 2048, 4096, 8192)
+)
 _FULL_CPU = _Sweep((4096, 32768, 262144), (1, 4, 16, 64, 256), 256 << 20, 7, (64, 128, 256, 384))
 # Quick: a few shapes, about ten seconds on a 2-core CPU.
 _QUICK_GPU = _Sweep((4096, 32768, 262144), (1, 16, 256), 256 << 20, 5, (512, 2048))
@@ -81,9 +86,11 @@ def _link_fit(fit: LinearFit) -> LinkFit:
     return LinkFit(alpha_s=fit.alpha, beta_bytes_per_s=fit.beta, r2=fit.r2, max_abs_residual=fit.max_abs_residual)
 
 
-def _pairs(device: torch.device, block_nbytes: int, num_blocks: int) -> dict[str, tuple[PagedKV, PagedKV]]:
+def _pairs(device: torch.device, plane_block_nbytes: int, num_blocks: int) -> dict[str, tuple[PagedKV, PagedKV]]:
     """Source and destination caches per direction for one plane-block size."""
-    planes = [torch.empty(num_blocks, block_nbytes, dtype=torch.uint8, device=device) for _ in range(CALIBRATION_PLANES)]
+    planes = [
+        torch.empty(num_blocks, plane_block_nbytes, dtype=torch.uint8, device=device) for _ in range(CALIBRATION_PLANES)
+    ]
     for plane in planes:
         plane.random_()
     kv = PagedKV.from_planes(planes)
@@ -102,11 +109,15 @@ def _methods_to_time(src: PagedKV, dst: PagedKV, wanted: Sequence[str] | None) -
 
 def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | None, progress: bool) -> dict:
     points: dict[str, dict[str, list[list[float]]]] = {}
-    shapes = [(b, n) for b in sweep.block_nbytes for n in sweep.num_blocks
-              if b * n * CALIBRATION_PLANES <= sweep.max_total_bytes]
+    shapes = [
+        (b, n)
+        for b in sweep.plane_block_nbytes
+        for n in sweep.num_blocks
+        if b * n * CALIBRATION_PLANES <= sweep.max_total_bytes
+    ]
     bar = progress_bar(len(shapes) * (2 if device.type == "cuda" else 1), progress, "calibrating copies", "shape")
     generator = torch.Generator().manual_seed(0)
-    for block_nbytes in sweep.block_nbytes:
+    for block_nbytes in sweep.plane_block_nbytes:
         counts = [n for b, n in shapes if b == block_nbytes]
         if not counts:
             continue
@@ -117,8 +128,10 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
                 nbytes = num_blocks * block_nbytes * CALIBRATION_PLANES
                 num_sets = max(_MIN_ID_SETS, min(_MAX_ID_SETS, COLD_BYTES // nbytes))
                 id_sets = [
-                    (torch.randperm(src.num_blocks, generator=generator)[:num_blocks],
-                     torch.randperm(dst.num_blocks, generator=generator)[:num_blocks])
+                    (
+                        torch.randperm(src.num_blocks, generator=generator)[:num_blocks],
+                        torch.randperm(dst.num_blocks, generator=generator)[:num_blocks],
+                    )
                     for _ in range(num_sets)
                 ]
                 for method in _methods_to_time(src, dst, methods):
@@ -128,8 +141,13 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
                         src_ids, dst_ids = id_sets[next(calls) % num_sets]
                         copy_blocks(src, src_ids, dst, dst_ids, method=m)
 
-                    timing = measure(copy_next, warmup=2, repeats=sweep.repeats, device=device,
-                                     inner=max(1, min(_MIN_ID_SETS, (1 << 20) // max(nbytes, 1))))
+                    timing = measure(
+                        copy_next,
+                        warmup=2,
+                        repeats=sweep.repeats,
+                        device=device,
+                        inner=max(1, min(_MIN_ID_SETS, (1 << 20) // max(nbytes, 1))),
+                    )
                     points.setdefault(direction, {}).setdefault(method, []).append(
                         [nbytes, num_blocks, block_nbytes, timing.median, timing.p20, timing.p80]
                     )
@@ -171,7 +189,7 @@ def _contiguous_peaks(device: torch.device, nbytes: int, repeats: int) -> dict[s
 
 
 def _layer_forward(
-    spec: object, device: torch.device
+    spec: ModelSpec, device: torch.device
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], float], torch.dtype, int]:
     """One decoder layer shaped like ``spec``: q/k/v/o projections, causal SDPA, gated MLP.
 
@@ -194,7 +212,11 @@ def _layer_forward(
     def weight(rows: int, cols: int) -> torch.Tensor:
         return torch.randn(rows, cols, device=device, dtype=dtype) / cols**0.5
 
-    wq, wk, wv = weight(hidden, heads * head_dim), weight(hidden, kv_heads * head_dim), weight(hidden, kv_heads * head_dim)
+    wq, wk, wv = (
+        weight(hidden, heads * head_dim),
+        weight(hidden, kv_heads * head_dim),
+        weight(hidden, kv_heads * head_dim),
+    )
     wo = weight(heads * head_dim, hidden)
     w_gate, w_up, w_down = weight(hidden, inter), weight(hidden, inter), weight(inter, hidden)
 
@@ -203,9 +225,7 @@ def _layer_forward(
         q = (x @ wq).view(n, heads, head_dim).transpose(0, 1)
         k = (x @ wk).view(n, kv_heads, head_dim).transpose(0, 1)
         v = (x @ wv).view(n, kv_heads, head_dim).transpose(0, 1)
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=kv_heads != heads
-        )
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
         x = x + attn.transpose(0, 1).reshape(n, heads * head_dim) @ wo
         return x + (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
@@ -218,7 +238,7 @@ def _layer_forward(
     return forward, executed_flops, dtype, weights * dtype.itemsize
 
 
-def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: bool) -> PrefillProfile:
+def _time_prefill(spec: ModelSpec, device: torch.device, sweep: _Sweep, progress: bool) -> PrefillProfile:
     """Times one layer at each token count and fits the roofline of one forward.
 
     ``t = alpha + flops / flops_per_s`` is fitted over the sweep's token counts
@@ -250,15 +270,17 @@ def _time_prefill(spec: object, device: torch.device, sweep: _Sweep, progress: b
         chosen = bound if len(bound) >= 2 else list(range(len(counts)))[-2:]
         return _prefill_fit([flops[i] for i in chosen], [best[counts[i]] for i in chosen])
 
-    bar = progress_bar(PREFILL_ROUNDS * len(timed), progress,
-                       f"calibrating prefill ({PREFILL_ROUNDS} interleaved rounds)", "forward")
+    bar = progress_bar(
+        PREFILL_ROUNDS * len(timed), progress, f"calibrating prefill ({PREFILL_ROUNDS} interleaved rounds)", "forward"
+    )
     for _ in range(PREFILL_ROUNDS):
         one_round(bar)
     bar.close()
     fit = compute_fit()
     if fit is None or fit.max_abs_residual > PREFILL_REFIT_RESIDUAL:
-        bar = progress_bar(len(timed), progress, "calibrating prefill again (the fit was poor: a busy machine?)",
-                           "forward")
+        bar = progress_bar(
+            len(timed), progress, "calibrating prefill again (the fit was poor: a busy machine?)", "forward"
+        )
         one_round(bar)
         bar.close()
         fit = compute_fit()
@@ -289,15 +311,23 @@ def _prefill_fit(flops: list[float], seconds: list[float]) -> LinearFit | None:
         return None
 
 
-def _time_prefill_round(forward: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, spec: object,
-                        device: torch.device, counts: Sequence[int], sweep: _Sweep, bar: object) -> dict[int, float]:
+def _time_prefill_round(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    spec: ModelSpec,
+    device: torch.device,
+    counts: Sequence[int],
+    sweep: _Sweep,
+    bar: object,
+) -> dict[int, float]:
     """Median seconds of one layer forward at each token count, one after the other."""
     seconds = {}
     for tokens in counts:
         x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)
         # Few repeats per round: the rounds' minimum is what rejects a slow spell.
-        seconds[tokens] = measure(lambda x=x: forward(x), warmup=1, repeats=max(2, sweep.repeats // 3),
-                                  device=device).median
+        seconds[tokens] = measure(
+            lambda x=x: forward(x), warmup=1, repeats=max(2, sweep.repeats // 3), device=device
+        ).median
         bar.update()
     return seconds
 

@@ -29,7 +29,14 @@ import torch
 
 from ._args import non_negative_int, positive_int
 from .kv_dtypes import dtype_itemsize, kv_dtype_name
-from .model_config import DEFAULT_KV_DTYPE, FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, read_config, spec_from_config
+from .model_config import (
+    DEFAULT_KV_DTYPE,
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    read_config,
+    spec_from_config,
+)
 from .model_families import SUPPORTED_FAMILIES
 from .model_presets import PRESETS
 
@@ -41,7 +48,6 @@ _KV_PLANES = 2  # K and V; MLA stores one latent instead
 _FLOPS_PER_MAC = 2  # one multiply plus one add
 
 
-
 # --------------------------------------------------------------------------- arguments
 
 
@@ -49,7 +55,7 @@ def _attended_pairs(cached: int, new: int, window: int | None) -> float:
     """Query-key pairs of ``new`` causal tokens after ``cached`` ones: ``∫_P^{P+n} min(t, W) dt``.
 
     The token at position ``t`` attends to ``min(t, W)`` positions (the continuous form of
-    causal attention behind REFERENCE.md's ``n·P + n²/2``). No window: ``n·P + n²/2``.
+    causal attention behind the ``n·P + n²/2`` of docs/measurements.md). No window: ``n·P + n²/2``.
     """
     end = cached + new
     if window is None or end <= window:
@@ -112,8 +118,16 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
-        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-                      "intermediate_size", "vocab_size", "active_params"):
+        for field in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "active_params",
+        ):
             positive_int(field, getattr(self, field))
         object.__setattr__(self, "kv_dtype", kv_dtype_name(self.kv_dtype, "kv_dtype"))
         object.__setattr__(self, "weight_dtype", kv_dtype_name(self.weight_dtype, "weight_dtype"))
@@ -180,8 +194,10 @@ class ModelSpec:
         if self.expert_params and self.num_experts is None:
             raise ValueError("expert_params: only for a mixture-of-experts spec (num_experts is None)")
         if self.num_experts is not None and self.num_experts_per_tok * self.expert_params > self.active_params:
-            raise ValueError(f"expert_params {self.expert_params} x num_experts_per_tok {self.num_experts_per_tok} "
-                             f"exceeds active_params {self.active_params}")
+            raise ValueError(
+                f"expert_params {self.expert_params} x num_experts_per_tok {self.num_experts_per_tok} "
+                f"exceeds active_params {self.active_params}"
+            )
         if self.num_experts is not None:
             positive_int("num_experts", self.num_experts)
             positive_int("num_experts_per_tok", self.num_experts_per_tok)
@@ -205,7 +221,7 @@ class ModelSpec:
         return _KV_PLANES * heads * self.head_dim * itemsize
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str | None = None) -> int:
-        """KV bytes of one token in all layers, sliding ones included (REFERENCE.md ``B_tok``).
+        """KV bytes of one token in all layers, sliding ones included (docs/measurements.md ``B_tok``).
 
         ``dtype``: None for :attr:`kv_dtype`, else a torch.dtype or a name such as
         ``"bfloat16"``, ``"float8_e4m3fn"``; aliases bf16, fp16, fp32, fp8 (= float8_e4m3fn),
@@ -216,7 +232,7 @@ class ModelSpec:
     def kv_bytes(self, num_tokens: int, dtype: torch.dtype | str | None = None) -> int:
         """KV bytes of a ``num_tokens`` prefix: a sliding layer keeps ``min(num_tokens, window)``.
 
-        (REFERENCE.md ``B_SWA``.) A config whose window is switched off has no sliding layer.
+        (docs/measurements.md ``B_SWA``.) A config whose window is switched off has no sliding layer.
         """
         tokens = non_negative_int("num_tokens", num_tokens)
         sliding = self.num_sliding_layers
@@ -295,8 +311,8 @@ class ModelSpec:
         prefill with; re-expanding cached latents is not counted).
 
         For MHA this is ``2·N·n + 4·n_layer·d_q·(n·P + n²/2)``, ``d_q = H · d_h``: it equals
-        REFERENCE.md's ``F_prefill(T) = 2·N·T + 2·n_layer·d_q·T²`` at ``P = 0`` and satisfies
-        ``F(P, n) = F_prefill(P + n) - F_prefill(P)``. (REFERENCE.md's ``F_extend`` prints half this
+        docs/measurements.md's ``F_prefill(T) = 2·N·T + 2·n_layer·d_q·T²`` at ``P = 0`` and satisfies
+        ``F(P, n) = F_prefill(P + n) - F_prefill(P)``. (The published ``F_extend`` prints half this
         attention term, which would contradict its own ``F_prefill``.)
         """
         new = non_negative_int("num_tokens", num_tokens)
@@ -327,13 +343,20 @@ class ModelSpec:
         kv_heads = self.num_kv_heads
         if self.attention == "mha":
             if kv_heads >= ranks and kv_heads % ranks:
-                raise ValueError(f"tp: {ranks} ranks cannot split {kv_heads} KV heads evenly; expected a divisor of "
-                                 f"num_kv_heads, or more ranks than heads (replicated)")
+                raise ValueError(
+                    f"tp: {ranks} ranks cannot split {kv_heads} KV heads evenly; expected a divisor of "
+                    f"num_kv_heads, or more ranks than heads (replicated)"
+                )
             kv_heads = max(1, kv_heads // ranks)
         return dataclasses.replace(
-            self, name=f"{self.name}@tp{ranks}", tp=ranks, num_attention_heads=self.num_attention_heads // ranks,
-            num_kv_heads=kv_heads, active_params=-(-self.active_params // ranks),
-            expert_params=-(-self.expert_params // ranks), vocab_size=-(-self.vocab_size // ranks),
+            self,
+            name=f"{self.name}@tp{ranks}",
+            tp=ranks,
+            num_attention_heads=self.num_attention_heads // ranks,
+            num_kv_heads=kv_heads,
+            active_params=-(-self.active_params // ranks),
+            expert_params=-(-self.expert_params // ranks),
+            vocab_size=-(-self.vocab_size // ranks),
         )
 
     # ------------------------------------------------------------------ identity
@@ -373,8 +396,9 @@ class ModelSpec:
         dtype, name): kvcopy/policy/model_config.py's module documentation.
         """
         config, origin, directory = read_config(path_or_dict)
-        return spec_from_config(cls, config, origin, name=name, fallback_name=directory, kv_dtype=kv_dtype,
-                                 source=origin, assume=assume)
+        return spec_from_config(
+            cls, config, origin, name=name, fallback_name=directory, kv_dtype=kv_dtype, source=origin, assume=assume
+        )
 
     @classmethod
     def preset(cls, name: str, *, kv_dtype: torch.dtype | str | None = None) -> ModelSpec:
@@ -383,12 +407,11 @@ class ModelSpec:
             raise ValueError(f"preset: unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
         repo, config = PRESETS[name]
         source = f"https://huggingface.co/{repo}/blob/main/config.json"
-        return spec_from_config(cls, config, f"preset {name!r}", name=name, fallback_name=None, kv_dtype=kv_dtype,
-                                 source=source)
+        return spec_from_config(
+            cls, config, f"preset {name!r}", name=name, fallback_name=None, kv_dtype=kv_dtype, source=source
+        )
 
     @staticmethod
     def preset_names() -> tuple[str, ...]:
         """The names :meth:`preset` knows."""
         return tuple(sorted(PRESETS))
-
-

@@ -38,8 +38,15 @@ import torch
 from .kv_dtypes import kv_dtype_name
 from .model_families import FAMILIES, MOE_STRUCTURE_KEYS, MOE_STYLES, ROPE_EXTRA_KEYS, SUPPORTED_FAMILIES, Family
 
-__all__ = ["CONFIG_FILE", "DEFAULT_KV_DTYPE", "FULL_ATTENTION", "LAYER_TYPES", "SLIDING_ATTENTION", "read_config",
-           "spec_from_config"]
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_KV_DTYPE",
+    "FULL_ATTENTION",
+    "LAYER_TYPES",
+    "SLIDING_ATTENTION",
+    "read_config",
+    "spec_from_config",
+]
 
 SpecT = TypeVar("SpecT")
 CONFIG_FILE = "config.json"
@@ -187,12 +194,15 @@ def _family_of(model_type: object, assume: str | None, origin: str) -> Family:
         return FAMILIES[model_type]  # type: ignore[index]
     if assume is not None:
         if assume not in FAMILIES:
-            raise ValueError(f"assume: expected one of the supported families {', '.join(SUPPORTED_FAMILIES)}, "
-                             f"got {assume!r}")
+            raise ValueError(
+                f"assume: expected one of the supported families {', '.join(SUPPORTED_FAMILIES)}, got {assume!r}"
+            )
         return FAMILIES[assume]
-    raise ValueError(f"config {origin}: model_type {model_type!r} is not supported (its KV cache and FLOPs would be "
-                     f"guessed); supported: {', '.join(SUPPORTED_FAMILIES)}. To read it with one family's rules "
-                     f"anyway, pass assume='llama' (or another of them)")
+    raise ValueError(
+        f"config {origin}: model_type {model_type!r} is not supported (its KV cache and FLOPs would be "
+        f"guessed); supported: {', '.join(SUPPORTED_FAMILIES)}. To read it with one family's rules "
+        f"anyway, pass assume='llama' (or another of them)"
+    )
 
 
 def _config_dtype(cfg: _Config) -> str:
@@ -248,8 +258,15 @@ def _mla_attention(cfg: _Config, hidden: int, heads: int) -> dict[str, Any]:
     kv_b = kv_rank * heads * (nope + v_dim)  # latent -> per-head k_nope and v
     out = heads * v_dim * hidden
     return {
-        "kind": "mla", "heads": heads, "kv_heads": 1, "head_dim": kv_rank + rope, "params": q + kv_a + kv_b + out,
-        "kv_lora_rank": kv_rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": v_dim,
+        "kind": "mla",
+        "heads": heads,
+        "kv_heads": 1,
+        "head_dim": kv_rank + rope,
+        "params": q + kv_a + kv_b + out,
+        "kv_lora_rank": kv_rank,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v_dim,
     }
 
 
@@ -286,8 +303,10 @@ def _layer_pattern(cfg: _Config, num_layers: int, family: Family) -> tuple[tuple
 
 # --------------------------------------------------------------------------- MLP and experts
 
-def _mlp(cfg: _Config, hidden: int, intermediate: int, num_layers: int,
-         family: Family) -> tuple[list[int], int | None, int | None, int]:
+
+def _mlp(
+    cfg: _Config, hidden: int, intermediate: int, num_layers: int, family: Family
+) -> tuple[list[int], int | None, int | None, int]:
     """(active MLP parameters of each layer, num_experts, num_experts_per_tok, parameters of one routed
     expert summed over the MoE layers)."""
     matrices = family.mlp_matrices

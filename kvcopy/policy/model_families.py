@@ -36,18 +36,46 @@ class Family:
 
 _GATED = Family()
 _PLAIN = Family(mlp_matrices=2)
-_FALCON = Family(mlp_matrices=2, intermediate_key="ffn_hidden_size", intermediate_default=4, kv_heads="falcon",
-                  aliases={"n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
-                           "n_head_kv": "num_kv_heads"})
+_FALCON = Family(
+    mlp_matrices=2,
+    intermediate_key="ffn_hidden_size",
+    intermediate_default=4,
+    kv_heads="falcon",
+    aliases={"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_head_kv": "num_kv_heads"},
+)
 # Every family kvcopy reads; any other model_type is an error unless the caller says how to read it (assume=).
 FAMILIES: dict[str, Family] = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3",
-                     "deepseek_v2", "deepseek_v3"), _GATED),
+    **dict.fromkeys(
+        (
+            "llama",
+            "mistral",
+            "mixtral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "gemma",
+            "phi3",
+            "deepseek_v2",
+            "deepseek_v3",
+        ),
+        _GATED,
+    ),
     "gemma2": Family(slides="even"),  # layer i slides when i is even (HF: (i + 1) % 2 != 0)
     # Keys that Gemma3TextConfig fills with a default and the hub's configs omit (4B and up).
-    **dict.fromkeys(("gemma3", "gemma3_text"), Family(defaults={
-        "vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-        "sliding_window": 4096, "sliding_window_pattern": 6})),
+    **dict.fromkeys(
+        ("gemma3", "gemma3_text"),
+        Family(
+            defaults={
+                "vocab_size": 262208,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "sliding_window": 4096,
+                "sliding_window_pattern": 6,
+            }
+        ),
+    ),
     "opt": Family(mlp_matrices=2, intermediate_key="ffn_dim"),
     **dict.fromkeys(("gpt_neox", "phi", "starcoder2"), _PLAIN),
     **dict.fromkeys(("falcon", "RefinedWeb", "RefinedWebModel"), _FALCON),
@@ -58,19 +86,39 @@ SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted(FAMILIES))
 
 MOE_STYLES: dict[str, tuple[str, frozenset[str]]] = {
     # style: (the key that names the expert count, the MoE keys the style reads)
-    "deepseek": ("n_routed_experts", frozenset({
-        "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace", "moe_layer_freq",
-    })),
+    "deepseek": (
+        "n_routed_experts",
+        frozenset(
+            {
+                "n_routed_experts",
+                "n_shared_experts",
+                "moe_intermediate_size",
+                "first_k_dense_replace",
+                "moe_layer_freq",
+            }
+        ),
+    ),
     "mixtral": ("num_local_experts", frozenset({"num_local_experts"})),
-    "qwen_moe": ("num_experts", frozenset({
-        "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step",
-        "mlp_only_layers",
-    })),
+    "qwen_moe": (
+        "num_experts",
+        frozenset(
+            {
+                "num_experts",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+            }
+        ),
+    ),
 }
 # Keys that change which layers are MoE or how big their experts are: one a style does not read
 # would be silently miscounted, so it is an error (Llama 4's interleaved layers, for one).
 MOE_STRUCTURE_KEYS = frozenset().union(*(keys for _, keys in MOE_STYLES.values())) | {
-    "interleave_moe_layer_step", "intermediate_size_mlp", "moe_layers", "num_shared_experts",
+    "interleave_moe_layer_step",
+    "intermediate_size_mlp",
+    "moe_layers",
+    "num_shared_experts",
 }
 
 # Keys besides rope_theta / rope_scaling that change what RoPE does to the cached keys: the base of the local

@@ -30,9 +30,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from .timing import seconds_text
+
+if TYPE_CHECKING:
+    from ..profile import Profile
+    from .model import ModelSpec
 
 __all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "ACTIONS"]
 
@@ -89,7 +93,7 @@ class Planner:
 
     def __init__(
         self,
-        spec: Any,
+        spec: ModelSpec,
         *,
         load_alpha_s: float,
         load_bytes_per_s: float,
@@ -107,8 +111,12 @@ class Planner:
             raise ValueError("prefill_tokens_per_s / prefill_flops_per_s: expected exactly one of them")
         if weight_bytes_per_s is not None and prefill_flops_per_s is None:
             raise ValueError("weight_bytes_per_s: only with prefill_flops_per_s (the roofline model)")
-        for name, value in (("load_bytes_per_s", load_bytes_per_s), ("prefill_tokens_per_s", prefill_tokens_per_s),
-                            ("prefill_flops_per_s", prefill_flops_per_s), ("weight_bytes_per_s", weight_bytes_per_s)):
+        for name, value in (
+            ("load_bytes_per_s", load_bytes_per_s),
+            ("prefill_tokens_per_s", prefill_tokens_per_s),
+            ("prefill_flops_per_s", prefill_flops_per_s),
+            ("weight_bytes_per_s", weight_bytes_per_s),
+        ):
             _positive_rate(name, value)
         for name, value in (("load_alpha_s", load_alpha_s), ("prefill_alpha_s", prefill_alpha_s)):
             if not value >= 0:
@@ -125,7 +133,8 @@ class Planner:
         self.load_alpha_s = float(load_alpha_s)
         self.load_bytes_per_s = float(load_bytes_per_s)
         self.load_options = ((self.load_alpha_s, self.load_bytes_per_s),) + tuple(
-            (float(a), float(b)) for a, b in load_options)
+            (float(a), float(b)) for a, b in load_options
+        )
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.prefill_flops_per_s = prefill_flops_per_s
         self.prefill_alpha_s = float(prefill_alpha_s)
@@ -138,8 +147,8 @@ class Planner:
     @classmethod
     def from_profile(
         cls,
-        profile: Any,
-        spec: Any,
+        profile: Profile,
+        spec: ModelSpec,
         *,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         decode_share: float = 0.0,
@@ -261,17 +270,21 @@ class Planner:
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
         if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-            raise ValueError(f"new_tokens: a resumed request computes at least the token it continues from; "
-                             f"expected an int >= 1, got {new_tokens!r}")
-        if load_nbytes is not None and (isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int)
-                                        or load_nbytes < 0):
+            raise ValueError(
+                f"new_tokens: a resumed request computes at least the token it continues from; "
+                f"expected an int >= 1, got {new_tokens!r}"
+            )
+        if load_nbytes is not None and (
+            isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int) or load_nbytes < 0
+        ):
             raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
         prefix = prefix_tokens
         extend = self.t_prefill(new_tokens, prefix)
         t_recompute = self.t_prefill(prefix + new_tokens)
         if prefix == 0:
-            return Decision("recompute", 0, new_tokens, extend, t_recompute, None, 0, self._note("no cached prefix: "
-                            "compute"), None)
+            return Decision(
+                "recompute", 0, new_tokens, extend, t_recompute, None, 0, self._note("no cached prefix: compute"), None
+            )
         load = self.t_load(prefix) if load_nbytes is None else self.t_load_nbytes(load_nbytes)
         t_reload = load + extend
         t_layerwise = max(load, extend) + load / self.spec.num_layers if self.layerwise else None
@@ -285,16 +298,28 @@ class Planner:
             options["split"] = t_split
         action = min(options, key=options.__getitem__)
         explanation = self._explain(action, prefix, options, split)
-        return Decision(action, prefix, new_tokens, t_reload, t_recompute, t_split, split[0] if split else 0,
-                        explanation, t_layerwise)
+        return Decision(
+            action,
+            prefix,
+            new_tokens,
+            t_reload,
+            t_recompute,
+            t_split,
+            split[0] if split else 0,
+            explanation,
+            t_layerwise,
+        )
 
     def _note(self, text: str) -> str:
         return f"{text} ({self.note})" if self.note else text
 
-    def _explain(self, action: Action, prefix: int, options: dict[Action, float],
-                 split: tuple[int, float] | None) -> str:
-        what = {"split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while the rest "
-                         f"loads)", "layerwise": "layer-wise reload"}.get(action, action)
+    def _explain(
+        self, action: Action, prefix: int, options: dict[Action, float], split: tuple[int, float] | None
+    ) -> str:
+        what = {
+            "split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while the rest loads)",
+            "layerwise": "layer-wise reload",
+        }.get(action, action)
         others = ", ".join(f"{name} {seconds_text(t)}" for name, t in options.items() if name != action)
         return self._note(f"{what}: {seconds_text(options[action])} vs {others} for {prefix} cached tokens")
 

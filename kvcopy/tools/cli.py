@@ -7,10 +7,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-
 from . import cli_commands
-from .cli_commands import DEFAULT_PLAN_MODEL
 from .cli_args import CliError, Parser, fraction, int_list, non_negative_int, positive_int
+from .cli_commands import DEFAULT_PLAN_MODEL
 
 __all__ = ["main"]
 
@@ -25,56 +24,79 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     calibrate = commands.add_parser(
-        "calibrate", help="measure copy costs and prefill throughput; save a profile",
+        "calibrate",
+        help="measure copy costs and prefill throughput; save a profile",
         description="Measures this machine: the fixed cost and bandwidth of each copy method in each direction "
-                    "(host to device and back on a GPU, host to host on a CPU), the contiguous-copy peak, and "
-                    "prefill throughput on one layer of a model's shape. Saves the profile that method='auto' and "
-                    "the planner use. A poor fit (R^2 < 0.8, or a point 150% off its line: a busy machine) is "
-                    "measured again; if it stays poor it is reported and does not replace a good profile unless "
-                    f"--force. Model presets: {presets}.")
+        "(host to device and back on a GPU, host to host on a CPU), the contiguous-copy peak, and "
+        "prefill throughput on one layer of a model's shape. Saves the profile that method='auto' and "
+        "the planner use. A poor fit (R^2 < 0.8, or a point 150% off its line: a busy machine) is "
+        "measured again; if it stays poor it is reported and does not replace a good profile unless "
+        f"--force. Model presets: {presets}.",
+    )
     calibrate.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
     calibrate.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about 10 s on a CPU)")
     calibrate.add_argument("--out", help="profile path (default: ~/.cache/kvcopy/profile.json)")
     calibrate.add_argument("--plot", help="also draw time against bytes with the fitted lines to this PNG")
-    calibrate.add_argument("--model", default=DEFAULT_PLAN_MODEL, help="preset name or config.json for the "
-                                                                       "prefill shape and threshold")
+    calibrate.add_argument(
+        "--model", default=DEFAULT_PLAN_MODEL, help="preset name or config.json for the prefill shape and threshold"
+    )
     calibrate.add_argument("--methods", help="comma-separated methods to time (default: all that can run)")
     calibrate.add_argument("--no-progress", action="store_true", help="no progress bar")
-    calibrate.add_argument("--force", action="store_true",
-                           help="save even a poorly fitted profile over a good one (default: keep the good one)")
+    calibrate.add_argument(
+        "--force",
+        action="store_true",
+        help="save even a poorly fitted profile over a good one (default: keep the good one)",
+    )
     calibrate.set_defaults(run=cli_commands.calibrate)
 
     plan = commands.add_parser(
-        "plan", help="reload, recompute or split for a model and prefix, from a profile",
+        "plan",
+        help="reload, recompute or split for a model and prefix, from a profile",
         description="Decides, for a model and a cached prefix, between reloading it, reloading layer by layer, "
-                    "splitting (compute the front while the back loads) and recomputing it, from a calibrated "
-                    f"profile; prints each option's time and the small-prefix threshold. Model presets: {presets}.")
+        "splitting (compute the front while the back loads) and recomputing it, from a calibrated "
+        f"profile; prints each option's time and the small-prefix threshold. Model presets: {presets}.",
+    )
     plan.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
     plan.add_argument("--profile", help="profile path (default: ~/.cache/kvcopy/profile.json)")
     plan.add_argument("--prefix", type=non_negative_int, default=1024, help="cached prefix tokens (default 1024)")
-    plan.add_argument("--new", type=positive_int, default=1,
-                      help="new tokens after the prefix, at least 1: the token a resumed request continues from "
-                           "(default 1)")
-    plan.add_argument("--tp", type=positive_int, default=1,
-                      help="tensor-parallel ranks: plan for one rank (default 1)")
-    plan.add_argument("--no-layerwise", dest="layerwise", action="store_false",
-                      help="the engine cannot reload layer by layer: leave that option out")
+    plan.add_argument(
+        "--new",
+        type=positive_int,
+        default=1,
+        help="new tokens after the prefix, at least 1: the token a resumed request continues from (default 1)",
+    )
+    plan.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks: plan for one rank (default 1)")
+    plan.add_argument(
+        "--no-layerwise",
+        dest="layerwise",
+        action="store_false",
+        help="the engine cannot reload layer by layer: leave that option out",
+    )
     plan.add_argument("--decode-share", type=fraction, default=0.0, help="fraction of the link decode needs")
     plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
     plan.set_defaults(run=cli_commands.plan)
 
     bench = commands.add_parser(
-        "bench", help="time every method beside the copies you would write yourself, as ratios to a contiguous copy",
+        "bench",
+        help="time every method beside the copies you would write yourself, as ratios to a contiguous copy",
         description="Times every kvcopy method that can run here beside the copies a user would otherwise write "
-                    "(a per-layer index loop, a per-block copy loop, on a GPU per-block and unmerged batched DMA) "
-                    "and one contiguous copy of the same bytes, for named workloads and sweeps of block counts "
-                    "and plane-block sizes; every row is checked against plain indexing before it is timed.")
+        "(a per-layer index loop, a per-block copy loop, on a GPU per-block and unmerged batched DMA) "
+        "and one contiguous copy of the same bytes, for named workloads and sweeps of block counts "
+        "and plane-block sizes; every row is checked against plain indexing before it is timed.",
+    )
     bench.add_argument("--device", help="cuda, cuda:N or cpu (default: the GPU if any, else the CPU)")
     bench.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
-    bench.add_argument("--workload", action="append", help="a named workload (repeatable; default: all of "
-                                                           "kvcopy.tools.bench.WORKLOADS)")
-    bench.add_argument("--ids", choices=("random", "sequential"), default="random",
-                       help="random block ids, or one run of adjacent ids on each side")
+    bench.add_argument(
+        "--workload",
+        action="append",
+        help="a named workload (repeatable; default: all of kvcopy.tools.bench.WORKLOADS)",
+    )
+    bench.add_argument(
+        "--ids",
+        choices=("random", "sequential"),
+        default="random",
+        help="random block ids, or one run of adjacent ids on each side",
+    )
     bench.add_argument("--blocks", type=int, help="blocks per call for the workloads (default 256)")
     bench.add_argument("--counts", type=int_list, help="block counts of the count sweep, e.g. 1,16,256")
     bench.add_argument("--block-tokens", type=int_list, help="tokens per block of the size sweep, e.g. 1,16,64")
@@ -88,9 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="print the points it would time, and exit")
     bench.set_defaults(run=cli_commands.bench)
 
-    info = commands.add_parser("info", help="what was built (CPU/CUDA kernels, archs, Triton) and the device",
-                               description="Prints what this install of kvcopy built and can use: the extension, "
-                                           "CPU and CUDA kernels and their archs, Triton, torch, and the device.")
+    info = commands.add_parser(
+        "info",
+        help="what was built (CPU/CUDA kernels, archs, Triton) and the device",
+        description="Prints what this install of kvcopy built and can use: the extension, "
+        "CPU and CUDA kernels and their archs, Triton, torch, and the device.",
+    )
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=cli_commands.info)
     return parser

@@ -6,9 +6,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-__all__ = ["CliError", "Parser", "check_folder", "check_plot", "device_arg", "fraction", "int_list", "load_model",
-           "load_profile", "non_negative_int", "positive_int"]
+__all__ = [
+    "CliError",
+    "Parser",
+    "check_folder",
+    "check_plot",
+    "device_arg",
+    "fraction",
+    "int_list",
+    "load_model",
+    "load_profile",
+    "non_negative_int",
+    "positive_int",
+]
 
 
 class CliError(Exception):

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from .._ext import build_info
-
 from .cli_args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
 
 __all__ = ["DEFAULT_PLAN_MODEL", "bench", "calibrate", "info", "plan"]
@@ -18,8 +17,8 @@ DEFAULT_PLAN_MODEL = "llama-3.1-8b"
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from ..policy import calibrator
     from ..methods import METHODS
+    from ..policy import calibrator
     from ..policy.planner import Planner
     from ..profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
 
@@ -32,10 +31,12 @@ def calibrate(args: argparse.Namespace) -> int:
     unknown = [m for m in methods or [] if m not in METHODS]
     if unknown:
         raise CliError(f"--methods: unknown method {unknown[0]!r}; known: {', '.join(METHODS)}")
+
     def measure() -> Profile:
         try:
-            return calibrator.calibrate(device, methods=methods, quick=args.quick, progress=not args.no_progress,
-                                        model=spec)
+            return calibrator.calibrate(
+                device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec
+            )
         except ValueError as err:
             raise CliError(str(err)) from None
 
@@ -48,7 +49,10 @@ def calibrate(args: argparse.Namespace) -> int:
             profile, problems = again, fit_problems(again)
     hw = profile.hardware
     print(f"kvcopy calibrate on {hw['device_name']} (torch {hw['torch']}, {hw['torch_threads']} threads), {hw['date']}")
-    header = f"{'direction':<9} {'method':<12} {'alpha us':>9} {'beta GB/s':>10} {'% of peak':>9} {'R^2':>7} {'max resid':>9}"
+    header = (
+        f"{'direction':<9} {'method':<12} {'alpha us':>9} {'beta GB/s':>10} {'% of peak':>9} {'R^2':>7} "
+        f"{'max resid':>9}"
+    )
     print(header)
     print("-" * len(header))
     for direction in sorted(profile.links):
@@ -56,23 +60,35 @@ def calibrate(args: argparse.Namespace) -> int:
         for method, mp in sorted(profile.links[direction].items()):
             fit = mp.fit
             share = f"{fit.beta_bytes_per_s / peak:9.0%}" if peak else f"{'':>9}"
-            print(f"{direction:<9} {method:<12} {fit.alpha_s * 1e6:9.1f} {fit.beta_bytes_per_s / 1e9:10.2f} {share} "
-                  f"{fit.r2:7.3f} {fit.max_abs_residual:9.0%}")
+            print(
+                f"{direction:<9} {method:<12} {fit.alpha_s * 1e6:9.1f} {fit.beta_bytes_per_s / 1e9:10.2f} {share} "
+                f"{fit.r2:7.3f} {fit.max_abs_residual:9.0%}"
+            )
         if peak:
             print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
     prefill = profile.prefill
-    floor = (f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
-             if prefill.weight_bytes_per_s else "no weight-read floor measurable")
-    print(f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s compute (R^2 "
-          f"{prefill.r2:.3f}), {floor}, {prefill.alpha_s * 1e3:.2f} ms fit intercept per forward")
+    floor = (
+        f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
+        if prefill.weight_bytes_per_s
+        else "no weight-read floor measurable"
+    )
+    print(
+        f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s compute (R^2 "
+        f"{prefill.r2:.3f}), {floor}, {prefill.alpha_s * 1e3:.2f} ms fit intercept per forward"
+    )
     threshold = Planner.from_profile(profile, spec).threshold_tokens()
-    reason = ("recompute wins at the longest prefix" if threshold is None
-              else f"keep a cached prefix from {threshold} tokens on")
+    reason = (
+        "recompute wins at the longest prefix"
+        if threshold is None
+        else f"keep a cached prefix from {threshold} tokens on"
+    )
     print(f"small-prefix threshold for {spec.name}: {reason}")
     out = Path(args.out) if args.out else DEFAULT_PROFILE_PATH
     if problems:
-        print(f"warning: the fit stayed poor ({'; '.join(problems)}). The likely cause is another process using "
-              f"the CPU or memory bandwidth while it measured; calibrate again on an idle machine.")
+        print(
+            f"warning: the fit stayed poor ({'; '.join(problems)}). The likely cause is another process using "
+            f"the CPU or memory bandwidth while it measured; calibrate again on an idle machine."
+        )
         if out.exists() and not args.force and not is_poor(out):
             print(f"kept the good profile at {out} (pass --force to replace it with this one)")
             return 1
@@ -104,19 +120,21 @@ def plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     check_plot(args.plot)
     try:
-        planner = Planner.from_profile(profile, spec, decode_share=args.decode_share, layerwise=args.layerwise,
-                                       tp=args.tp)
+        planner = Planner.from_profile(
+            profile, spec, decode_share=args.decode_share, layerwise=args.layerwise, tp=args.tp
+        )
     except ValueError as err:
         raise CliError(f"--tp: {err}" if str(err).startswith("tp:") else str(err)) from None
     decision = planner.decide(args.prefix, args.new)
     threshold = planner.threshold_tokens(args.new)
-    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} cached tokens, "
-          f"{args.new} new")
+    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} cached tokens, {args.new} new")
     print(f"decision: {decision.action} ({decision.explanation})")
-    options = [("reload", decision.t_reload, "load the prefix, then compute the new tokens"),
-               ("layer-wise reload", decision.t_layerwise, "each layer's blocks load while earlier layers compute"),
-               ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest loads"),
-               ("recompute", decision.t_recompute, "prefill the prefix and the new tokens")]
+    options = [
+        ("reload", decision.t_reload, "load the prefix, then compute the new tokens"),
+        ("layer-wise reload", decision.t_layerwise, "each layer's blocks load while earlier layers compute"),
+        ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest loads"),
+        ("recompute", decision.t_recompute, "prefill the prefix and the new tokens"),
+    ]
     for name, seconds, what in options:
         if seconds is not None:
             mark = "*" if name.startswith(decision.action.replace("layerwise", "layer-wise")) else " "
@@ -126,21 +144,27 @@ def plan(args: argparse.Namespace) -> int:
     if args.plot:
         from .plots import plot_plan
 
-        plot_plan(planner, args.plot, max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
-                  new_tokens=args.new)
+        plot_plan(planner, args.plot, max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024), new_tokens=args.new)
         print(f"plot saved to {args.plot}")
     return 0
 
 
-_BENCH_FLAGS = {"device": "--device", "workloads": "--workload", "ids": "--ids", "blocks": "--blocks",
-                "counts": "--counts", "block_tokens": "--block-tokens", "sweep_blocks": "--sweep-blocks",
-                "repeats": "--repeats"}
+_BENCH_FLAGS = {
+    "device": "--device",
+    "workloads": "--workload",
+    "ids": "--ids",
+    "blocks": "--blocks",
+    "counts": "--counts",
+    "block_tokens": "--block-tokens",
+    "sweep_blocks": "--sweep-blocks",
+    "repeats": "--repeats",
+}
 
 
 def bench(args: argparse.Namespace) -> int:
     from .._progress import progress_bar
-    from .bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
     from ..policy.machine import machine_identity
+    from .bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
 
     overrides: dict[str, object] = {"ids": args.ids}
     for name in ("blocks", "counts", "block_tokens", "sweep_blocks", "repeats"):
@@ -156,8 +180,10 @@ def bench(args: argparse.Namespace) -> int:
         field, _, rest = str(err).partition(":")
         raise CliError(f"{_BENCH_FLAGS.get(field, field)}:{rest}") from None
     if args.list:
-        print(f"kvcopy bench on {config.device}: {config.ids} ids, {config.repeats} repeats after "
-              f"{config.warmup} warm-up calls")
+        print(
+            f"kvcopy bench on {config.device}: {config.ids} ids, {config.repeats} repeats after "
+            f"{config.warmup} warm-up calls"
+        )
         for suite, workload, blocks in point_specs(config):
             print(f"  {suite:<12} {workload:<20} {blocks:>6} blocks per call")
         return 0
@@ -189,8 +215,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.plot:
         from .plots import plot_bench
 
-        plot_bench(with_ratios(rows), args.plot,
-                   title=f"kvcopy bench: {identity['device_name']} ({identity['date']})")
+        plot_bench(with_ratios(rows), args.plot, title=f"kvcopy bench: {identity['device_name']} ({identity['date']})")
         print(f"plot saved to {args.plot}")
     return 0
 

@@ -39,9 +39,14 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     for ax, direction in zip(axes[0], directions):
         for method, mp in sorted(profile.links[direction].items()):
             pts = np.array(mp.points)
-            line = ax.errorbar(pts[:, 0], pts[:, 3], yerr=[pts[:, 3] - pts[:, 4], pts[:, 5] - pts[:, 3]], fmt="o",
-                               ms=3, label=f"{method}: alpha {mp.fit.alpha_s * 1e6:.1f} us, "
-                                           f"beta {mp.fit.beta_bytes_per_s / 1e9:.1f} GB/s")
+            line = ax.errorbar(
+                pts[:, 0],
+                pts[:, 3],
+                yerr=[pts[:, 3] - pts[:, 4], pts[:, 5] - pts[:, 3]],
+                fmt="o",
+                ms=3,
+                label=f"{method}: alpha {mp.fit.alpha_s * 1e6:.1f} us, beta {mp.fit.beta_bytes_per_s / 1e9:.1f} GB/s",
+            )
             xs = np.logspace(np.log10(pts[:, 0].min()), np.log10(pts[:, 0].max()), 100)
             ax.plot(xs, [mp.fit.predict(x) for x in xs], color=line[0].get_color(), lw=1)
         peak = profile.peaks.get(direction)
@@ -69,8 +74,13 @@ def plot_plan(planner: Planner, path: str | os.PathLike[str], *, max_tokens: int
     threshold = planner.threshold_tokens(new_tokens)
     if threshold is not None and threshold <= max_tokens:
         ax.axvline(threshold, color="gray", ls=":", label=f"keeping the cache pays from {threshold} tokens")
-    ax.set(xscale="log", yscale="log", xlabel="cached prefix tokens", ylabel="seconds",
-           title=f"{planner.spec.name}: reload vs recompute")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="cached prefix tokens",
+        ylabel="seconds",
+        title=f"{planner.spec.name}: reload vs recompute",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -89,8 +99,9 @@ def plot_bench(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *, 
         raise ValueError("rows: no size_sweep or count_sweep rows to plot (run the sweeps)")
     directions = list(dict.fromkeys(r["direction"] for r in rows if r["suite"] in suites))
     plt = _pyplot()
-    fig, axes = plt.subplots(len(directions), len(suites), figsize=(6.5 * len(suites), 4.2 * len(directions)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(directions), len(suites), figsize=(6.5 * len(suites), 4.2 * len(directions)), squeeze=False
+    )
     for i, direction in enumerate(directions):
         for j, suite in enumerate(suites):
             field, scale, label = _SWEEP_AXES[suite]

@@ -61,9 +61,8 @@ inline void append_range(std::vector<CopyRange>& ranges, const uint8_t* src, uin
 // - other planes are emitted block by block, planes in order, so planes that
 //   sit side by side in both layouts merge (FlashInfer's K and V of a layer
 //   into a page-first host block: one range per layer instead of two).
-inline std::vector<CopyRange> plan_copy_ranges(const PlaneCopy* planes, int64_t num_planes,
-                                               const int64_t* src_ids, const int64_t* dst_ids,
-                                               int64_t num_ids) {
+inline std::vector<CopyRange> plan_copy_ranges(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                               const int64_t* dst_ids, int64_t num_ids) {
   std::vector<CopyRange> ranges;
   ranges.reserve(static_cast<size_t>(num_ids * num_planes));
   for (const IdRun& run : find_id_runs(src_ids, dst_ids, num_ids)) {

@@ -15,8 +15,7 @@ struct IdRun {
 
 // Splits (src_ids[i], dst_ids[i]) into maximal runs where both sides advance
 // by exactly one block per step.
-inline std::vector<IdRun> find_id_runs(const int64_t* src_ids, const int64_t* dst_ids,
-                                       int64_t num_ids) {
+inline std::vector<IdRun> find_id_runs(const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids) {
   std::vector<IdRun> runs;
   for (int64_t i = 0; i < num_ids; ++i) {
     if (!runs.empty()) {

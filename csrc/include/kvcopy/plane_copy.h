@@ -20,8 +20,6 @@ struct PlaneCopy {
 
 // True when consecutive blocks of the plane are adjacent on both sides, so a
 // run of adjacent ids is one contiguous range of bytes.
-inline bool plane_is_dense(const PlaneCopy& p) {
-  return p.src_stride == p.nbytes && p.dst_stride == p.nbytes;
-}
+inline bool plane_is_dense(const PlaneCopy& p) { return p.src_stride == p.nbytes && p.dst_stride == p.nbytes; }
 
 }  // namespace kvcopy

@@ -12,15 +12,15 @@ from collections.abc import Callable
 import torch
 
 from ... import _ext
-from ...methods.torch_method import word_views
 from ...layout import PagedKV
+from ...methods.torch_method import word_views
 
 __all__ = ["per_layer_index_loop", "per_block_copy_loop", "dma_baseline", "contiguous_copy", "DMA_BASELINES"]
 
 # Baselines of the extension's copy_blocks_dma_baseline (csrc/kernels/block_copy_cuda.h, DmaBaseline).
 DMA_BASELINES = {
     "per-block cudaMemcpyAsync": 0,  # one call per (block, plane): vLLM's old swap_blocks
-    "batched DMA, unmerged": 1,      # one cudaMemcpyBatchAsync of every (block, plane), no coalescing
+    "batched DMA, unmerged": 1,  # one cudaMemcpyBatchAsync of every (block, plane), no coalescing
 }
 
 
@@ -42,8 +42,9 @@ def per_block_copy_loop(src: PagedKV, src_ids: list[int], dst: PagedKV, dst_ids:
             d[j].copy_(s[i], non_blocking=True)
 
 
-def dma_baseline(name: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-                 device: torch.device) -> Callable[[], None]:
+def dma_baseline(
+    name: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, device: torch.device
+) -> Callable[[], None]:
     """A call of the extension's DMA baseline ``name`` (a key of DMA_BASELINES) on the current stream.
 
     Ids are CPU int64 tensors, already validated (the benchmark makes them).
@@ -55,8 +56,9 @@ def dma_baseline(name: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, d
 
     def run() -> None:
         stream = torch._C._cuda_getCurrentRawStream(device.index)
-        fast.copy_blocks_dma_baseline(*tables, src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(), stream,
-                                      device.index, baseline)
+        fast.copy_blocks_dma_baseline(
+            *tables, src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(), stream, device.index, baseline
+        )
 
     return run
 

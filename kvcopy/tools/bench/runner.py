@@ -27,17 +27,29 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import _ext
-from ...methods.torch_method import word_views
 from ...host import HostKVPool
 from ...layout import PagedKV
+from ...methods.torch_method import word_views
 from ...ops import available_methods, copy_blocks
-from ...profile import Profile, direction_of
 from ...policy.timing import COLD_BYTES, measure
+from ...profile import Profile, direction_of
 from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
 from .workloads import DEFAULT_WORKLOAD, ONE_PLANE_32K, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
 
-__all__ = ["AUTO", "BenchConfig", "BenchRow", "run_benchmarks", "num_points", "point_specs", "check_output", "LIMIT",
-           "PER_LAYER_LOOP", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "UNMERGED_BATCH"]
+__all__ = [
+    "AUTO",
+    "BenchConfig",
+    "BenchRow",
+    "run_benchmarks",
+    "num_points",
+    "point_specs",
+    "check_output",
+    "LIMIT",
+    "PER_LAYER_LOOP",
+    "PER_BLOCK_LOOP",
+    "PER_BLOCK_MEMCPY",
+    "UNMERGED_BATCH",
+]
 
 LIMIT = "contiguous copy (limit)"
 PER_LAYER_LOOP = "per-layer index loop"
@@ -108,13 +120,15 @@ class BenchConfig:
                 raise ValueError(f"{name}: expected distinct positive ints, got {values}")
 
     @classmethod
-    def default(cls, device: torch.device | str | None = None, *, quick: bool = False,
-                **overrides: object) -> BenchConfig:
+    def default(
+        cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: object
+    ) -> BenchConfig:
         """The default set for ``device`` (default: the GPU if any, else the CPU); ``quick``: a smoke-test size."""
         device = _resolve_device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
         if quick:
-            base: dict[str, object] = dict(blocks=16, counts=(1, 4, 16), block_tokens=(1, 16), sweep_blocks=8,
-                                           repeats=2, warmup=1)
+            base: dict[str, object] = dict(
+                blocks=16, counts=(1, 4, 16), block_tokens=(1, 16), sweep_blocks=8, repeats=2, warmup=1
+            )
         elif device.type == "cuda":
             base = dict(counts=(1, 4, 16, 64, 256, 1024, 2048), sweep_blocks=256, repeats=10, warmup=3)
         else:
@@ -171,8 +185,16 @@ def _resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def check_output(name: str, fn: Callable[[], object], src: PagedKV, src_ids: torch.Tensor, dst: PagedKV,
-                 dst_ids: torch.Tensor, *, whole: bool = True) -> float:
+def check_output(
+    name: str,
+    fn: Callable[[], object],
+    src: PagedKV,
+    src_ids: torch.Tensor,
+    dst: PagedKV,
+    dst_ids: torch.Tensor,
+    *,
+    whole: bool = True,
+) -> float:
     """Clears the destination blocks, runs ``fn`` once and compares their bytes with plain indexing of the source.
 
     ``whole``: also check that the source and every other destination block
@@ -207,8 +229,15 @@ def _synchronize(src: PagedKV, dst: PagedKV) -> None:
 AUTO = "kvcopy auto"
 
 
-def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor,
-             device: torch.device, *, with_auto: bool = False) -> dict[str, Callable[[], object]]:
+def _methods(
+    src: PagedKV,
+    src_ids: torch.Tensor,
+    dst: PagedKV,
+    dst_ids: torch.Tensor,
+    device: torch.device,
+    *,
+    with_auto: bool = False,
+) -> dict[str, Callable[[], object]]:
     """Every kvcopy method that can run here (and with ``with_auto`` what "auto" picks, with the default
     profile), then the baselines, as calls to time."""
     calls: dict[str, Callable[[], object]] = {}
@@ -220,8 +249,9 @@ def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.T
         if method == "triton" and _ext.TRITON_INTERPRET:
             continue  # the interpreter is a test mode, not a copy method worth timing
         calls[f"kvcopy {method}"] = functools.partial(copy_blocks, src, src_ids, dst, dst_ids, method=method)
-    calls[PER_LAYER_LOOP] = functools.partial(per_layer_index_loop, src, src_ids.to(src.device), dst,
-                                              dst_ids.to(dst.device))
+    calls[PER_LAYER_LOOP] = functools.partial(
+        per_layer_index_loop, src, src_ids.to(src.device), dst, dst_ids.to(dst.device)
+    )
     if src_ids.numel() * src.num_planes <= MAX_PYTHON_LOOP_COPIES:
         calls[PER_BLOCK_LOOP] = functools.partial(per_block_copy_loop, src, src_ids.tolist(), dst, dst_ids.tolist())
     if device.type == "cuda" and hasattr(_ext.extension(), "copy_blocks_dma_baseline"):
@@ -230,15 +260,23 @@ def _methods(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.T
     return calls
 
 
-def _id_sets(cache_blocks: int, host_blocks: int, n: int, num_sets: int, pattern: str,
-             generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _id_sets(
+    cache_blocks: int, host_blocks: int, n: int, num_sets: int, pattern: str, generator: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num_sets`` pairs of (cache ids, host ids), CPU int64: random draws, or for "sequential" one run of
     adjacent ids on each side, the sets' runs disjoint."""
     if pattern == "random":
-        return [(torch.randperm(cache_blocks, generator=generator)[:n],
-                 torch.randperm(host_blocks, generator=generator)[:n]) for _ in range(num_sets)]
-    return [(torch.arange(cache_blocks - (k + 1) * n, cache_blocks - k * n), torch.arange(k * n, (k + 1) * n))
-            for k in range(num_sets)]
+        return [
+            (
+                torch.randperm(cache_blocks, generator=generator)[:n],
+                torch.randperm(host_blocks, generator=generator)[:n],
+            )
+            for _ in range(num_sets)
+        ]
+    return [
+        (torch.arange(cache_blocks - (k + 1) * n, cache_blocks - k * n), torch.arange(k * n, (k + 1) * n))
+        for k in range(num_sets)
+    ]
 
 
 def _cycling(calls: list[Callable[[], object]]) -> Callable[[], object]:
@@ -256,16 +294,24 @@ class _Point:
     num_blocks: int
 
 
-def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
-                profile: Profile | None) -> list[BenchRow]:
+def _time_point(
+    point: _Point, config: BenchConfig, generator: torch.Generator, profile: Profile | None
+) -> list[BenchRow]:
     kv, host, n, device = point.kv, point.host, point.num_blocks, config.device
     nbytes = n * kv.nbytes_per_block
-    num_sets = max(1, min(MAX_ID_SETS, -(-COLD_BYTES // nbytes), host.num_blocks // n,
-                          kv.num_blocks // (CACHE_BLOCKS_PER_MOVED_BLOCK * n)))
+    num_sets = max(
+        1,
+        min(
+            MAX_ID_SETS,
+            -(-COLD_BYTES // nbytes),
+            host.num_blocks // n,
+            kv.num_blocks // (CACHE_BLOCKS_PER_MOVED_BLOCK * n),
+        ),
+    )
     id_sets = _id_sets(kv.num_blocks, host.num_blocks, n, num_sets, config.ids, generator)
     # Contiguous limit: num_sets slices of the same bytes, on the device and in the (pinned) host pool.
     flat = torch.empty(num_sets * nbytes, dtype=torch.uint8, device=device).fill_(0x5A)  # touched: no zero pages
-    flats = [(flat[k * nbytes:][:nbytes], host.buffer[k * nbytes:][:nbytes]) for k in range(num_sets)]
+    flats = [(flat[k * nbytes :][:nbytes], host.buffer[k * nbytes :][:nbytes]) for k in range(num_sets)]
     rows = []
     for direction in ("gather", "scatter"):
         gather = direction == "gather"
@@ -285,20 +331,40 @@ def _time_point(point: _Point, config: BenchConfig, generator: torch.Generator,
             if method == LIMIT:
                 one_call = _seconds_of(fns[0], src, dst)
             else:
-                one_call = check_output(f"{point.workload} {direction} {method}", check_calls.get(method, fns[0]),
-                                        src, check_ids[0], dst, check_ids[1], whole=whole)
+                one_call = check_output(
+                    f"{point.workload} {direction} {method}",
+                    check_calls.get(method, fns[0]),
+                    src,
+                    check_ids[0],
+                    dst,
+                    check_ids[1],
+                    whole=whole,
+                )
                 one_call *= n / checked
             slow = one_call > SLOW_CALL_S
             # Warm-up visits every set: first touches of fresh host pages are not the copy's cost.
             warmup = 1 if slow else max(config.warmup, len(fns))
             repeats = min(config.repeats, SLOW_ROW_REPEATS) if slow else config.repeats
-            timing = measure(_cycling(fns), warmup=warmup, repeats=repeats,
-                             device=device if device.type == "cuda" else None)
-            rows.append(BenchRow(
-                point.suite, point.workload, direction, config.ids, method, n, kv.num_planes, kv.nbytes_per_block,
-                timing.median, timing.p20, timing.p80, timing.repeats,
-                _predicted(profile, link, method, nbytes, n, kv.num_planes),
-            ))
+            timing = measure(
+                _cycling(fns), warmup=warmup, repeats=repeats, device=device if device.type == "cuda" else None
+            )
+            rows.append(
+                BenchRow(
+                    point.suite,
+                    point.workload,
+                    direction,
+                    config.ids,
+                    method,
+                    n,
+                    kv.num_planes,
+                    kv.nbytes_per_block,
+                    timing.median,
+                    timing.p20,
+                    timing.p80,
+                    timing.repeats,
+                    _predicted(profile, link, method, nbytes, n, kv.num_planes),
+                )
+            )
     return rows
 
 
@@ -323,15 +389,25 @@ def _plan(config: BenchConfig) -> list[tuple[str, Workload, int]]:
     """(suite, workload, blocks per call) of every point, in the order they are timed."""
     plan = [("workloads", WORKLOADS[name], config.blocks) for name in config.workloads]
     plan += [("count_sweep", WORKLOADS[DEFAULT_WORKLOAD], n) for n in sorted(config.counts)]
-    plan += [("size_sweep", Workload(f"llama8b-{tokens}", f"Llama-3.1-8B's cache at {tokens} tokens per block",
-                                     llama8b_with_block_tokens(tokens)), config.sweep_blocks)
-             for tokens in sorted(config.block_tokens)]
+    plan += [
+        (
+            "size_sweep",
+            Workload(
+                f"llama8b-{tokens}",
+                f"Llama-3.1-8B's cache at {tokens} tokens per block",
+                llama8b_with_block_tokens(tokens),
+            ),
+            config.sweep_blocks,
+        )
+        for tokens in sorted(config.block_tokens)
+    ]
     plan += [("fixed_cost", TINY_PLANES, 1), ("fixed_cost", ONE_PLANE_32K, 1)] if config.fixed_cost else []
     return plan
 
 
-def _cache_and_pool(build: Callable[[int, torch.device], PagedKV], moved: int,
-                    device: torch.device) -> tuple[PagedKV, HostKVPool]:
+def _cache_and_pool(
+    build: Callable[[int, torch.device], PagedKV], moved: int, device: torch.device
+) -> tuple[PagedKV, HostKVPool]:
     """A cache and a host pool with room for ``moved`` blocks per call, and for calls that cycle over
     COLD_BYTES."""
     room = max(moved, -(-COLD_BYTES // build(1, device).nbytes_per_block))
@@ -362,8 +438,9 @@ def num_points(config: BenchConfig) -> int:
     return len(point_specs(config))
 
 
-def run_benchmarks(config: BenchConfig, *, profile: Profile | None = None,
-                   on_point: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
+def run_benchmarks(
+    config: BenchConfig, *, profile: Profile | None = None, on_point: Callable[[list[BenchRow]], None] | None = None
+) -> list[BenchRow]:
     """Runs every point of ``config``; returns all rows. ``profile``: also record its predictions for kvcopy rows.
 
     ``on_point`` is called with each point's rows as they are measured (progress, streaming output).
@@ -372,8 +449,9 @@ def run_benchmarks(config: BenchConfig, *, profile: Profile | None = None,
         return _run(config, profile, on_point)
 
 
-def _run(config: BenchConfig, profile: Profile | None,
-         on_point: Callable[[list[BenchRow]], None] | None) -> list[BenchRow]:
+def _run(
+    config: BenchConfig, profile: Profile | None, on_point: Callable[[list[BenchRow]], None] | None
+) -> list[BenchRow]:
     generator = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     for point in _points(config):
