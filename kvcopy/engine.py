@@ -42,6 +42,7 @@ import torch
 
 from . import _ext, dispatch
 from ._block_order import BlockOrder, Blocks, TransferConflictError, watch
+from ._copy_streams import COPY_STREAM_PRIORITY, EventPool, destroy_streams, new_copy_stream
 from ._ids import BlockIds
 from .host import HostKVPool
 from .layout import PagedKV
@@ -52,35 +53,6 @@ from .profile import Profile
 from .transfer import CudaSignal, ThreadSignal, Transfer
 
 __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
-
-# torch stream priorities: lower numbers run first, 0 is the least (and the
-# default stream's). Copy streams take the least, so decode on a stream of
-# higher priority wins the SMs; only used when kvcopy's own streams cannot be made.
-COPY_STREAM_PRIORITY = 0
-
-
-def _destroy_streams(handles: list[int]) -> None:
-    module = _ext.extension()
-    for handle in handles:
-        module.destroy_stream(handle)
-    handles.clear()
-
-
-class _EventPool:
-    """Reused CUDA events: a transfer's events return here when its handle is garbage."""
-
-    def __init__(self, *, enable_timing: bool) -> None:
-        self._enable_timing = enable_timing
-        self._free: list[torch.cuda.Event] = []
-
-    def get(self) -> torch.cuda.Event:
-        try:
-            return self._free.pop()  # atomic under the GIL: safe from several submitting threads
-        except IndexError:
-            return torch.cuda.Event(enable_timing=self._enable_timing)
-
-    def put(self, events: list[torch.cuda.Event]) -> None:
-        self._free.extend(events)
 
 
 class TransferEngine:
@@ -133,20 +105,20 @@ class TransferEngine:
             watch(kv, "device", self)
             watch(host.paged, "host", self)
         if self._cuda:
-            self._streams = {direction: self._new_copy_stream() for direction in ("offload", "reload")}
+            self._streams = {direction: new_copy_stream(self.kv.device) for direction in ("offload", "reload")}
             owned = [s.cuda_stream for s in self._streams.values() if isinstance(s, torch.cuda.ExternalStream)]
             # Destroyed at close(), or when the engine is collected without one (CUDA frees a
             # destroyed stream's resources once its queued work is done).
             self._owned_streams = owned  # capture streams made later join them
-            self._stream_finalizer = weakref.finalize(self, _destroy_streams, owned)
+            self._stream_finalizer = weakref.finalize(self, destroy_streams, owned)
             # Captures get streams of their own, per direction and capturing stream: eager transfers queued
             # meanwhile on the shared copy streams must run, not join someone's graph.
             self._capture_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
             self._captures: set[int] = set()  # caller streams seen capturing this engine's transfers
             self._captures_lock = threading.Lock()
             self._captured_any = False
-            self._signal_events = _EventPool(enable_timing=False)
-            self._timing_events = _EventPool(enable_timing=True)
+            self._signal_events = EventPool(enable_timing=False)
+            self._timing_events = EventPool(enable_timing=True)
         else:
             self._workers = {
                 direction: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-{direction}")
@@ -176,21 +148,10 @@ class TransferEngine:
         self._captured_any = True
         key = (direction, caller)
         if key not in self._capture_streams:
-            self._capture_streams[key] = self._new_copy_stream()
+            self._capture_streams[key] = new_copy_stream(self.kv.device)
             if isinstance(self._capture_streams[key], torch.cuda.ExternalStream):
                 self._owned_streams.append(self._capture_streams[key].cuda_stream)
         return self._capture_streams[key]
-
-    def _new_copy_stream(self) -> torch.cuda.Stream:
-        """A dedicated stream of the device's least priority (decode on any higher-priority
-        stream wins the SMs), non-blocking. torch.cuda.Stream() would hand out one of torch's
-        shared pool streams, which other code may be using."""
-        module = _ext.extension()
-        if module is None or not hasattr(module, "create_copy_stream"):
-            return torch.cuda.Stream(self.kv.device, priority=COPY_STREAM_PRIORITY)  # no CUDA kernels built
-        with torch.cuda.device(self.kv.device):
-            handle = module.create_copy_stream(self.kv.device.index)
-        return torch.cuda.ExternalStream(handle, device=self.kv.device)
 
     # ----------------------------------------------------------------- public API
 

@@ -15,7 +15,7 @@ import torch
 
 import kvcopy
 from kvcopy import _ext, dispatch, methods
-from kvcopy.methods import builtin, pairs, sm_budget
+from kvcopy.methods import builtin, choice, pairs, sm_budget
 
 from conftest import make_layout
 
@@ -63,6 +63,7 @@ def test_without_host_pointer_reads_the_sm_kernels_are_not_offered(monkeypatch):
     gpu = SimpleNamespace(device=torch.device("cuda", 0), plane_block_nbytes=(4096,))
     for module in (builtin, pairs):  # a stand-in: a GPU and a pinned pool
         monkeypatch.setattr(module, "pair_problem", lambda src, dst: None)
+    monkeypatch.setattr(choice, "as_paged", lambda kv, name: kv)  # the stand-ins are not PagedKVs
     monkeypatch.setattr(_ext, "has_cuda_kernels", lambda: True)
     monkeypatch.setattr(_ext, "triton_available", lambda: True)
     monkeypatch.setattr(_ext, "TRITON_INTERPRET", False)

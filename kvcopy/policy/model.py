@@ -29,10 +29,9 @@ import torch
 
 from ._args import non_negative_int, positive_int
 from .kv_dtypes import dtype_itemsize, kv_dtype_name
+from .model_checks import check_attention, check_experts, checked_layers
 from .model_config import (
     DEFAULT_KV_DTYPE,
-    FULL_ATTENTION,
-    LAYER_TYPES,
     SLIDING_ATTENTION,
     read_config,
     spec_from_config,
@@ -42,7 +41,6 @@ from .model_presets import PRESETS
 
 __all__ = ["ModelSpec", "SUPPORTED_FAMILIES"]
 
-_ATTENTION_KINDS = ("mha", "mla")
 
 _KV_PLANES = 2  # K and V; MLA stores one latent instead
 _FLOPS_PER_MAC = 2  # one multiply plus one add
@@ -134,9 +132,11 @@ class ModelSpec:
         if self.context_length is not None:
             positive_int("context_length", self.context_length)
         positive_int("tp", self.tp)
-        self._check_attention()
-        self._check_layers()
-        self._check_experts()
+        check_attention(self)
+        layer_types, window = checked_layers(self)
+        object.__setattr__(self, "layer_types", layer_types)
+        object.__setattr__(self, "sliding_window", window)
+        check_experts(self)
         if self.rope_theta is not None:
             theta = self.rope_theta
             if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
@@ -148,63 +148,6 @@ class ModelSpec:
             raise ValueError(f"rope_scaling: expected canonical JSON, a dict or None, got {self.rope_scaling!r}")
         if not isinstance(self.source, str):
             raise ValueError(f"source: expected a string, got {self.source!r}")
-
-    def _check_attention(self) -> None:
-        mla_fields = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-        if self.attention == "mha":
-            if self.num_attention_heads % self.num_kv_heads:
-                raise ValueError(
-                    f"num_attention_heads {self.num_attention_heads} is not a multiple of num_kv_heads "
-                    f"{self.num_kv_heads}"
-                )
-            given = [f for f in mla_fields if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)}: only for attention='mla', this spec is 'mha'")
-        elif self.attention == "mla":
-            for field in mla_fields:
-                positive_int(field, getattr(self, field))
-            latent = self.kv_lora_rank + self.qk_rope_head_dim
-            if self.num_kv_heads != 1 or self.head_dim != latent:
-                raise ValueError(
-                    f"attention='mla' caches one latent per token-layer: expected num_kv_heads 1 and head_dim "
-                    f"kv_lora_rank + qk_rope_head_dim = {latent}, got {self.num_kv_heads} and {self.head_dim}"
-                )
-        else:
-            raise ValueError(f"attention: expected one of {_ATTENTION_KINDS}, got {self.attention!r}")
-
-    def _check_layers(self) -> None:
-        types = tuple(self.layer_types) if self.layer_types else (FULL_ATTENTION,) * self.num_layers
-        if len(types) != self.num_layers:
-            raise ValueError(f"layer_types: expected {self.num_layers} entries (num_layers), got {len(types)}")
-        unknown = sorted({t for t in types if t not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layer_types: unsupported {unknown}; expected {LAYER_TYPES}")
-        object.__setattr__(self, "layer_types", types)
-        if self.sliding_window is not None:
-            positive_int("sliding_window", self.sliding_window)
-        if SLIDING_ATTENTION in types and self.sliding_window is None:
-            raise ValueError("layer_types: sliding layers need a sliding_window, got None")
-        if SLIDING_ATTENTION not in types:
-            object.__setattr__(self, "sliding_window", None)  # one canonical form: no layer slides
-
-    def _check_experts(self) -> None:
-        if (self.num_experts is None) != (self.num_experts_per_tok is None):
-            raise ValueError("num_experts and num_experts_per_tok: give both or neither")
-        non_negative_int("expert_params", self.expert_params)
-        if self.expert_params and self.num_experts is None:
-            raise ValueError("expert_params: only for a mixture-of-experts spec (num_experts is None)")
-        if self.num_experts is not None and self.num_experts_per_tok * self.expert_params > self.active_params:
-            raise ValueError(
-                f"expert_params {self.expert_params} x num_experts_per_tok {self.num_experts_per_tok} "
-                f"exceeds active_params {self.active_params}"
-            )
-        if self.num_experts is not None:
-            positive_int("num_experts", self.num_experts)
-            positive_int("num_experts_per_tok", self.num_experts_per_tok)
-            if self.num_experts_per_tok > self.num_experts:
-                raise ValueError(
-                    f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}"
-                )
 
     # ------------------------------------------------------------------ bytes
 
