@@ -221,9 +221,10 @@ class _HostPlan:
 
     def auto_runs_cpu(self, num_ids: int) -> bool:
         """Whether "auto" runs the compiled "cpu" copy for ``num_ids`` blocks (else the general path runs)."""
-        if self.generation != default_profile_generation():
+        generation = default_profile_generation()
+        if self.generation != generation:
             self.choices.clear()
-            self.generation = default_profile_generation()
+            self.generation = generation
         bucket = num_ids.bit_length()
         found = self.choices.get(bucket)
         if found is None:

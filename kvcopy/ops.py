@@ -58,11 +58,6 @@ def copy_blocks(
     dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, check_num_ctas(num_ctas))
 
 
-def _check_host(host: object) -> None:
-    if not isinstance(host, HostKVPool):
-        raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-
-
 def gather(
     kv: KVLike,
     block_ids: BlockIds,
@@ -74,7 +69,8 @@ def gather(
     num_ctas: int | None = None,
 ) -> None:
     """Device pages -> host pool: ``copy_blocks(kv, block_ids, host, host_ids, ...)``."""
-    _check_host(host)
+    if not isinstance(host, HostKVPool):
+        raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
     if stream is None and num_ctas is None and dispatch.host_fast_path(kv, block_ids, host, host_ids, method):
         return  # the common small call, without a second frame (kvcopy.dispatch.host_fast_path)
     copy_blocks(kv, block_ids, host, host_ids, method=method, stream=stream, num_ctas=num_ctas)
@@ -91,7 +87,8 @@ def scatter(
     num_ctas: int | None = None,
 ) -> None:
     """Host pool -> device pages: ``copy_blocks(host, host_ids, kv, block_ids, ...)``."""
-    _check_host(host)
+    if not isinstance(host, HostKVPool):
+        raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
     if stream is None and num_ctas is None and dispatch.host_fast_path(host, host_ids, kv, block_ids, method):
         return
     copy_blocks(host, host_ids, kv, block_ids, method=method, stream=stream, num_ctas=num_ctas)

@@ -115,6 +115,17 @@ def test_bench_overlap_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
 
 
+def test_bench_call_overhead_reports_each_call_against_the_bare_copy(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.txt"
+    result = _run("benchmarks/bench_call_overhead.py", "--rounds", "1", "--calls", "20", "--out", str(out))
+    assert result.returncode == 0, _describe(result)
+    lines = out.read_text().splitlines()
+    assert "target: at most 2x the bare copy_" in lines[1]
+    names = [line.split("  ")[1].strip() for line in lines[2:]]
+    assert names == ["torch copy_ (bare)", 'kvcopy.gather method="cpu"', 'kvcopy.gather method="auto" + profile']
+    assert lines[2].rstrip().endswith("1.0x")  # the bare copy_ is the unit; the others are not judged here
+
+
 def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
     out = tmp_path / "engine.csv"
