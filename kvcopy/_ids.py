@@ -1,14 +1,18 @@
 """Block-id normalisation and validation, done before any byte moves.
 
 Host-resident ids (CPU tensors, Python sequences, numpy arrays) are checked in
-full: dtype, shape, range and, for destinations, repeats. The compiled check
-(csrc/include/kvcopy/block_ids.h, used by the ops and the eager fast path)
-reports the same problem first with the same message; tests/test_validation.py
-holds the two to that. Device-resident ids
-(CUDA tensors) are checked for dtype and shape only, because reading their
+full: dtype, shape, range and, for destinations, repeats; for a pair, equal
+lengths and (within one cache) no block both read and written. Device-resident
+ids (CUDA tensors) are checked for dtype and shape only, because reading their
 values would synchronise the device; the compiled kernels skip any device id
 out of range instead of touching memory outside the cache, and repeated
 destination ids among device ids leave which source wins unspecified.
+
+The value checks are one implementation, in C++ (csrc/include/kvcopy/block_ids.h),
+used here, by the registered ops and by the eager fast path, with one wording
+of each error. The Python checks below run only where the compiled extension
+is not loaded; tests/test_fast_path.py holds them to the same problems and
+messages.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["BlockIds", "check_disjoint", "prepare_ids"]
+from . import _ext
+
+__all__ = ["BlockIds", "as_ids", "check_host_pair", "check_lengths", "check_side", "prepare_ids"]
 
 BlockIds = torch.Tensor | Sequence[int] | np.ndarray
 _ID_DTYPES = (torch.int32, torch.int64)
-# Up to this many ids, plain Python checks beat numpy's per-call overhead.
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+# Up to this many ids, plain Python checks beat numpy's per-call overhead (fallback only).
 _SMALL_ID_COUNT = 64
 
 
@@ -47,18 +54,17 @@ def _as_tensor(ids: BlockIds, name: str) -> torch.Tensor:
     raise TypeError(f"{name}: expected a 1-D int32/int64 tensor or a sequence of ints, got {type(ids).__name__}")
 
 
-def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> torch.Tensor:
-    """Returns ``ids`` as a contiguous 1-D int64 tensor on the device they came on.
-
-    Raises TypeError for a non-integer dtype, ValueError for a shape other than
-    1-D or (with ``unique``) a repeated id, IndexError for an id outside
-    ``[0, num_blocks)``. Value checks apply to host-resident ids only.
-    """
+def as_ids(ids: BlockIds, name: str, num_blocks: int) -> torch.Tensor:
+    """``ids`` as a contiguous 1-D int64 tensor on the device they came on; their values unread (but an int
+    that no int64 holds is the IndexError of an id out of ``[0, num_blocks)``). TypeError for a non-integer
+    dtype or element, ValueError for a shape other than 1-D."""
     if isinstance(ids, (list, tuple, range)):
         _validate_ints(ids, name)
-        _check_values(ids, name, num_blocks, unique=unique)
         if not ids:
             return torch.empty(0, dtype=torch.int64)
+        low, high = min(ids), max(ids)
+        if low < _INT64_RANGE[0] or high > _INT64_RANGE[1]:
+            raise _range_error(name, num_blocks, int(low if low < 0 else high))
         return torch.frombuffer(array.array("q", ids), dtype=torch.int64)  # ~3x faster than torch.tensor
     tensor = _as_tensor(ids, name)
     if tensor.dtype not in _ID_DTYPES:
@@ -69,13 +75,80 @@ def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> t
         tensor = tensor.to(torch.int64)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or torch.compiler.is_compiling():
-        return tensor  # values unread: that would sync the device or break the traced graph
-    if tensor.numel() <= _SMALL_ID_COUNT:
-        _check_values(tensor.tolist(), name, num_blocks, unique=unique)
-    else:
-        _check_array(tensor.numpy(), name, num_blocks, unique=unique)
     return tensor
+
+
+def _readable(ids: torch.Tensor) -> bool:
+    """Whether the values can be read here: on the host, and not while torch.compile traces."""
+    return ids.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def check_side(ids: torch.Tensor, name: str, num_blocks: int, *, unique: bool) -> None:
+    """IndexError for an id outside ``[0, num_blocks)``; with ``unique`` (a destination) ValueError for a repeat.
+    Host ids only (``ids`` from :func:`as_ids`); device ids and traced ones are left alone."""
+    if not _readable(ids) or ids.numel() == 0:
+        return
+    compiled = _ext.extension()
+    if compiled is not None:
+        compiled.check_block_id_side(ids.data_ptr(), ids.numel(), num_blocks, unique, name)
+    elif ids.numel() <= _SMALL_ID_COUNT:
+        _check_values(ids.tolist(), name, num_blocks, unique=unique)
+    else:
+        _check_array(ids.numpy(), name, num_blocks, unique=unique)
+
+
+def check_host_pair(
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    src_blocks: int,
+    dst_blocks: int,
+    *,
+    same_cache: bool,
+    names: tuple[str, str] = ("src_ids", "dst_ids"),
+) -> None:
+    """Both sides (as :func:`check_side`), then one length, then with ``same_cache`` no block both read and
+    written (the result would depend on copy order). Host ids from :func:`as_ids`."""
+    if not (_readable(src_ids) and _readable(dst_ids)):
+        return
+    compiled = _ext.extension()
+    if compiled is not None:
+        compiled.check_block_ids(
+            src_ids.data_ptr(),
+            src_ids.numel(),
+            dst_ids.data_ptr(),
+            dst_ids.numel(),
+            src_blocks,
+            dst_blocks,
+            same_cache,
+            *names,
+        )
+        return
+    check_side(src_ids, names[0], src_blocks, unique=False)
+    check_side(dst_ids, names[1], dst_blocks, unique=True)
+    check_lengths(src_ids, dst_ids, names)
+    if same_cache and src_ids.numel():
+        src = src_ids.numpy()
+        both = src[np.isin(src, dst_ids.numpy())]  # the first source id (in order) that is also written
+        if both.size:
+            raise ValueError(
+                f"{names[1]}: block {int(both[0])} is both a source and a destination within one cache; "
+                f"copy in two calls or through a spare block"
+            )
+
+
+def check_lengths(src_ids: torch.Tensor, dst_ids: torch.Tensor, names: tuple[str, str]) -> None:
+    if src_ids.numel() != dst_ids.numel():
+        raise ValueError(f"{names[1]}: expected as many ids as {names[0]} ({src_ids.numel()}), got {dst_ids.numel()}")
+
+
+def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> torch.Tensor:
+    """:func:`as_ids`, then :func:`check_side`: the ids of one side, validated."""
+    tensor = as_ids(ids, name, num_blocks)
+    check_side(tensor, name, num_blocks, unique=unique)
+    return tensor
+
+
+# ----------------------------------------------------------------------------- the fallback (no extension)
 
 
 def _range_error(name: str, num_blocks: int, bad: int) -> IndexError:
@@ -112,17 +185,3 @@ def _check_array(values: np.ndarray, name: str, num_blocks: int, *, unique: bool
             again = np.ones(values.size, dtype=bool)
             again[first_seen] = False
             raise _repeat_error(name, int(values[np.argmax(again)]))
-
-
-def check_disjoint(src_ids: torch.Tensor, dst_ids: torch.Tensor, name: str = "dst_ids") -> None:
-    """Within one cache, no block may be both read and written: the result would depend on copy order.
-    Reports the first source id (in order) that is also a destination, as the compiled check does."""
-    if torch.compiler.is_compiling() or src_ids.numel() == 0:
-        return
-    src = src_ids.numpy()
-    both = src[np.isin(src, dst_ids.numpy())]
-    if both.size:
-        raise ValueError(
-            f"{name}: block {int(both[0])} is both a source and a destination within one cache; "
-            f"copy in two calls or through a spare block"
-        )

@@ -21,7 +21,7 @@ import torch
 
 from . import _ext
 from ._block_order import any_watched, check_caller
-from ._ids import BlockIds, check_disjoint, prepare_ids
+from ._ids import BlockIds, as_ids, check_host_pair, check_lengths, check_side
 from .host import HostKVPool, KVLike, as_paged
 from .layout import PagedKV
 from .methods import registry
@@ -121,21 +121,23 @@ def resolve(
 def prepare_pair(
     src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, names: tuple[str, str] = ("src_ids", "dst_ids")
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Both id lists validated (kvcopy._ids), of one length, on an allowed device; and whether both are on the host.
-    Host ids that read and write one block of one cache are a ValueError too."""
-    src_name, dst_name = names
-    src_t = prepare_ids(src_ids, src_name, src.num_blocks, unique=False)
-    dst_t = prepare_ids(dst_ids, dst_name, dst.num_blocks, unique=True)
-    if src_t.numel() != dst_t.numel():
-        raise ValueError(f"{dst_name}: expected as many ids as {src_name} ({src_t.numel()}), got {dst_t.numel()}")
+    """Both id lists validated (kvcopy._ids: the compiled check for host ids), of one length, on an allowed
+    device; and whether both are on the host. Host ids that read and write one block of one cache are a
+    ValueError too."""
+    src_t = as_ids(src_ids, names[0], src.num_blocks)
+    dst_t = as_ids(dst_ids, names[1], dst.num_blocks)
+    host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
+    if host_ids:
+        check_host_pair(src_t, dst_t, src.num_blocks, dst.num_blocks, same_cache=src is dst, names=names)
+    else:  # the host side, if any, in full; device ids for their length only
+        check_side(src_t, names[0], src.num_blocks, unique=False)
+        check_side(dst_t, names[1], dst.num_blocks, unique=True)
+        check_lengths(src_t, dst_t, names)
     allowed = {torch.device("cpu"), cuda_device(src, dst)} if uses_cuda(src, dst) else {torch.device("cpu")}
     for name, ids in zip(names, (src_t, dst_t)):
         if ids.device not in allowed:
             where = " or ".join(str(d) for d in sorted(allowed, key=str))
             raise ValueError(f"{name}: expected ids on {where}, got ids on {ids.device}")
-    host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
-    if src is dst and host_ids:
-        check_disjoint(src_t, dst_t, dst_name)
     return src_t, dst_t, host_ids
 
 
@@ -201,12 +203,13 @@ class _HostPlan:
     pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
     default profile or the method registry changes."""
 
-    __slots__ = ("src_ref", "dst_ref", "auto", "copier", "src", "dst", "choices", "generation")
+    __slots__ = ("src_ref", "dst_ref", "auto", "copier", "choices", "generation")
 
     def __init__(self, src_obj: KVLike, dst_obj: KVLike, src: PagedKV, dst: PagedKV, method: str) -> None:
+        # Raw plane addresses, valid while src_obj and dst_obj live: every use first checks the weak references.
         self.src_ref = weakref.ref(src_obj)
         self.dst_ref = weakref.ref(dst_obj)
-        self.src, self.dst, self.auto = src, dst, method == "auto"
+        self.auto = method == "auto"  # no strong reference to either side: the plan must not keep a cache alive
         # The compiled side of the plan (csrc/python/fast_path.cpp): the planes, read from the tables once.
         self.copier = _ext.extension().HostCopyPlan(
             src.plane_table.data_ptr(),
@@ -219,8 +222,9 @@ class _HostPlan:
         self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
         self.generation = default_profile_generation()
 
-    def auto_runs_cpu(self, num_ids: int) -> bool:
-        """Whether "auto" runs the compiled "cpu" copy for ``num_ids`` blocks (else the general path runs)."""
+    def auto_runs_cpu(self, num_ids: int, src_obj: KVLike, dst_obj: KVLike) -> bool:
+        """Whether "auto" runs the compiled "cpu" copy for ``num_ids`` blocks between the plan's objects (else
+        the general path runs)."""
         generation = default_profile_generation()
         if self.generation != generation:
             self.choices.clear()
@@ -228,7 +232,8 @@ class _HostPlan:
         bucket = num_ids.bit_length()
         found = self.choices.get(bucket)
         if found is None:
-            chosen = resolve("auto", self.src, self.dst, host_ids=True, num_blocks=max(num_ids, 1))
+            src, dst = as_paged(src_obj, "src"), as_paged(dst_obj, "dst")
+            chosen = resolve("auto", src, dst, host_ids=True, num_blocks=max(num_ids, 1))
             found = self.choices[bucket] = chosen.name == "cpu"
         return found
 
@@ -295,7 +300,7 @@ def host_fast_path(src_obj: object, src_ids: object, dst_obj: object, dst_ids: o
     ):
         return False
     n = src_ids.numel()
-    if plan.auto and not plan.auto_runs_cpu(n):
+    if plan.auto and not plan.auto_runs_cpu(n, src_obj, dst_obj):
         return False
     plan.copier.copy(src_ids.data_ptr(), n, dst_ids.data_ptr(), dst_ids.numel(), _num_threads())
     return True

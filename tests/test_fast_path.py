@@ -1,15 +1,17 @@
 """The eager host fast path (kvcopy.dispatch.host_fast_path): the same results, the same errors with
-the same messages, and nothing written on an error, as the general path it short-cuts."""
+the same messages, and nothing written on an error, as the general path it short-cuts; and the Python
+fallback of the id checks (a build without the extension) says the same as the compiled check."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
 
 import kvcopy
-from kvcopy import _ext, dispatch, layout
+from kvcopy import _ext, _ids, dispatch, layout
 
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
@@ -62,6 +64,15 @@ def test_fast_path_within_one_cache(general_path_calls):
     assert general_path_calls == []
 
 
+def _without_extension(src_blocks, dst_blocks, src_ids, dst_ids, *, same_cache):
+    """kvcopy._ids' checks as a build without the compiled extension runs them (its Python fallback)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_ext, "extension", lambda: None)
+        src_t = _ids.as_ids(src_ids, "src_ids", src_blocks)
+        dst_t = _ids.as_ids(dst_ids, "dst_ids", dst_blocks)
+        _ids.check_host_pair(src_t, dst_t, src_blocks, dst_blocks, same_cache=same_cache)
+
+
 # Each bad call, once as int64 tensors (fast path, checked in C++) and once as Python lists (general path,
 # checked in Python): the same error type and message, nothing written.
 BAD_CALLS = [
@@ -85,6 +96,9 @@ def test_errors_match_the_general_path(src_ids, dst_ids, error, general_path_cal
         kvcopy.copy_blocks(kv, src_ids, pool, dst_ids)
     assert str(fast.value) == str(general.value)
     assert_same_bytes(snapshot(pool), before)
+    with pytest.raises(error) as fallback:  # the Python checks of a build without the extension
+        _without_extension(kv.num_blocks, pool.num_blocks, src_ids, dst_ids, same_cache=False)
+    assert str(fallback.value) == str(general.value)
     if len(src_ids) == len(dst_ids):  # the op that torch.compile graphs keep says the same
         with pytest.raises(error) as op:
             torch.ops.kvcopy.check_block_ids(
@@ -105,6 +119,9 @@ def test_read_and_written_within_one_cache_matches(count):
         kvcopy.copy_blocks(kv, src_ids, kv, dst_ids)
     assert str(fast.value) == str(general.value) and "both a source and a destination" in str(fast.value)
     assert_same_bytes(snapshot(kv), before)
+    with pytest.raises(ValueError) as fallback:
+        _without_extension(kv.num_blocks, kv.num_blocks, src_ids, dst_ids, same_cache=True)
+    assert str(fallback.value) == str(general.value)
 
 
 def test_other_ids_take_the_general_path(general_path_calls):
@@ -151,6 +168,18 @@ def test_cached_plans_never_outlive_their_caches():
             kvcopy.gather(kv, torch.tensor([kv.num_blocks]), pool, torch.tensor([0]))
         del kv, pool
         gc.collect()
+
+
+@pytest.mark.parametrize("method", ["auto", "cpu"])
+def test_cached_plans_keep_no_cache_alive(method):
+    """A pool of many GB must be freed when its owner drops it, whatever the fast path cached about it."""
+    kv, pool = _pair(9)
+    kvcopy.gather(kv, torch.tensor([1]), pool, torch.tensor([2]), method=method)
+    kvcopy.scatter(pool, torch.tensor([2]), kv, torch.tensor([3]), method=method)
+    refs = [weakref.ref(kv), weakref.ref(pool), weakref.ref(pool.paged), weakref.ref(pool.buffer)]
+    del kv, pool
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * len(refs)
 
 
 def test_plane_table_columns_agree_with_the_compiled_code():

@@ -39,22 +39,32 @@ bool out_of_range(const int64_t* ids, int64_t n, int64_t num_blocks, int64_t* re
 
 }  // namespace
 
+IdProblem check_id_side(const int64_t* ids, int64_t n, int64_t num_blocks, bool destination) {
+  int64_t id = 0;
+  if (out_of_range(ids, n, num_blocks, &id)) {
+    return {destination ? IdProblem::kDstOutOfRange : IdProblem::kSrcOutOfRange, id};
+  }
+  if (!destination) return {};
+  if (n <= kPairwiseMaxIds) {
+    if (has_pairwise_repeat(ids, n, &id)) return {IdProblem::kDstRepeated, id};
+    return {};
+  }
+  std::vector<bool> seen(static_cast<size_t>(num_blocks));
+  for (int64_t i = 0; i < n; ++i) {
+    if (seen[ids[i]]) return {IdProblem::kDstRepeated, ids[i]};
+    seen[ids[i]] = true;
+  }
+  return {};
+}
+
 IdProblem check_ids(const int64_t* src_ids, int64_t src_len, const int64_t* dst_ids, int64_t dst_len,
                     int64_t src_num_blocks, int64_t dst_num_blocks, bool same_cache) {
-  // In the order the Python checks run (kvcopy/_ids.py), so both report the same problem first.
-  int64_t id = 0;
-  if (out_of_range(src_ids, src_len, src_num_blocks, &id)) return {IdProblem::kSrcOutOfRange, id};
-  if (out_of_range(dst_ids, dst_len, dst_num_blocks, &id)) return {IdProblem::kDstOutOfRange, id};
+  // Each side, then the pair: the order the Python fallback (kvcopy/_ids.py) follows too.
+  IdProblem problem = check_id_side(src_ids, src_len, src_num_blocks, /*destination=*/false);
+  if (problem.kind != IdProblem::kNone) return problem;
+  problem = check_id_side(dst_ids, dst_len, dst_num_blocks, /*destination=*/true);
+  if (problem.kind != IdProblem::kNone) return problem;
   const int64_t n = dst_len;
-  if (n <= kPairwiseMaxIds) {
-    if (has_pairwise_repeat(dst_ids, n, &id)) return {IdProblem::kDstRepeated, id};
-  } else {
-    std::vector<bool> seen(static_cast<size_t>(dst_num_blocks));
-    for (int64_t i = 0; i < n; ++i) {
-      if (seen[dst_ids[i]]) return {IdProblem::kDstRepeated, dst_ids[i]};
-      seen[dst_ids[i]] = true;
-    }
-  }
   if (src_len != dst_len) return {IdProblem::kLengthMismatch, dst_len};
   if (!same_cache || n == 0) return {};
   // The first source id (in order) that is also written.

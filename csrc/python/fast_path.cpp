@@ -255,6 +255,16 @@ PYBIND11_MODULE(_C, m) {
       },
       "Checks host ids: range, repeats, a block read and written; IndexError / ValueError naming the argument.");
   m.def(
+      "check_block_id_side",
+      [](Address ids, int64_t len, int64_t num_blocks, bool destination, const std::string& name) {
+        const IdProblem problem = check_id_side(as_ptr<const int64_t>(ids), len, num_blocks, destination);
+        if (problem.kind == IdProblem::kNone) return;
+        const std::string message = describe(problem, IdNames{name.c_str(), name.c_str()}, len, num_blocks, num_blocks);
+        if (is_index_problem(problem)) throw py::index_error(message);
+        throw py::value_error(message);
+      },
+      "Checks one side's host ids: range, and for a destination repeats.");
+  m.def(
       "copy_blocks_cpu",
       [](Address src_table, Address dst_table, int64_t num_planes, Address src_ids, int64_t src_len, Address dst_ids,
          int64_t dst_len, int64_t src_blocks, int64_t dst_blocks, bool same_cache, int num_threads) {

@@ -15,6 +15,10 @@ struct IdProblem {
   int64_t id = 0;  // the offending id (kLengthMismatch: the destination's length)
 };
 
+// Checks one side of a copy: ids in [0, num_blocks) and, for the destination, distinct (kSrcOutOfRange
+// or kDstOutOfRange / kDstRepeated by `destination`). For ids whose other side is not on the host.
+IdProblem check_id_side(const int64_t* ids, int64_t n, int64_t num_blocks, bool destination);
+
 // Checks that both arrays have one length, src ids lie in [0, src_num_blocks),
 // dst ids in [0, dst_num_blocks) and are distinct, and with `same_cache` that
 // no block is both read and written. O(num_ids + dst_num_blocks / 8) time and
