@@ -144,7 +144,13 @@ def plan(args: argparse.Namespace) -> int:
     if args.plot:
         from .plots import plot_plan
 
-        plot_plan(planner, args.plot, max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024), new_tokens=args.new)
+        plot_plan(
+            planner,
+            args.plot,
+            max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
+            new_tokens=args.new,
+            prefix=args.prefix,
+        )
         print(f"plot saved to {args.plot}")
     return 0
 
