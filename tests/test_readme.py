@@ -30,7 +30,7 @@ def _run(code: str, monkeypatch) -> dict:
 
 
 def test_every_python_block_is_tested_here():
-    assert len(_python_blocks()) == 4  # a new block needs its own test below
+    assert len(_python_blocks()) == 5  # a new block needs its own test below
 
 
 def test_the_api_example_runs(monkeypatch):
@@ -65,3 +65,12 @@ def test_the_engine_example_runs(monkeypatch):
     if namespace["decision"].action != "recompute":  # the reload put the offloaded blocks in their new places
         for plane in kv.planes:
             assert plane[20:23].equal(plane[[3, 7, 9]])
+
+
+def test_the_remote_example_runs(monkeypatch, capsys):
+    pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
+    heading, code = _python_blocks()[4]
+    assert heading == "## Beyond one machine"
+    namespace = _run(code, monkeypatch)
+    assert namespace["fetch"].num_descriptors == 1
+    assert f"1 {32 << 20}" in capsys.readouterr().out.splitlines()  # (NIXL logs to stdout too)

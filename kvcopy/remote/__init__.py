@@ -1,0 +1,14 @@
+"""KV blocks between processes and nodes over NVIDIA's NIXL (``pip install 'kvcopy[nixl]'``).
+
+A :class:`KVPeer` registers a HostKVPool with one NIXL agent; its :meth:`~KVPeer.descriptor` (bytes,
+sent any way the caller likes) lets another peer :meth:`~KVPeer.connect` and then
+:meth:`~KVPeer.read` or :meth:`~KVPeer.write` blocks, one NIXL transfer per call, with runs of
+adjacent blocks coalesced into one descriptor. Importing kvcopy never needs NIXL; making a KVPeer
+without it is an ImportError naming the extra.
+"""
+
+from __future__ import annotations
+
+from .peer import KVPeer, RemotePool, RemoteTransfer, RemoteTransferError
+
+__all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError"]

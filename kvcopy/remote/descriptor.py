@@ -1,0 +1,82 @@
+"""What one peer tells another about its pool: the NIXL agent's metadata and the pool's layout, as bytes."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..host import HostKVPool
+from ..layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE
+
+__all__ = ["DESCRIPTOR_FORMAT", "PoolLayout", "decode", "encode"]
+
+# Bumped when the encoding changes: a peer refuses a descriptor of another format.
+DESCRIPTOR_FORMAT = 1
+_MAGIC = b"KVCP"
+_HEADER = struct.Struct("<4sII")  # magic, format, bytes of the JSON layout that follows (then the agent metadata)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """A pool as a remote peer sees it: its agent's name, ``page_first`` or ``layer_first``, its block count,
+    one ``(address, block stride, block bytes, dtype)`` per plane (addresses in the owner's process), and the
+    context hash of its CacheKey (None without one)."""
+
+    agent: str
+    layout: str
+    num_blocks: int
+    planes: tuple[tuple[int, int, int, str], ...]
+    context_hash: str | None
+
+    @classmethod
+    def of(cls, pool: HostKVPool, agent: str, context_hash: str | None) -> PoolLayout:
+        table = pool.paged.plane_table.tolist()
+        dtypes = [str(d).removeprefix("torch.") for d in pool.paged.dtypes]
+        planes = tuple(
+            (row[PLANE_ADDRESS], row[PLANE_BLOCK_STRIDE], row[PLANE_BLOCK_BYTES], dtype)
+            for row, dtype in zip(table, dtypes)
+        )
+        return cls(agent, pool.layout, pool.num_blocks, planes, context_hash)
+
+    def shape(self) -> tuple[str, tuple[tuple[int, str], ...]]:
+        """What two pools must share to exchange blocks: the layout kind and each plane's block bytes and dtype."""
+        return self.layout, tuple((nbytes, dtype) for _, _, nbytes, dtype in self.planes)
+
+    def plane_table(self) -> torch.Tensor:
+        """The plane table (kvcopy.layout) of this pool, at the owner's addresses: for planning ranges only."""
+        return torch.tensor([[a, s, n] for a, s, n, _ in self.planes], dtype=torch.int64)
+
+
+def encode(layout: PoolLayout, agent_metadata: bytes) -> bytes:
+    text = json.dumps(
+        {
+            "agent": layout.agent,
+            "layout": layout.layout,
+            "num_blocks": layout.num_blocks,
+            "planes": [list(p) for p in layout.planes],
+            "context_hash": layout.context_hash,
+        },
+        sort_keys=True,
+    ).encode()
+    return _HEADER.pack(_MAGIC, DESCRIPTOR_FORMAT, len(text)) + text + agent_metadata
+
+
+def decode(data: bytes) -> tuple[PoolLayout, bytes]:
+    """(the pool's layout, the agent's metadata); ValueError for anything that is not a kvcopy descriptor."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"remote_descriptor: expected bytes from KVPeer.descriptor(), got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) < _HEADER.size:
+        raise ValueError(f"remote_descriptor: expected a KVPeer descriptor, got {len(data)} bytes")
+    magic, version, length = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        raise ValueError("remote_descriptor: not a KVPeer descriptor (no kvcopy header)")
+    if version != DESCRIPTOR_FORMAT:
+        raise ValueError(f"remote_descriptor: format {version}, this kvcopy reads format {DESCRIPTOR_FORMAT}")
+    fields = json.loads(data[_HEADER.size : _HEADER.size + length])
+    planes = tuple((int(a), int(s), int(n), str(d)) for a, s, n, d in fields["planes"])
+    layout = PoolLayout(fields["agent"], fields["layout"], int(fields["num_blocks"]), planes, fields["context_hash"])
+    return layout, data[_HEADER.size + length :]

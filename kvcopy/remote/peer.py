@@ -1,0 +1,234 @@
+"""KVPeer: one NIXL agent that registers a HostKVPool and moves its blocks to and from other peers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import _ext
+from .._ids import BlockIds, as_ids, check_host_pair
+from ..host import HostKVPool
+from .descriptor import PoolLayout, decode, encode
+
+__all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError"]
+
+# NIXL's name for host memory in descriptor lists.
+_DRAM = "DRAM"
+# Polling a transfer: start short (a loopback transfer of a few MB takes milliseconds), back off to this.
+_POLL_MIN_S, _POLL_MAX_S = 1e-4, 5e-3
+
+
+class RemoteTransferError(RuntimeError):
+    """A remote transfer failed (the peer disappeared, or NIXL reported an error); the local blocks it was
+    writing hold no valid data."""
+
+
+def _nixl():  # noqa: ANN202 - the nixl module
+    try:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    except ImportError as err:
+        raise ImportError("kvcopy.remote needs NIXL: pip install 'kvcopy[nixl]' (nixl-cu13)") from err
+    return nixl_agent, nixl_agent_config
+
+
+@dataclass(frozen=True)
+class RemotePool:
+    """A connected peer's pool: its agent's name, layout and block count (from its descriptor)."""
+
+    agent: str
+    layout: PoolLayout
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+
+class RemoteTransfer:
+    """One NIXL transfer in flight. ``done()`` polls; ``wait(timeout)`` blocks; both raise RemoteTransferError
+    when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged)."""
+
+    def __init__(
+        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: str
+    ) -> None:
+        self._agent, self._handle = agent, handle
+        self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
+        self._written = written  # which blocks are not valid if it fails, for the error
+        self._state = "PROC"
+
+    def done(self) -> bool:
+        if self._state == "PROC":
+            try:
+                state = self._agent.check_xfer_state(self._handle)
+            except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+                state, cause = "ERR", err
+            else:
+                cause = None
+            if state in ("DONE", "ERR"):
+                self._release()
+                self._state = state
+            if state == "ERR":
+                self._fail(cause)
+        if self._state == "ERR":
+            self._fail(None)
+        return self._state == "DONE"
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Returns once the transfer is done; TimeoutError after ``timeout`` seconds (it may still land later)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_MIN_S
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+
+    def _release(self) -> None:
+        try:
+            self._agent.release_xfer_handle(self._handle)
+        except Exception:  # noqa: BLE001 - a handle of a vanished peer: nothing left to free
+            pass
+
+    def _fail(self, cause: BaseException | None) -> None:
+        raise RemoteTransferError(f"{self.direction} failed; {self._written} hold no valid data") from cause
+
+
+class KVPeer:
+    """One NIXL agent named ``name`` with ``pool`` registered; ``cache_key``: the CacheKey whose blocks the pool
+    holds (a peer refuses to connect to a pool of another context). A context manager; :meth:`close`
+    deregisters the pool."""
+
+    def __init__(
+        self, pool: HostKVPool, name: str, *, backends: tuple[str, ...] = ("UCX",), cache_key: object | None = None
+    ) -> None:
+        if not isinstance(pool, HostKVPool):
+            raise TypeError(f"pool: expected a HostKVPool, got {type(pool).__name__}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name: expected a non-empty agent name, got {name!r}")
+        context_hash = getattr(cache_key, "context_hash", None) if cache_key is not None else None
+        if cache_key is not None and not isinstance(context_hash, str):
+            raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
+        nixl_agent, nixl_agent_config = _nixl()
+        self.pool, self.name = pool, name
+        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._registered = self._agent.register_memory(pool.buffer)
+        self._layout = PoolLayout.of(pool, name, context_hash)
+        self._table = pool.paged.plane_table
+        self._remotes: dict[str, RemotePool] = {}
+
+    def descriptor(self) -> bytes:
+        """What a remote peer needs to connect: this agent's metadata, the pool's layout and its context hash."""
+        return encode(self._layout, self._agent.get_agent_metadata())
+
+    def connect(self, remote_descriptor: bytes) -> RemotePool:
+        """The remote peer's pool, ready for :meth:`read` and :meth:`write`. ValueError when its layout (layout
+        kind, planes, plane-block bytes, dtypes) or its CacheKey context differs from this pool's."""
+        layout, metadata = decode(remote_descriptor)
+        if layout.shape() != self._layout.shape():
+            raise ValueError(
+                f"remote_descriptor: pool {layout.agent!r} is laid out {layout.shape()}, this one "
+                f"{self._layout.shape()} (layout, then each plane's block bytes and dtype): its blocks cannot be "
+                "read as this pool's"
+            )
+        if layout.context_hash != self._layout.context_hash:
+            raise ValueError(
+                f"remote_descriptor: pool {layout.agent!r} holds blocks of CacheKey context {layout.context_hash}, "
+                f"this one {self._layout.context_hash}: a block of another model configuration is never read as "
+                "this one's"
+            )
+        agent = self._agent.add_remote_agent(metadata)
+        remote = RemotePool(agent.decode() if isinstance(agent, bytes) else str(agent), layout)
+        self._remotes[remote.agent] = remote
+        return remote
+
+    def read(self, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
+        """Copies the remote pool's blocks ``remote_ids`` into this pool's ``local_ids``: one NIXL READ."""
+        return self._transfer("READ", remote, remote_ids, local_ids)
+
+    def write(self, local_ids: BlockIds, remote: RemotePool, remote_ids: BlockIds) -> RemoteTransfer:
+        """Copies this pool's blocks ``local_ids`` into the remote pool's ``remote_ids``: one NIXL WRITE."""
+        return self._transfer("WRITE", remote, remote_ids, local_ids)
+
+    def _transfer(self, op: str, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
+        if not isinstance(remote, RemotePool) or self._remotes.get(remote.agent) is not remote:
+            raise ValueError("remote: expected a RemotePool this peer connected to (KVPeer.connect)")
+        reading = op == "READ"
+        names = ("remote_ids", "local_ids") if reading else ("local_ids", "remote_ids")
+        remote_t = as_ids(remote_ids, "remote_ids", remote.num_blocks)
+        local_t = as_ids(local_ids, "local_ids", self.pool.num_blocks)
+        for name, ids in (("remote_ids", remote_t), ("local_ids", local_t)):
+            if ids.device.type != "cpu":
+                raise ValueError(f"{name}: expected ids on the host, got ids on {ids.device}")
+        src, dst = (remote_t, local_t) if reading else (local_t, remote_t)
+        src_blocks, dst_blocks = (
+            (remote.num_blocks, self.pool.num_blocks) if reading else (self.pool.num_blocks, remote.num_blocks)
+        )
+        check_host_pair(src, dst, src_blocks, dst_blocks, same_cache=False, names=names)
+        remote_table = remote.layout.plane_table()
+        src_table, dst_table = (remote_table, self._table) if reading else (self._table, remote_table)
+        ranges = _plan_ranges(src_table, src, dst_table, dst)
+        local_ranges = [(d if reading else s, n, 0) for s, d, n in ranges]
+        remote_ranges = [(s if reading else d, n, 0) for s, d, n in ranges]
+        written = (
+            f"local blocks {local_t.tolist()}" if reading else f"remote blocks {remote_t.tolist()} of {remote.agent!r}"
+        )
+        handle = self._agent.initialize_xfer(
+            op,
+            self._agent.get_xfer_descs(local_ranges, _DRAM),
+            self._agent.get_xfer_descs(remote_ranges, _DRAM),
+            remote.agent,
+        )
+        transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for _, _, n in ranges), written)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+            transfer._release()
+            raise RemoteTransferError(f"{op.lower()} failed to start; {written} hold no valid data") from err
+        if state == "ERR":
+            transfer.done()  # raises RemoteTransferError
+        return transfer
+
+    def close(self) -> None:
+        """Forgets the connected peers and deregisters the pool (wait for this peer's transfers first)."""
+        for agent in list(self._remotes):
+            try:
+                self._agent.remove_remote_agent(agent)
+            except Exception:  # noqa: BLE001 - a vanished peer is already gone
+                pass
+        self._remotes.clear()
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+            self._registered = None
+
+    def __enter__(self) -> KVPeer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _plan_ranges(
+    src_table: torch.Tensor, src_ids: torch.Tensor, dst_table: torch.Tensor, dst_ids: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """(source address, destination address, bytes) of each contiguous range the copy becomes: kvcopy's range
+    planner (csrc/include/kvcopy/copy_ranges.h), which merges runs of adjacent blocks; without the compiled
+    extension one range per block and plane."""
+    compiled = _ext.extension()
+    if compiled is not None:
+        return compiled.plan_copy_ranges(
+            src_table.data_ptr(),
+            dst_table.data_ptr(),
+            src_table.shape[0],
+            src_ids.data_ptr(),
+            dst_ids.data_ptr(),
+            src_ids.numel(),
+            False,
+        )
+    ranges = []
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
+        for (sa, ss, n), (da, ds, _) in zip(src_table.tolist(), dst_table.tolist()):
+            ranges.append((sa + s * ss, da + d * ds, n))
+    return ranges
