@@ -126,6 +126,17 @@ def test_bench_call_overhead_reports_each_call_against_the_bare_copy(tmp_path: P
     assert lines[2].rstrip().endswith("1.0x")  # the bare copy_ is the unit; the others are not judged here
 
 
+def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
+    pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
+    out = tmp_path / "remote.csv"
+    result = _run("benchmarks/bench_remote.py", "--sizes", "2", "--blocks", "8", "--repeats", "1", "--csv", str(out))
+    assert result.returncode == 0, _describe(result)  # it exits non-zero when a block's bytes differ
+    rows = list(csv.DictReader(out.open()))
+    assert [r["method"] for r in rows] == ["contiguous (limit)", "kvcopy read", "per-block NIXL loop"]
+    assert [int(r["descriptors"]) for r in rows] == [1, 8, 8]  # random page-first blocks: one range each
+    assert all(r["link"].startswith("loopback") and r["host_cpu"] and float(r["gbps"]) > 0 for r in rows)
+
+
 def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
     out = tmp_path / "engine.csv"

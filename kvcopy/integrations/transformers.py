@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..methods import METHODS
+from ..methods import method_names
 from ..policy.model import ModelSpec
 from ..policy.planner import Planner
 from ..profile import Profile, default_profile
@@ -88,8 +88,8 @@ def _check_arguments(model: object, host_gib: object, policy: object, profile: o
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     if not (profile is None or isinstance(profile, (Profile, str, os.PathLike))):
         raise TypeError(f"profile: expected a Profile, a path or None, got {type(profile).__name__}")
-    if method != "auto" and method not in METHODS:
-        raise ValueError(f"method: expected 'auto' or one of {METHODS}, got {method!r}")
+    if method != "auto" and method not in method_names():
+        raise ValueError(f"method: expected 'auto' or one of {method_names()}, got {method!r}")
 
 
 def _planner(model: Any, policy: Policy, profile: Profile | None) -> Planner | None:

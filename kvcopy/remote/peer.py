@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,8 +16,20 @@ __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError"]
 
 # NIXL's name for host memory in descriptor lists.
 _DRAM = "DRAM"
-# Polling a transfer: start short (a loopback transfer of a few MB takes milliseconds), back off to this.
+# Waiting for a transfer: poll without sleeping for this long (a small loopback transfer takes tens of
+# microseconds, less than one sleep), then sleep between polls, backing off from the first pause to the last.
+_SPIN_S = 1e-3
 _POLL_MIN_S, _POLL_MAX_S = 1e-4, 5e-3
+
+
+class _Blocks:
+    """The blocks a transfer writes, said in an error (formatted only then: the hot path does not pay for it)."""
+
+    def __init__(self, owner: str, ids: torch.Tensor) -> None:
+        self.owner, self.ids = owner, ids
+
+    def __str__(self) -> str:
+        return f"{self.owner} blocks {self.ids.tolist()}"
 
 
 class RemoteTransferError(RuntimeError):
@@ -39,6 +51,7 @@ class RemotePool:
 
     agent: str
     layout: PoolLayout
+    plane_table: torch.Tensor = field(repr=False, compare=False)  # its planes at the owner's addresses (planning)
 
     @property
     def num_blocks(self) -> int:
@@ -50,7 +63,7 @@ class RemoteTransfer:
     when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged)."""
 
     def __init__(
-        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: str
+        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: object
     ) -> None:
         self._agent, self._handle = agent, handle
         self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
@@ -76,10 +89,14 @@ class RemoteTransfer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Returns once the transfer is done; TimeoutError after ``timeout`` seconds (it may still land later)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         pause = _POLL_MIN_S
         while not self.done():
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now - started < _SPIN_S:
+                continue
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(
                     f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is"
                 )
@@ -140,7 +157,8 @@ class KVPeer:
                 "this one's"
             )
         agent = self._agent.add_remote_agent(metadata)
-        remote = RemotePool(agent.decode() if isinstance(agent, bytes) else str(agent), layout)
+        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        remote = RemotePool(name, layout, layout.plane_table())
         self._remotes[remote.agent] = remote
         return remote
 
@@ -167,14 +185,12 @@ class KVPeer:
             (remote.num_blocks, self.pool.num_blocks) if reading else (self.pool.num_blocks, remote.num_blocks)
         )
         check_host_pair(src, dst, src_blocks, dst_blocks, same_cache=False, names=names)
-        remote_table = remote.layout.plane_table()
+        remote_table = remote.plane_table
         src_table, dst_table = (remote_table, self._table) if reading else (self._table, remote_table)
         ranges = _plan_ranges(src_table, src, dst_table, dst)
         local_ranges = [(d if reading else s, n, 0) for s, d, n in ranges]
         remote_ranges = [(s if reading else d, n, 0) for s, d, n in ranges]
-        written = (
-            f"local blocks {local_t.tolist()}" if reading else f"remote blocks {remote_t.tolist()} of {remote.agent!r}"
-        )
+        written = _Blocks("local", local_t) if reading else _Blocks(f"{remote.agent!r}'s", remote_t)
         handle = self._agent.initialize_xfer(
             op,
             self._agent.get_xfer_descs(local_ranges, _DRAM),

@@ -17,7 +17,7 @@ DEFAULT_PLAN_MODEL = "llama-3.1-8b"
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from ..methods import METHODS
+    from ..methods import method_names
     from ..policy import calibrator
     from ..policy.planner import Planner
     from ..profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
@@ -28,9 +28,9 @@ def calibrate(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     device = device_arg(args.device)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    unknown = [m for m in methods or [] if m not in METHODS]
+    unknown = [m for m in methods or [] if m not in method_names()]
     if unknown:
-        raise CliError(f"--methods: unknown method {unknown[0]!r}; known: {', '.join(METHODS)}")
+        raise CliError(f"--methods: unknown method {unknown[0]!r}; known: {', '.join(method_names())}")
 
     def measure() -> Profile:
         try:

@@ -1,0 +1,178 @@
+"""Blocks between two processes over NIXL (UCX): kvcopy's coalesced transfer against the alternatives.
+
+Two local processes (on one machine: the loopback path, labelled as such), each with a page-first
+HostKVPool of PLANES planes. For each plane-block size, one call reads BLOCKS random blocks three ways:
+- ``kvcopy read``: KVPeer.read, one NIXL transfer whose descriptors kvcopy's range planner coalesced;
+- ``per-block NIXL loop``: one NIXL transfer per block, each waited for (what a caller without kvcopy writes);
+- ``contiguous (limit)``: one NIXL transfer of the same bytes as one range.
+Each row: the median of REPEATS calls, GB/s and the ratio to the limit, with the machine's identity.
+
+    .venv/bin/python benchmarks/bench_remote.py [--sizes 2,8,32,128] [--blocks 64] [--repeats 5] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import multiprocessing
+import statistics
+import time
+
+import torch
+
+import kvcopy
+from kvcopy.policy.machine import machine_identity
+from kvcopy.remote import KVPeer
+from kvcopy.tools.bench import IDENTITY_COLUMNS
+
+PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
+WAIT_S = 120  # generous: a loaded machine may take seconds per call
+COLUMNS = ("link", "method", "plane_block_bytes", "num_blocks", "bytes", "descriptors", "median_s", "gbps", "x_limit")
+
+
+def _pool(plane_block_bytes: int, num_blocks: int, seed: int) -> kvcopy.HostKVPool:
+    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_block_bytes, dtype=torch.uint8)] * PLANES)
+    pool = kvcopy.HostKVPool(like, num_blocks, pin_memory=False)
+    pool.buffer.copy_(
+        torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    )
+    return pool
+
+
+def _serve(conn) -> None:
+    peer = None
+    while True:
+        command, *args = conn.recv()
+        if peer is not None:
+            peer.close()
+            peer = None
+        if command == "exit":
+            return
+        pool = _pool(*args, seed=1)
+        peer = KVPeer(pool, f"remote-{args[0]}")
+        conn.send(peer.descriptor())
+        peer.connect(conn.recv())
+        conn.send(pool.buffer.numpy().tobytes())
+
+
+def _median(call, repeats: int) -> float:
+    call()  # warm-up: connection setup and first touches
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]]) -> None:
+    """One NIXL READ of ``ranges`` ((remote address, local address, bytes)), waited for."""
+    agent = peer._agent  # noqa: SLF001 - the baselines use the same agent, without kvcopy's planning
+    local = agent.get_xfer_descs([(dst, n, 0) for _, dst, n in ranges], "DRAM")
+    far = agent.get_xfer_descs([(src, n, 0) for src, _, n in ranges], "DRAM")
+    handle = agent.initialize_xfer("READ", local, far, remote.agent)
+    agent.transfer(handle)
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        pass
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"NIXL transfer ended {state}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="2,8,32,128", help="plane-block sizes in KiB")
+    parser.add_argument("--blocks", type=int, default=64, help="random blocks per call")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--csv", help="also write the rows here")
+    args = parser.parse_args()
+    identity = machine_identity(torch.device("cpu"))
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(child,), daemon=True)
+    server.start()
+    rows = []
+    try:
+        for kib in (int(k) for k in args.sizes.split(",")):
+            plane_block = kib * 1024
+            num_blocks = 2 * args.blocks
+            parent.send(("pool", plane_block, num_blocks))
+            descriptor = parent.recv()
+            local = _pool(plane_block, num_blocks, seed=2)
+            with KVPeer(local, f"local-{kib}") as peer:
+                remote = peer.connect(descriptor)
+                parent.send(peer.descriptor())
+                expected = torch.frombuffer(bytearray(parent.recv()), dtype=torch.uint8)
+                g = torch.Generator().manual_seed(kib)
+                remote_ids = torch.randperm(num_blocks, generator=g)[: args.blocks]
+                local_ids = torch.randperm(num_blocks, generator=g)[: args.blocks]
+                block = local.nbytes_per_block
+                far_base, near_base = remote.layout.planes[0][0], local.buffer.data_ptr()
+                per_block = [
+                    [(far_base + r * block, near_base + q * block, block)]
+                    for r, q in zip(remote_ids.tolist(), local_ids.tolist())
+                ]
+                contiguous = [(far_base, near_base, args.blocks * block)]
+                last = {}
+
+                def kvcopy_read() -> None:
+                    last["t"] = peer.read(remote, remote_ids, local_ids)
+                    last["t"].wait(WAIT_S)
+
+                calls = {
+                    "contiguous (limit)": lambda: _raw_read(peer, remote, contiguous),
+                    "kvcopy read": kvcopy_read,
+                    "per-block NIXL loop": lambda: [_raw_read(peer, remote, r) for r in per_block],
+                }
+                timed = {name: _median(call, args.repeats) for name, call in calls.items()}
+                kvcopy_read()  # checked last, after the other calls wrote the same local blocks
+                for r, q in zip(remote_ids.tolist(), local_ids.tolist()):
+                    if not torch.equal(
+                        local.buffer[q * block : (q + 1) * block], expected[r * block : (r + 1) * block]
+                    ):
+                        raise SystemExit(f"block {r} -> {q}: bytes differ")
+                nbytes = args.blocks * block
+                descriptors = {
+                    "contiguous (limit)": 1,
+                    "kvcopy read": last["t"].num_descriptors,
+                    "per-block NIXL loop": args.blocks,
+                }
+                for name, seconds in timed.items():
+                    rows.append(
+                        {
+                            "link": "loopback (two processes, one machine)",
+                            "method": name,
+                            "plane_block_bytes": plane_block,
+                            "num_blocks": args.blocks,
+                            "bytes": nbytes,
+                            "descriptors": descriptors[name],
+                            "median_s": seconds,
+                            "gbps": nbytes / seconds / 1e9,
+                            "x_limit": timed["contiguous (limit)"] / seconds,
+                        }
+                    )
+    finally:
+        parent.send(("exit",))
+        server.join(WAIT_S)
+    print(
+        f"kvcopy remote bench on {identity.get('device_name')} ({identity.get('host_cores')} cores), "
+        f"{identity.get('date')}: {args.blocks} random page-first blocks of {PLANES} planes per call, "
+        f"loopback between two processes over NIXL/UCX, median of {args.repeats}"
+    )
+    print(f"{'KiB/plane-block':>15} {'method':<22} {'descr.':>6} {'ms':>9} {'GB/s':>7} {'x limit':>8}")
+    for r in rows:
+        print(
+            f"{r['plane_block_bytes'] // 1024:>15} {r['method']:<22} {r['descriptors']:>6} "
+            f"{r['median_s'] * 1e3:>9.2f} {r['gbps']:>7.2f} {r['x_limit']:>8.2f}"
+        )
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[*IDENTITY_COLUMNS, *COLUMNS])
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({**{k: identity.get(k, "") for k in IDENTITY_COLUMNS}, **r})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
