@@ -29,7 +29,6 @@ __all__ = ["BlockIds", "as_ids", "check_host_pair", "check_lengths", "check_side
 
 BlockIds = torch.Tensor | Sequence[int] | np.ndarray
 _ID_DTYPES = (torch.int32, torch.int64)
-_INT64_RANGE = (-(2**63), 2**63 - 1)
 # Up to this many ids, plain Python checks beat numpy's per-call overhead (fallback only).
 _SMALL_ID_COUNT = 64
 
@@ -62,10 +61,11 @@ def as_ids(ids: BlockIds, name: str, num_blocks: int) -> torch.Tensor:
         _validate_ints(ids, name)
         if not ids:
             return torch.empty(0, dtype=torch.int64)
-        low, high = min(ids), max(ids)
-        if low < _INT64_RANGE[0] or high > _INT64_RANGE[1]:
-            raise _range_error(name, num_blocks, int(low if low < 0 else high))
-        return torch.frombuffer(array.array("q", ids), dtype=torch.int64)  # ~3x faster than torch.tensor
+        try:
+            return torch.frombuffer(array.array("q", ids), dtype=torch.int64)  # ~3x faster than torch.tensor
+        except OverflowError:  # out of any cache's range: reported as the range check reports it
+            low, high = min(ids), max(ids)
+            raise _range_error(name, num_blocks, int(low if low < 0 else high)) from None
     tensor = _as_tensor(ids, name)
     if tensor.dtype not in _ID_DTYPES:
         raise TypeError(f"{name}: expected dtype int32 or int64, got {tensor.dtype}")

@@ -51,6 +51,19 @@ def copy_blocks(
     More CTAs move small plane-blocks faster and take SMs from whatever runs
     beside the copy. The other methods use no SMs and ignore it.
     """
+    _copy(src, src_ids, dst, dst_ids, method, stream, num_ctas)
+
+
+def _copy(
+    src: KVLike,
+    src_ids: BlockIds,
+    dst: KVLike,
+    dst_ids: BlockIds,
+    method: str,
+    stream: torch.cuda.Stream | None,
+    num_ctas: int | None,
+) -> None:
+    """copy_blocks, gather and scatter: the host fast path when it takes the call, else the pipeline."""
     if stream is None and num_ctas is None and dispatch.host_fast_path(src, src_ids, dst, dst_ids, method):
         return
     src_kv, dst_kv = dispatch.as_paged(src, "src"), dispatch.as_paged(dst, "dst")
@@ -71,9 +84,7 @@ def gather(
     """Device pages -> host pool: ``copy_blocks(kv, block_ids, host, host_ids, ...)``."""
     if not isinstance(host, HostKVPool):
         raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-    if stream is None and num_ctas is None and dispatch.host_fast_path(kv, block_ids, host, host_ids, method):
-        return  # the common small call, without a second frame (kvcopy.dispatch.host_fast_path)
-    copy_blocks(kv, block_ids, host, host_ids, method=method, stream=stream, num_ctas=num_ctas)
+    _copy(kv, block_ids, host, host_ids, method, stream, num_ctas)
 
 
 def scatter(
@@ -89,6 +100,4 @@ def scatter(
     """Host pool -> device pages: ``copy_blocks(host, host_ids, kv, block_ids, ...)``."""
     if not isinstance(host, HostKVPool):
         raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-    if stream is None and num_ctas is None and dispatch.host_fast_path(host, host_ids, kv, block_ids, method):
-        return
-    copy_blocks(host, host_ids, kv, block_ids, method=method, stream=stream, num_ctas=num_ctas)
+    _copy(host, host_ids, kv, block_ids, method, stream, num_ctas)

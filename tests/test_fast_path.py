@@ -191,3 +191,12 @@ def test_plane_table_columns_agree_with_the_compiled_code():
     assert table[1, layout.PLANE_ADDRESS] == plane.data_ptr()
     assert table[1, layout.PLANE_BLOCK_STRIDE] == plane.stride(0) * plane.element_size()
     assert table[1, layout.PLANE_BLOCK_BYTES] == plane[0].numel() * plane.element_size()
+
+
+@pytest.mark.parametrize(("ids", "reported"), [([0, 2**70], 2**70), ([-1, 2**70], -1), ([-(2**70), 3], -(2**70))])
+def test_list_ids_beyond_int64_are_the_range_error(ids, reported):
+    kv, pool = _pair(20)
+    before = snapshot(pool)
+    with pytest.raises(IndexError, match=rf"src_ids: expected ids in \[0, {kv.num_blocks}\), got {reported}$"):
+        kvcopy.copy_blocks(kv, ids, pool, [0, 1])
+    assert_same_bytes(snapshot(pool), before)

@@ -53,15 +53,21 @@ std::vector<PlaneCopy> planes_from_tables(Address src_table, Address dst_table, 
   return planes;
 }
 
-// Throws IndexError / ValueError (as the Python checks and the ops do) unless the host ids are valid.
-void check_host_ids(Address src_ids, int64_t src_len, Address dst_ids, int64_t dst_len, int64_t src_blocks,
-                    int64_t dst_blocks, bool same_cache, const IdNames& names) {
-  const IdProblem problem = check_ids(as_ptr<const int64_t>(src_ids), src_len, as_ptr<const int64_t>(dst_ids), dst_len,
-                                      src_blocks, dst_blocks, same_cache);
+// Throws `problem` (unless kNone) as IndexError / ValueError, worded as the Python checks and the ops word it.
+void throw_if_invalid(const IdProblem& problem, const IdNames& names, int64_t src_len, int64_t src_blocks,
+                      int64_t dst_blocks) {
   if (problem.kind == IdProblem::kNone) return;
   const std::string message = describe(problem, names, src_len, src_blocks, dst_blocks);
   if (is_index_problem(problem)) throw py::index_error(message);
   throw py::value_error(message);
+}
+
+// Throws IndexError / ValueError unless the host ids are valid.
+void check_host_ids(Address src_ids, int64_t src_len, Address dst_ids, int64_t dst_len, int64_t src_blocks,
+                    int64_t dst_blocks, bool same_cache, const IdNames& names) {
+  throw_if_invalid(check_ids(as_ptr<const int64_t>(src_ids), src_len, as_ptr<const int64_t>(dst_ids), dst_len,
+                             src_blocks, dst_blocks, same_cache),
+                   names, src_len, src_blocks, dst_blocks);
 }
 
 // A host-to-host (src, dst) pair resolved once: its planes, block counts and whether both sides are
@@ -257,11 +263,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "check_block_id_side",
       [](Address ids, int64_t len, int64_t num_blocks, bool destination, const std::string& name) {
-        const IdProblem problem = check_id_side(as_ptr<const int64_t>(ids), len, num_blocks, destination);
-        if (problem.kind == IdProblem::kNone) return;
-        const std::string message = describe(problem, IdNames{name.c_str(), name.c_str()}, len, num_blocks, num_blocks);
-        if (is_index_problem(problem)) throw py::index_error(message);
-        throw py::value_error(message);
+        throw_if_invalid(check_id_side(as_ptr<const int64_t>(ids), len, num_blocks, destination),
+                         IdNames{name.c_str(), name.c_str()}, len, num_blocks, num_blocks);
       },
       "Checks one side's host ids: range, and for a destination repeats.");
   m.def(

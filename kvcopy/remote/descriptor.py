@@ -10,6 +10,7 @@ import torch
 
 from ..host import HostKVPool
 from ..layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE
+from ..policy.kv_dtypes import torch_name
 
 __all__ = ["DESCRIPTOR_FORMAT", "PoolLayout", "decode", "encode"]
 
@@ -34,7 +35,7 @@ class PoolLayout:
     @classmethod
     def of(cls, pool: HostKVPool, agent: str, context_hash: str | None) -> PoolLayout:
         table = pool.paged.plane_table.tolist()
-        dtypes = [str(d).removeprefix("torch.") for d in pool.paged.dtypes]
+        dtypes = [torch_name(d) for d in pool.paged.dtypes]
         planes = tuple(
             (row[PLANE_ADDRESS], row[PLANE_BLOCK_STRIDE], row[PLANE_BLOCK_BYTES], dtype)
             for row, dtype in zip(table, dtypes)
