@@ -24,6 +24,7 @@ __all__ = [
     "MethodProfile",
     "PrefillProfile",
     "Profile",
+    "REMOTE_DIRECTION",
     "default_profile",
     "direction_of",
     "fit_problems",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = 1
+# The direction of the network link to a peer: its pool read into this host's (kvcopy.remote.link).
+REMOTE_DIRECTION = "r2h"
 DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcopy" / "profile.json"
 
 
@@ -241,6 +244,10 @@ POOR_FIT_RESIDUAL = 1.5
 # Methods whose fit is not judged: the "torch" reference loop is not linear in the bytes even on an idle
 # machine (its index_select temporaries fault pages in: R^2 0.75-0.85 seen on the CPU VM).
 UNJUDGED_METHODS = ("torch",)
+# Directions judged by their fit per block size instead of the line over all sizes: the link to a peer
+# (kvcopy.remote.link), where each range is one network descriptor with its own fixed cost, so the time per
+# byte depends on the range size by design and one line through every size does not describe it.
+PER_SIZE_JUDGED_DIRECTIONS = (REMOTE_DIRECTION,)
 
 
 def fit_problems(profile: Profile) -> list[str]:
@@ -251,8 +258,14 @@ def fit_problems(profile: Profile) -> list[str]:
         for method, mp in sorted(methods.items()):
             if method in UNJUDGED_METHODS:
                 continue
-            if mp.fit.r2 < POOR_FIT_R2 or mp.fit.max_abs_residual > POOR_FIT_RESIDUAL:
-                problems.append(f"{direction} {method}: R^2 {mp.fit.r2:.3f}, max resid {mp.fit.max_abs_residual:.0%}")
+            fits = {"": mp.fit}
+            if direction in PER_SIZE_JUDGED_DIRECTIONS and mp.by_block_nbytes:
+                fits = {f" {size} B ranges": fit for size, fit in sorted(mp.by_block_nbytes.items())}
+            for where, fit in fits.items():
+                if fit.r2 < POOR_FIT_R2 or fit.max_abs_residual > POOR_FIT_RESIDUAL:
+                    problems.append(
+                        f"{direction} {method}{where}: R^2 {fit.r2:.3f}, max resid {fit.max_abs_residual:.0%}"
+                    )
     if profile.prefill is not None and profile.prefill.r2 < POOR_FIT_R2:
         problems.append(f"prefill: R^2 {profile.prefill.r2:.3f}")
     return problems

@@ -32,7 +32,7 @@ from .timing import COLD_BYTES, measure
 if TYPE_CHECKING:
     from .model import ModelSpec
 
-__all__ = ["calibrate", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
+__all__ = ["calibrate", "fit_links", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 
 # Planes of the synthetic cache: enough that per-plane costs show, as in a real
 # cache (a llama8b cache has 64), while keeping the largest shapes small.
@@ -156,7 +156,9 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
     return points
 
 
-def _fit_links(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
+def fit_links(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
+    """Per direction and method: the fit over all points ``[bytes, blocks, plane-block bytes, median s, ...]``
+    and one per plane-block size (where that size has two or more byte counts and the times grow)."""
     links: dict[str, dict[str, MethodProfile]] = {}
     for direction, methods in points.items():
         for method, rows in methods.items():
@@ -359,7 +361,7 @@ def calibrate(
     points = _time_links(device, sweep, methods, progress)
     if not points:
         raise ValueError(f"methods: none of {list(methods or [])} can run on {device}")
-    profile = Profile(hardware=_hardware(device), links=_fit_links(points))
+    profile = Profile(hardware=_hardware(device), links=fit_links(points))
     profile.peaks = _contiguous_peaks(device, sweep.max_total_bytes // 2, sweep.repeats)
     profile.prefill = _time_prefill(spec, device, sweep, progress)
     return profile

@@ -11,10 +11,15 @@ resumed request always computes at least the token it continues from):
   meeting in the middle (the Cake idea): ``max(t_prefill(x), t_load(rest)) +
   t_extend(P, n)`` at the best x. On sliding-window layers only the last W
   tokens are cached, so computing tokens before them saves no load;
-- recompute: ``t_prefill(P + n)``.
+- recompute: ``t_prefill(P + n)``;
+- fetch (a prefix held by a peer, ``from_peer=True``): ``t_fetch(P) + t_extend(P, n)``: read the blocks
+  over the network into the host pool and reload them, the two pipelined in chunks (kvcopy.policy.pipeline);
+  split works the same with the fetch in place of the load. Layer-wise reload is not offered for a peer's
+  prefix: its page-first blocks hold every layer, so no layer arrives before the others.
 
 ``t_load(bytes) = min over the load options of alpha + bytes / (beta · (1 - decode_share))``:
-the best measured copy method at that size. ``decode_share`` is the fraction
+the best measured copy method at that size. ``t_fetch`` reads at ``fetch_alpha_s + bytes / fetch_bytes_per_s``
+(the network link, ``kvcopy calibrate --remote``). ``decode_share`` is the fraction
 of the link (or the SMs) that running decode needs; a load gets the rest.
 
 Prefill, per forward of n new tokens after P cached ones, is a roofline:
@@ -28,10 +33,13 @@ FLOPs (ModelSpec.prefill_flops, ModelSpec.weight_bytes). Without
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from ..profile import REMOTE_DIRECTION
+from .decision import ACTIONS, Action, Decision
+from .pipeline import pipelined_seconds
+from .scan import scan_grid
 from .timing import seconds_text
 
 if TYPE_CHECKING:
@@ -40,37 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "ACTIONS"]
 
-Action = Literal["reload", "layerwise", "split", "recompute"]
-ACTIONS: tuple[Action, ...] = ("reload", "layerwise", "split", "recompute")
 # Tokens per block when a profile is turned into load costs: the common paged-attention block.
 DEFAULT_BLOCK_TOKENS = 16
 # The longest prefix the threshold considers when the model's config does not give its context length.
 DEFAULT_CONTEXT_TOKENS = 131072
-# Prefix lengths the threshold scan evaluates before bisecting the last sign change: every length up to
-# the first, then geometric steps (a relative step of 1/_SCAN_PER_DOUBLING of a doubling).
-_SCAN_DENSE_UP_TO = 4096
-_SCAN_PER_DOUBLING = 64
 # A split must beat the best other option by at least this fraction when the caller gives no margin.
 _DEFAULT_SPLIT_MARGIN = 0.0
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What to do with a cached prefix, and the predicted seconds of each option.
-
-    ``t_layerwise`` is None unless the planner was made with ``layerwise=True``;
-    ``t_split`` is None when the prefix is too short to split.
-    """
-
-    action: Action
-    prefix_tokens: int
-    new_tokens: int
-    t_reload: float
-    t_recompute: float
-    t_split: float | None
-    split_tokens: int  # tokens to compute in a split (the rest is loaded); 0 unless a split was possible
-    explanation: str
-    t_layerwise: float | None = None
 
 
 def _positive_rate(name: str, value: float | None) -> None:
@@ -88,7 +71,9 @@ class Planner:
     first; a load takes the fastest. ``split_margin``: a split is chosen only
     when it beats every other option by more than this fraction (the
     profile's prediction error). ``note``: said in every explanation (e.g.
-    what the prefill was calibrated on).
+    what the prefill was calibrated on). ``fetch_alpha_s`` / ``fetch_bytes_per_s``: the network link to
+    a peer holding the prefix (both or neither), for ``decide(..., from_peer=True)``; ``block_tokens``:
+    tokens per block, the smallest piece a fetch is pipelined in.
     """
 
     def __init__(
@@ -106,6 +91,9 @@ class Planner:
         load_options: Sequence[tuple[float, float]] = (),
         split_margin: float = _DEFAULT_SPLIT_MARGIN,
         note: str = "",
+        fetch_alpha_s: float | None = None,
+        fetch_bytes_per_s: float | None = None,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         if (prefill_tokens_per_s is None) == (prefill_flops_per_s is None):
             raise ValueError("prefill_tokens_per_s / prefill_flops_per_s: expected exactly one of them")
@@ -116,9 +104,18 @@ class Planner:
             ("prefill_tokens_per_s", prefill_tokens_per_s),
             ("prefill_flops_per_s", prefill_flops_per_s),
             ("weight_bytes_per_s", weight_bytes_per_s),
+            ("fetch_bytes_per_s", fetch_bytes_per_s),
         ):
             _positive_rate(name, value)
-        for name, value in (("load_alpha_s", load_alpha_s), ("prefill_alpha_s", prefill_alpha_s)):
+        if (fetch_alpha_s is None) != (fetch_bytes_per_s is None):
+            raise ValueError("fetch_alpha_s / fetch_bytes_per_s: expected both (a network link) or neither")
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+            raise ValueError(f"block_tokens: expected an int >= 1, got {block_tokens!r}")
+        for name, value in (
+            ("load_alpha_s", load_alpha_s),
+            ("prefill_alpha_s", prefill_alpha_s),
+            ("fetch_alpha_s", fetch_alpha_s or 0.0),
+        ):
             if not value >= 0:
                 raise ValueError(f"{name}: expected seconds >= 0, got {value}")
         for alpha, beta in load_options:
@@ -143,6 +140,9 @@ class Planner:
         self.layerwise = bool(layerwise)
         self.split_margin = float(split_margin)
         self.note = note
+        self.fetch_alpha_s = None if fetch_alpha_s is None else float(fetch_alpha_s)
+        self.fetch_bytes_per_s = None if fetch_bytes_per_s is None else float(fetch_bytes_per_s)
+        self.block_tokens = block_tokens
 
     @classmethod
     def from_profile(
@@ -162,7 +162,9 @@ class Planner:
         model; its fixed cost is per layer-forward, scaled by the layer count. A planner for a
         model other than the calibrated one says so in every explanation. The split margin is
         the largest relative miss of the load fits. ``tp``: plan for one of that many
-        tensor-parallel ranks (``spec.shard(tp)``: its KV heads, FLOPs and weight bytes).
+        tensor-parallel ranks (``spec.shard(tp)``: its KV heads, FLOPs and weight bytes). A
+        profile with the network link to a peer (``kvcopy calibrate --remote``) gives the fetch
+        costs, at the range size of one page-first block (one network descriptor per block).
         """
         spec = spec.shard(tp)
         direction = "h2d" if "h2d" in profile.links else "h2h"
@@ -183,6 +185,9 @@ class Planner:
         elif spec.tp > 1:
             note = f"one of {spec.tp} tensor-parallel ranks"
         margin = min(0.5, max((fit.max_abs_residual for fit in fits), default=0.0))
+        block = spec.block_nbytes(block_tokens)
+        remote = [mp.link_at(block) for mp in profile.links.get(REMOTE_DIRECTION, {}).values()]
+        fetch = min(remote, key=lambda fit: fit.predict(block), default=None)
         return cls(
             spec,
             load_alpha_s=fits[0].alpha_s,
@@ -195,6 +200,9 @@ class Planner:
             layerwise=layerwise,
             split_margin=margin,
             note=note,
+            fetch_alpha_s=None if fetch is None else fetch.alpha_s,
+            fetch_bytes_per_s=None if fetch is None else fetch.beta_bytes_per_s,
+            block_tokens=block_tokens,
         )
 
     # ------------------------------------------------------------------ costs
@@ -203,6 +211,18 @@ class Planner:
         """Seconds to load ``nbytes`` of KV in one call, with the fastest load option at that size."""
         share = 1.0 - self.decode_share
         return min(alpha + nbytes / (beta * share) for alpha, beta in self.load_options)
+
+    def t_fetch_nbytes(self, nbytes: float) -> tuple[float, int]:
+        """(seconds, chunks) to bring ``nbytes`` of a peer's KV here: the network read and the local reload,
+        pipelined at the best chunk count (whole blocks per chunk). ValueError without a network link."""
+        if self.fetch_alpha_s is None or self.fetch_bytes_per_s is None:
+            raise ValueError(
+                "from_peer: this planner has no network link to a peer (fetch_alpha_s / fetch_bytes_per_s, or "
+                "a profile from `kvcopy calibrate --remote`)"
+            )
+        alpha, beta = self.fetch_alpha_s, self.fetch_bytes_per_s
+        blocks = math.ceil(nbytes / self.spec.block_nbytes(self.block_tokens))
+        return pipelined_seconds(nbytes, blocks, lambda b: alpha + b / beta, self.t_load_nbytes)
 
     def t_load(self, tokens: int) -> float:
         """Seconds to reload the KV of ``tokens`` prefix tokens (one call)."""
@@ -235,11 +255,11 @@ class Planner:
             full += sliding * (window - max(0, computed - (prefix - window)))
         return full * per_layer
 
-    def _t_split(self, prefix: int, computed: int) -> float:
-        """Compute the first ``computed`` tokens while the rest of the prefix loads."""
-        return max(self.t_prefill(computed), self.t_load_nbytes(self._cached_bytes_after(prefix, computed)))
+    def _t_split(self, prefix: int, computed: int, load: Callable[[float], float]) -> float:
+        """Compute the first ``computed`` tokens while the rest of the prefix loads (in ``load`` seconds)."""
+        return max(self.t_prefill(computed), load(self._cached_bytes_after(prefix, computed)))
 
-    def _best_split(self, prefix: int) -> tuple[int, float] | None:
+    def _best_split(self, prefix: int, load: Callable[[float], float]) -> tuple[int, float] | None:
         """The x in [1, prefix - 1] minimising the split time.
 
         Computing x tokens takes longer as x grows and loading the rest no
@@ -251,21 +271,26 @@ class Planner:
         lo, hi = 1, prefix - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.t_prefill(mid) >= self.t_load_nbytes(self._cached_bytes_after(prefix, mid)):
+            if self.t_prefill(mid) >= load(self._cached_bytes_after(prefix, mid)):
                 hi = mid
             else:
                 lo = mid + 1
-        best = min({max(1, lo - 1), lo}, key=lambda x: self._t_split(prefix, x))
-        return best, self._t_split(prefix, best)
+        best = min({max(1, lo - 1), lo}, key=lambda x: self._t_split(prefix, x, load))
+        return best, self._t_split(prefix, best, load)
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, prefix_tokens: int, new_tokens: int = 1, *, load_nbytes: int | None = None) -> Decision:
+    def decide(
+        self, prefix_tokens: int, new_tokens: int = 1, *, load_nbytes: int | None = None, from_peer: bool = False
+    ) -> Decision:
         """Reload, layer-wise reload, split or recompute for a cached prefix of ``prefix_tokens`` and
         ``new_tokens`` (>= 1) to compute after it.
 
         ``load_nbytes``: the bytes a reload would move, when the engine knows them (whole
         blocks, a sliding window's ring); default ``spec.kv_bytes(prefix_tokens)``.
+        ``from_peer``: the prefix is held by another node: fetch (network read and reload,
+        pipelined), split (compute the front while the rest is fetched) or recompute. ValueError
+        when the planner has no network link.
         """
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
@@ -278,55 +303,68 @@ class Planner:
             isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int) or load_nbytes < 0
         ):
             raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
+        if from_peer:
+            self.t_fetch_nbytes(0)  # the error, before any work, when there is no network link
         prefix = prefix_tokens
         extend = self.t_prefill(new_tokens, prefix)
         t_recompute = self.t_prefill(prefix + new_tokens)
+        keep: Action = "fetch" if from_peer else "reload"
         if prefix == 0:
-            return Decision(
-                "recompute", 0, new_tokens, extend, t_recompute, None, 0, self._note("no cached prefix: compute"), None
-            )
-        load = self.t_load(prefix) if load_nbytes is None else self.t_load_nbytes(load_nbytes)
-        t_reload = load + extend
-        t_layerwise = max(load, extend) + load / self.spec.num_layers if self.layerwise else None
-        split = self._best_split(prefix)
+            note = self._note("no cached prefix: compute")
+            t_reload, t_fetch = (None, extend) if from_peer else (extend, None)
+            return Decision("recompute", 0, new_tokens, t_reload, t_recompute, None, 0, note, None, t_fetch)
+
+        def load(nbytes: float) -> float:
+            return self.t_fetch_nbytes(nbytes)[0] if from_peer else self.t_load_nbytes(nbytes)
+
+        nbytes = self.spec.kv_bytes(prefix) if load_nbytes is None else load_nbytes
+        t_load = load(nbytes)
+        t_layerwise = max(t_load, extend) + t_load / self.spec.num_layers if self.layerwise and not from_peer else None
+        split = self._best_split(prefix, load)
         t_split = split[1] + extend if split else None
-        options: dict[Action, float] = {"reload": t_reload, "recompute": t_recompute}
+        options: dict[Action, float] = {keep: t_load + extend, "recompute": t_recompute}
         if t_layerwise is not None:
             options["layerwise"] = t_layerwise
         best_other = min(options.values())
         if t_split is not None and t_split < best_other * (1.0 - self.split_margin):
             options["split"] = t_split
         action = min(options, key=options.__getitem__)
-        explanation = self._explain(action, prefix, options, split)
+        chunks = self.t_fetch_nbytes(nbytes)[1] if from_peer else 0
         return Decision(
             action,
             prefix,
             new_tokens,
-            t_reload,
+            None if from_peer else options["reload"],
             t_recompute,
             t_split,
             split[0] if split else 0,
-            explanation,
+            self._explain(action, prefix, options, split, chunks),
             t_layerwise,
+            options["fetch"] if from_peer else None,
+            chunks,
         )
 
     def _note(self, text: str) -> str:
         return f"{text} ({self.note})" if self.note else text
 
     def _explain(
-        self, action: Action, prefix: int, options: dict[Action, float], split: tuple[int, float] | None
+        self, action: Action, prefix: int, options: dict[Action, float], split: tuple[int, float] | None, chunks: int
     ) -> str:
+        rest = "the rest is fetched" if "fetch" in options else "the rest loads"
         what = {
-            "split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while the rest loads)",
+            "split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while {rest})",
             "layerwise": "layer-wise reload",
+            "fetch": f"fetch from the peer (network read and reload, pipelined in {chunks} chunk(s))",
         }.get(action, action)
         others = ", ".join(f"{name} {seconds_text(t)}" for name, t in options.items() if name != action)
         return self._note(f"{what}: {seconds_text(options[action])} vs {others} for {prefix} cached tokens")
 
-    def _reload_wins(self, prefix: int, new_tokens: int) -> bool:
-        return self.decide(prefix, new_tokens).action != "recompute"
+    def _reload_wins(self, prefix: int, new_tokens: int, from_peer: bool) -> bool:
+        return self.decide(prefix, new_tokens, from_peer=from_peer).action != "recompute"
 
-    def threshold_tokens(self, new_tokens: int = 1, *, max_tokens: int | None = None) -> int | None:
+    def threshold_tokens(
+        self, new_tokens: int = 1, *, max_tokens: int | None = None, from_peer: bool = False
+    ) -> int | None:
         """The smallest prefix P from which keeping the cache always pays: for every P' from P up to
         ``max_tokens`` (default: the model's context length, else DEFAULT_CONTEXT_TOKENS), ``decide``
         picks an option other than recompute (it beats recompute strictly; a split by the margin),
@@ -334,29 +372,19 @@ class Planner:
 
         Evaluated on every length up to 4096 and on a geometric grid above (64 steps per
         doubling), then bisected between the last losing and the first winning length of the grid:
-        exact unless the sign changes twice within one grid step.
+        exact unless the sign changes twice within one grid step. ``from_peer``: the threshold for
+        fetching a prefix from a peer (see :meth:`decide`).
         """
         limit = max_tokens or getattr(self.spec, "context_length", None) or DEFAULT_CONTEXT_TOKENS
-        if not self._reload_wins(limit, new_tokens):
+        if not self._reload_wins(limit, new_tokens, from_peer):
             return None
-        grid = _scan_grid(limit)
-        last_loss = next((p for p in reversed(grid) if not self._reload_wins(p, new_tokens)), None)
+        grid = scan_grid(limit)
+        last_loss = next((p for p in reversed(grid) if not self._reload_wins(p, new_tokens, from_peer)), None)
         if last_loss is None:
             return 1
         hi = grid[grid.index(last_loss) + 1]
         lo = last_loss  # loses at lo, wins at hi (and at every grid point above)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self._reload_wins(mid, new_tokens) else (mid, hi)
+            lo, hi = (lo, mid) if self._reload_wins(mid, new_tokens, from_peer) else (mid, hi)
         return hi
-
-
-def _scan_grid(limit: int) -> list[int]:
-    """Prefix lengths for the threshold scan: every length up to _SCAN_DENSE_UP_TO, then geometric, and limit."""
-    grid = list(range(1, min(limit, _SCAN_DENSE_UP_TO) + 1))
-    step = 2 ** (1 / _SCAN_PER_DOUBLING)
-    value = float(grid[-1])
-    while value < limit:
-        value = max(value * step, value + 1)
-        grid.append(min(limit, math.ceil(value)))
-    return sorted(set(grid))

@@ -129,7 +129,7 @@ class KVPeer:
         if cache_key is not None and not isinstance(context_hash, str):
             raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
         nixl_agent, nixl_agent_config = _nixl()
-        self.pool, self.name = pool, name
+        self.pool, self.name, self.backends = pool, name, tuple(backends)
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self._registered = self._agent.register_memory(pool.buffer)
         self._layout = PoolLayout.of(pool, name, context_hash)

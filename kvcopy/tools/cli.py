@@ -1,5 +1,5 @@
-"""The ``kvcopy`` command line: ``calibrate``, ``plan``, ``bench`` and ``info`` (their work is in
-kvcopy.tools.cli_commands, their argument types in kvcopy.tools.cli_args)."""
+"""The ``kvcopy`` command line: ``calibrate``, ``plan``, ``bench``, ``peer`` and ``info`` (their work is in
+kvcopy.tools.cli_commands and kvcopy.tools.cli_remote, their argument types in kvcopy.tools.cli_args)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import cli_commands
+from . import cli_commands, cli_remote
 from .cli_args import CliError, Parser, fraction, int_list, non_negative_int, positive_int
 from .cli_commands import DEFAULT_PLAN_MODEL
+from .cli_remote import LOOPBACK_ARG
 
 __all__ = ["main"]
 
@@ -47,13 +48,22 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="save even a poorly fitted profile over a good one (default: keep the good one)",
     )
+    calibrate.add_argument(
+        "--remote",
+        nargs="?",
+        const=LOOPBACK_ARG,
+        metavar="DESCRIPTOR",
+        help="also measure the network link to a peer over NIXL: the descriptor file `kvcopy peer` wrote on the "
+        "other node; without one, the loopback path to a peer process on this machine (labelled as such)",
+    )
     calibrate.set_defaults(run=cli_commands.calibrate)
 
     plan = commands.add_parser(
         "plan",
         help="reload, recompute or split for a model and prefix, from a profile",
         description="Decides, for a model and a cached prefix, between reloading it, reloading layer by layer, "
-        "splitting (compute the front while the back loads) and recomputing it, from a calibrated "
+        "splitting (compute the front while the back loads) and recomputing it, or with --from-peer between "
+        "fetching it from another node and recomputing it, from a calibrated "
         f"profile; prints each option's time and the small-prefix threshold. Model presets: {presets}.",
     )
     plan.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
@@ -71,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
         dest="layerwise",
         action="store_false",
         help="the engine cannot reload layer by layer: leave that option out",
+    )
+    plan.add_argument(
+        "--from-peer",
+        action="store_true",
+        help="the prefix is held by another node: fetch it over the network link the profile measured "
+        "(kvcopy calibrate --remote), or recompute",
     )
     plan.add_argument("--decode-share", type=fraction, default=0.0, help="fraction of the link decode needs")
     plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
@@ -109,6 +125,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--list", action="store_true", help="print the points it would time, and exit")
     bench.set_defaults(run=cli_commands.bench)
+
+    peer = commands.add_parser(
+        "peer",
+        help="serve a calibration pool for another node's `kvcopy calibrate --remote`",
+        description="Registers a calibration pool with a NIXL agent, writes its descriptor to a file and waits "
+        "(until Ctrl-C or --seconds): copy the file to another node and run `kvcopy calibrate --remote FILE` "
+        "there to measure the network link between the two. Needs kvcopy[nixl].",
+    )
+    peer.add_argument("--descriptor", required=True, help="write the peer's descriptor to this file")
+    peer.add_argument("--name", help="the NIXL agent's name (default: kvcopy-peer-<host>-<pid>)")
+    peer.add_argument("--seconds", type=positive_int, help="close after this many seconds (default: at Ctrl-C)")
+    peer.set_defaults(run=cli_remote.peer)
 
     info = commands.add_parser(
         "info",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .._ext import build_info
+from . import cli_remote
 from .cli_args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
 
 __all__ = ["DEFAULT_PLAN_MODEL", "bench", "calibrate", "info", "plan"]
@@ -27,6 +28,7 @@ def calibrate(args: argparse.Namespace) -> int:
         check_folder("--out", args.out, make=True)  # a profile's folder is made, as Profile.save does
     check_plot(args.plot)
     device = device_arg(args.device)
+    descriptor = cli_remote.remote_descriptor(args.remote)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     unknown = [m for m in methods or [] if m not in method_names()]
     if unknown:
@@ -34,11 +36,14 @@ def calibrate(args: argparse.Namespace) -> int:
 
     def measure() -> Profile:
         try:
-            return calibrator.calibrate(
+            profile = calibrator.calibrate(
                 device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec
             )
         except ValueError as err:
             raise CliError(str(err)) from None
+        if args.remote is not None:
+            cli_remote.add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
+        return profile
 
     profile = measure()
     problems = fit_problems(profile)
@@ -66,6 +71,7 @@ def calibrate(args: argparse.Namespace) -> int:
             )
         if peak:
             print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
+    cli_remote.print_remote_link(profile)
     prefill = profile.prefill
     floor = (
         f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
@@ -125,21 +131,33 @@ def plan(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise CliError(f"--tp: {err}" if str(err).startswith("tp:") else str(err)) from None
-    decision = planner.decide(args.prefix, args.new)
-    threshold = planner.threshold_tokens(args.new)
-    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} cached tokens, {args.new} new")
+    if args.from_peer and planner.fetch_bytes_per_s is None:
+        raise CliError(
+            "--from-peer: the profile has no network link to a peer; measure one with `kvcopy calibrate --remote`"
+        )
+    decision = planner.decide(args.prefix, args.new, from_peer=args.from_peer)
+    threshold = planner.threshold_tokens(args.new, from_peer=args.from_peer)
+    where = f"tokens held by a peer ({profile.hardware.get('remote_link')})" if args.from_peer else "cached tokens"
+    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} {where}, {args.new} new")
     print(f"decision: {decision.action} ({decision.explanation})")
+    arrives = "is fetched" if args.from_peer else "loads"
     options = [
         ("reload", decision.t_reload, "load the prefix, then compute the new tokens"),
         ("layer-wise reload", decision.t_layerwise, "each layer's blocks load while earlier layers compute"),
-        ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest loads"),
+        (
+            "fetch",
+            decision.t_fetch,
+            f"read it from the peer and reload it ({decision.fetch_chunks} pipelined chunks), then compute",
+        ),
+        ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest {arrives}"),
         ("recompute", decision.t_recompute, "prefill the prefix and the new tokens"),
     ]
     for name, seconds, what in options:
         if seconds is not None:
             mark = "*" if name.startswith(decision.action.replace("layerwise", "layer-wise")) else " "
             print(f"  {mark} {name:<18} {seconds_text(seconds):>10}  {what}")
-    keep = "recompute wins at the longest prefix" if threshold is None else f"keep from {threshold} tokens"
+    kept = "fetch" if args.from_peer else "keep"
+    keep = "recompute wins at the longest prefix" if threshold is None else f"{kept} from {threshold} tokens"
     print(f"threshold: {keep}")
     if args.plot:
         from .plots import plot_plan
@@ -150,6 +168,7 @@ def plan(args: argparse.Namespace) -> int:
             max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
             new_tokens=args.new,
             prefix=args.prefix,
+            from_peer=args.from_peer,
         )
         print(f"plot saved to {args.plot}")
     return 0

@@ -22,6 +22,7 @@ DIRECTION_NAMES = {
     "h2d": "h2d: host to GPU (reload, scatter)",
     "d2h": "d2h: GPU to host (offload, gather)",
     "d2d": "d2d: GPU to GPU",
+    "r2h": "r2h: a peer's pool to this host (NIXL read)",
 }
 # The bench's directions, from the cache's point of view.
 _BENCH_DIRECTIONS = {"gather": "gather: cache -> host pool", "scatter": "scatter: host pool -> cache"}
@@ -122,6 +123,7 @@ _PLAN_CURVES = {
     "layerwise": "layer-wise reload: each layer computes as soon as its KV has arrived",
     "split": "split: recompute the front of the prefix while the rest loads",
     "recompute": "recompute: prefill the prefix and the new tokens",
+    "fetch": "fetch (prefix on a peer): network read and reload, pipelined, then compute the new tokens",
 }
 
 
@@ -132,9 +134,12 @@ def plot_plan(
     max_tokens: int,
     new_tokens: int = 1,
     prefix: int | None = None,
+    from_peer: bool = False,
 ) -> None:
     """Reload, layer-wise reload, split and recompute time against prefix length, for ``new_tokens`` new
-    tokens; the small-prefix threshold and (when given) the requested ``prefix`` and its decision marked."""
+    tokens, and fetching from a peer when the planner has a network link; the small-prefix threshold and
+    (when given) the requested ``prefix`` and its decision marked, for a prefix held by a peer when
+    ``from_peer``."""
     plt = _pyplot()
     lengths = np.unique(np.geomspace(1, max_tokens, 200).astype(int))
     decisions = [planner.decide(int(n), new_tokens) for n in lengths]
@@ -145,20 +150,26 @@ def plot_plan(
     split = [d.t_split if d.t_split is not None else np.nan for d in decisions]
     ax.plot(lengths, split, "--", label=_PLAN_CURVES["split"])
     ax.plot(lengths, [d.t_recompute for d in decisions], label=_PLAN_CURVES["recompute"])
-    threshold = planner.threshold_tokens(new_tokens)
+    if planner.fetch_bytes_per_s is not None:
+        fetched = [planner.decide(int(n), new_tokens, from_peer=True).t_fetch for n in lengths]
+        ax.plot(lengths, fetched, ":", lw=2, label=_PLAN_CURVES["fetch"])
+    threshold = planner.threshold_tokens(new_tokens, from_peer=from_peer)
     if threshold is not None and threshold <= max_tokens:
-        ax.axvline(threshold, color="gray", ls=":", label=f"threshold: keeping the cache pays from {threshold} tokens")
+        what = "fetching from the peer" if from_peer else "keeping the cache"
+        ax.axvline(threshold, color="gray", ls=":", label=f"threshold: {what} pays from {threshold} tokens")
     if prefix:
-        chosen = planner.decide(prefix, new_tokens)
+        chosen = planner.decide(prefix, new_tokens, from_peer=from_peer)
         ax.axvline(prefix, color="black", lw=0.8)
         seconds = {
             "reload": chosen.t_reload,
             "recompute": chosen.t_recompute,
             "split": chosen.t_split,
             "layerwise": chosen.t_layerwise,
+            "fetch": chosen.t_fetch,
         }[chosen.action]
+        where = "on a peer" if from_peer else "cached"
         ax.plot(
-            [prefix], [seconds], "k*", ms=12, label=f"requested: {prefix} cached + {new_tokens} new -> {chosen.action}"
+            [prefix], [seconds], "k*", ms=12, label=f"requested: {prefix} {where} + {new_tokens} new -> {chosen.action}"
         )
     ax.set(
         xscale="log",

@@ -1,0 +1,35 @@
+"""What the planner decides for a cached prefix: the action and the predicted seconds of each option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ACTIONS", "Action", "Decision"]
+
+Action = Literal["reload", "layerwise", "split", "fetch", "recompute"]
+ACTIONS: tuple[Action, ...] = ("reload", "layerwise", "split", "fetch", "recompute")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with a cached prefix, and the predicted seconds of each option.
+
+    A prefix held here (host memory): ``t_reload`` is load-then-compute, ``t_fetch`` None. A prefix held by
+    a peer (``Planner.decide(..., from_peer=True)``): ``t_fetch`` is fetch-then-compute (the network read
+    and the local reload pipelined in ``fetch_chunks`` chunks), ``t_reload`` None. ``t_layerwise`` is None
+    unless the planner was made with ``layerwise=True`` (and never for a peer's prefix); ``t_split`` is None
+    when the prefix is too short to split.
+    """
+
+    action: Action
+    prefix_tokens: int
+    new_tokens: int
+    t_reload: float | None
+    t_recompute: float
+    t_split: float | None
+    split_tokens: int  # tokens to compute in a split (the rest is loaded); 0 unless a split was possible
+    explanation: str
+    t_layerwise: float | None = None
+    t_fetch: float | None = None
+    fetch_chunks: int = 0
