@@ -23,18 +23,44 @@ LAYOUTS = {
 }
 
 
-def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa: ANN201 - a HostKVPool
-    """A HostKVPool of ``kind`` whose every byte is drawn from ``seed``."""
+def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa: ANN201 - HostKVPool or PagedKV
+    """A HostKVPool of ``kind`` (``host_layout`` page_first or layer_first), or for ``"paged"`` an engine's cache
+    (a PagedKV whose planes are byte slices of one block-major allocation, so the planes of a block interleave),
+    whose every byte is drawn from ``seed``."""
     import kvcopy
 
     shapes, dtypes, per_layer = LAYOUTS[kind]
-    planes = [torch.empty((1, *shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
-    like = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
-    pool = kvcopy.HostKVPool(like, num_blocks, layout=host_layout, pin_memory=False)
-    pool.buffer.copy_(
-        torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    )
+    if host_layout == "paged":
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+        raw = torch.empty(num_blocks, sum(sizes), dtype=torch.uint8)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        planes = [
+            raw[:, off : off + size].view(dtype).view(num_blocks, *shape)
+            for off, size, shape, dtype in zip(offsets, sizes, shapes, dtypes)
+        ]
+        pool = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
+    else:
+        planes = [torch.empty((1, *shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+        like = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
+        pool = kvcopy.HostKVPool(like, num_blocks, layout=host_layout, pin_memory=False)
+    data = storage_bytes(pool)
+    data.copy_(torch.randint(0, 256, (data.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
     return pool
+
+
+def storage_bytes(kv) -> torch.Tensor:  # noqa: ANN001 - a HostKVPool or make_pool's PagedKV
+    """Every byte of ``kv``'s memory, as a writable uint8 tensor."""
+    import kvcopy
+
+    if isinstance(kv, kvcopy.HostKVPool):
+        return kv.buffer
+    return torch.empty(0, dtype=torch.uint8).set_(kv.planes[0].untyped_storage())
+
+
+def planes_of(kv) -> tuple[torch.Tensor, ...]:  # noqa: ANN001 - a HostKVPool or a PagedKV
+    import kvcopy
+
+    return kv.paged.planes if isinstance(kv, kvcopy.HostKVPool) else kv.planes
 
 
 def serve(conn, kind: str, num_blocks: int, host_layout: str, seed: int, context: str | None) -> None:
@@ -53,7 +79,7 @@ def serve(conn, kind: str, num_blocks: int, host_layout: str, seed: int, context
             peer.connect(args[0])
             conn.send("connected")
         elif command == "bytes":
-            conn.send(pool.buffer.numpy().tobytes())
+            conn.send(storage_bytes(pool).numpy().tobytes())
         elif command == "exit":
             peer.close()
             conn.send("bye")

@@ -14,7 +14,7 @@ pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip
 import kvcopy  # noqa: E402
 from kvcopy.remote import KVPeer, RemoteTransferError  # noqa: E402
 
-from remote_helpers import make_pool, remote_peer  # noqa: E402
+from remote_helpers import make_pool, planes_of, remote_peer, storage_bytes  # noqa: E402
 
 # Generous: a loopback transfer of a few MB takes milliseconds; a loaded CI machine may take seconds.
 WAIT_S = 60
@@ -24,14 +24,14 @@ def _replica(kind, num_blocks, host_layout, seed, data=None):
     """The remote pool's contents, rebuilt here: the same seed gives the same bytes (or ``data`` given)."""
     pool = make_pool(kind, num_blocks, host_layout, seed)
     if data is not None:
-        pool.buffer.copy_(data)
+        storage_bytes(pool).copy_(data)
     return pool
 
 
 def _blocks(pool, ids):
     """Plain indexing: each plane's rows at ``ids``, as bytes."""
     index = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.int64)
-    return [plane[index].contiguous().view(torch.uint8).flatten() for plane in pool.paged.planes]
+    return [plane[index].contiguous().view(torch.uint8).flatten() for plane in planes_of(pool)]
 
 
 def _assert_same(actual, expected):
@@ -40,9 +40,10 @@ def _assert_same(actual, expected):
         assert torch.equal(a, e)
 
 
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "paged"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8-scales"])
 def test_read_and_write_are_bitwise_plain_indexing(kind, host_layout):
+    """Host pools of both layouts, and engine caches (PagedKV, registered as the memory under their planes)."""
     with remote_peer(kind, 96, host_layout, seed=3) as remote:
         local = make_pool(kind, 64, host_layout, seed=4)
         with KVPeer(local, "local-rw") as peer:
@@ -78,6 +79,25 @@ def test_adjacent_page_first_blocks_are_one_descriptor():
             scattered.wait(WAIT_S)
             assert scattered.num_descriptors == 3
             _assert_same(_blocks(local, range(20, 84)), _blocks(_replica("bf16", 96, "page_first", 6), range(10, 74)))
+
+
+def test_every_transfer_handle_is_released_once_even_when_dropped_unfinished():
+    import gc
+
+    with remote_peer("bf16", 32, "page_first", seed=23) as remote:
+        with KVPeer(make_pool("bf16", 32, "page_first", seed=24), "local-release") as peer:
+            pool = peer.connect(remote.descriptor)
+            released = []
+            release = peer._agent.release_xfer_handle
+            peer._agent.release_xfer_handle = lambda handle: (released.append(handle), release(handle))
+            finished = peer.read(pool, [0, 1], [2, 3])
+            finished.wait(WAIT_S)
+            assert len(released) == 1
+            del finished
+            dropped = peer.read(pool, list(range(32)), list(range(32)))  # never waited for
+            del dropped
+            gc.collect()
+            assert len(released) == 2 and released[0] is not released[1]
 
 
 def test_mismatched_layouts_and_contexts_are_refused():
@@ -149,3 +169,50 @@ def test_without_nixl_the_error_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_nixl)
     with pytest.raises(ImportError, match=r"kvcopy\[nixl\]"):
         KVPeer(make_pool("bf16", 4, "page_first", seed=19), "local-no-nixl")
+
+
+def test_an_engine_cache_registers_the_memory_under_its_planes_once():
+    from kvcopy.remote.registration import registration_of
+
+    # Two layers of one allocation with a gap between them; in each, K and V as its halves (their spans
+    # touch) or interleaved per block (their spans overlap): one region per layer either way.
+    memory = torch.zeros(3, 8, 2, 16, 64, dtype=torch.bfloat16)
+    first, third = memory[0], memory[2]
+    kv = kvcopy.PagedKV.from_planes([first[:, 0], first[:, 1], third[:, 0], third[:, 1]], planes_per_layer=2)
+    registration = registration_of(kv)
+    assert (registration.layout, registration.memory, registration.device_id) == ("paged", "DRAM", 0)
+    assert registration.regions == (
+        (first.data_ptr(), first.nbytes, 0, ""),
+        (third.data_ptr(), third.nbytes, 0, ""),
+    )
+    halves = torch.zeros(2, 8, 16, 64, dtype=torch.bfloat16)
+    assert registration_of(kvcopy.PagedKV.from_planes([halves[0], halves[1]])).regions == (
+        (halves.data_ptr(), halves.nbytes, 0, ""),
+    )
+    pool = make_pool("bf16", 4, "page_first", seed=20)
+    assert registration_of(pool).regions == ((pool.buffer.data_ptr(), pool.nbytes, 0, ""),)
+    with pytest.raises(TypeError, match="pool: expected a HostKVPool or a PagedKV, got Tensor"):
+        KVPeer(halves, "local-tensor")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory registered as NIXL VRAM: needs a CUDA device")
+def test_gpu_caches_exchange_blocks_between_two_agents():
+    from kvcopy.remote.registration import registration_of
+
+    def cache(seed: int) -> kvcopy.PagedKV:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        planes = [
+            torch.randint(0, 256, (32, 16, 2, 64), dtype=torch.uint8, device="cuda", generator=g) for _ in range(4)
+        ]
+        return kvcopy.PagedKV.from_planes([p.view(torch.bfloat16) for p in planes], planes_per_layer=2)
+
+    mine, theirs = cache(21), cache(22)
+    assert registration_of(mine).memory == "VRAM"
+    assert registration_of(mine).device_id == torch.cuda.current_device()
+    with KVPeer(mine, "gpu-local") as local, KVPeer(theirs, "gpu-remote") as remote:
+        pool = local.connect(remote.descriptor())
+        local.read(pool, [5, 0, 31], [1, 2, 3]).wait(WAIT_S)
+        local.write([7], pool, [9]).wait(WAIT_S)
+        torch.cuda.synchronize()
+        for a, b in zip(mine.planes, theirs.planes):
+            assert torch.equal(a[[1, 2, 3]], b[[5, 0, 31]]) and torch.equal(b[9], a[7])

@@ -8,39 +8,51 @@ from dataclasses import dataclass
 
 import torch
 
-from ..host import HostKVPool
 from ..layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE
 from ..policy.kv_dtypes import torch_name
+from .registration import Registration
 
 __all__ = ["DESCRIPTOR_FORMAT", "PoolLayout", "decode", "encode"]
 
-# Bumped when the encoding changes: a peer refuses a descriptor of another format.
-DESCRIPTOR_FORMAT = 1
+# Bumped when the encoding changes: a peer refuses a descriptor of another format. 2: NIXL memory kind and
+# device id of the pool (a PagedKV on a GPU is VRAM).
+DESCRIPTOR_FORMAT = 2
 _MAGIC = b"KVCP"
 _HEADER = struct.Struct("<4sII")  # magic, format, bytes of the JSON layout that follows (then the agent metadata)
 
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """A pool as a remote peer sees it: its agent's name, ``page_first`` or ``layer_first``, its block count,
-    one ``(address, block stride, block bytes, dtype)`` per plane (addresses in the owner's process), and the
-    context hash of its CacheKey (None without one)."""
+    """A pool as a remote peer sees it: its agent's name, ``page_first``, ``layer_first`` or ``paged`` (an
+    engine's cache), its block count, one ``(address, block stride, block bytes, dtype)`` per plane (addresses
+    in the owner's process), the context hash of its CacheKey (None without one), and where it lives: NIXL's
+    memory kind (``DRAM`` or ``VRAM``) and device id."""
 
     agent: str
     layout: str
     num_blocks: int
     planes: tuple[tuple[int, int, int, str], ...]
     context_hash: str | None
+    memory: str = "DRAM"
+    device_id: int = 0
 
     @classmethod
-    def of(cls, pool: HostKVPool, agent: str, context_hash: str | None) -> PoolLayout:
-        table = pool.paged.plane_table.tolist()
-        dtypes = [torch_name(d) for d in pool.paged.dtypes]
+    def of(cls, registration: Registration, agent: str, context_hash: str | None) -> PoolLayout:
+        paged = registration.paged
+        dtypes = [torch_name(d) for d in paged.dtypes]
         planes = tuple(
             (row[PLANE_ADDRESS], row[PLANE_BLOCK_STRIDE], row[PLANE_BLOCK_BYTES], dtype)
-            for row, dtype in zip(table, dtypes)
+            for row, dtype in zip(paged.plane_table.tolist(), dtypes)
         )
-        return cls(agent, pool.layout, pool.num_blocks, planes, context_hash)
+        return cls(
+            agent,
+            registration.layout,
+            paged.num_blocks,
+            planes,
+            context_hash,
+            registration.memory,
+            registration.device_id,
+        )
 
     def shape(self) -> tuple[str, tuple[tuple[int, str], ...]]:
         """What two pools must share to exchange blocks: the layout kind and each plane's block bytes and dtype."""
@@ -59,6 +71,8 @@ def encode(layout: PoolLayout, agent_metadata: bytes) -> bytes:
             "num_blocks": layout.num_blocks,
             "planes": [list(p) for p in layout.planes],
             "context_hash": layout.context_hash,
+            "memory": layout.memory,
+            "device_id": layout.device_id,
         },
         sort_keys=True,
     ).encode()
@@ -79,5 +93,13 @@ def decode(data: bytes) -> tuple[PoolLayout, bytes]:
         raise ValueError(f"remote_descriptor: format {version}, this kvcopy reads format {DESCRIPTOR_FORMAT}")
     fields = json.loads(data[_HEADER.size : _HEADER.size + length])
     planes = tuple((int(a), int(s), int(n), str(d)) for a, s, n, d in fields["planes"])
-    layout = PoolLayout(fields["agent"], fields["layout"], int(fields["num_blocks"]), planes, fields["context_hash"])
+    layout = PoolLayout(
+        fields["agent"],
+        fields["layout"],
+        int(fields["num_blocks"]),
+        planes,
+        fields["context_hash"],
+        str(fields["memory"]),
+        int(fields["device_id"]),
+    )
     return layout, data[_HEADER.size + length :]

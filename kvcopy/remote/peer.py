@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -10,12 +11,12 @@ import torch
 from .. import _ext
 from .._ids import BlockIds, as_ids, check_host_pair
 from ..host import HostKVPool
+from ..layout import PagedKV
 from .descriptor import PoolLayout, decode, encode
+from .registration import registration_of
 
 __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError"]
 
-# NIXL's name for host memory in descriptor lists.
-_DRAM = "DRAM"
 # Waiting for a transfer: poll without sleeping for this long (a small loopback transfer takes tens of
 # microseconds, less than one sleep), then sleep between polls, backing off from the first pause to the last.
 _SPIN_S = 1e-3
@@ -69,6 +70,9 @@ class RemoteTransfer:
         self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
         self._written = written  # which blocks are not valid if it fails, for the error
         self._state = "PROC"
+        # The handle is released once: when the transfer ends, or when the last reference to an unfinished one
+        # (dropped, or given up on after a timeout) goes; NIXL aborts it then if it can.
+        self._release = weakref.finalize(self, _release_handle, agent, handle)
 
     def done(self) -> bool:
         if self._state == "PROC":
@@ -103,26 +107,32 @@ class RemoteTransfer:
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
 
-    def _release(self) -> None:
-        try:
-            self._agent.release_xfer_handle(self._handle)
-        except Exception:  # noqa: BLE001 - a handle of a vanished peer: nothing left to free
-            pass
-
     def _fail(self, cause: BaseException | None) -> None:
         raise RemoteTransferError(f"{self.direction} failed; {self._written} hold no valid data") from cause
 
 
+def _release_handle(agent: object, handle: object) -> None:
+    try:
+        agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a handle of a vanished peer, or one NIXL could not abort: nothing to free
+        pass
+
+
 class KVPeer:
-    """One NIXL agent named ``name`` with ``pool`` registered; ``cache_key``: the CacheKey whose blocks the pool
-    holds (a peer refuses to connect to a pool of another context). A context manager; :meth:`close`
-    deregisters the pool."""
+    """One NIXL agent named ``name`` with ``pool`` registered: a HostKVPool, or an engine's PagedKV (on a GPU:
+    NIXL's VRAM, so two GPUs exchange blocks directly where UCX supports GPUDirect); ``cache_key``: the
+    CacheKey whose blocks the pool holds (a peer refuses to connect to a pool of another context). A context
+    manager; :meth:`close` deregisters the pool."""
 
     def __init__(
-        self, pool: HostKVPool, name: str, *, backends: tuple[str, ...] = ("UCX",), cache_key: object | None = None
+        self,
+        pool: HostKVPool | PagedKV,
+        name: str,
+        *,
+        backends: tuple[str, ...] = ("UCX",),
+        cache_key: object | None = None,
     ) -> None:
-        if not isinstance(pool, HostKVPool):
-            raise TypeError(f"pool: expected a HostKVPool, got {type(pool).__name__}")
+        registration = registration_of(pool)
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty agent name, got {name!r}")
         context_hash = getattr(cache_key, "context_hash", None) if cache_key is not None else None
@@ -131,9 +141,10 @@ class KVPeer:
         nixl_agent, nixl_agent_config = _nixl()
         self.pool, self.name, self.backends = pool, name, tuple(backends)
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
-        self._registered = self._agent.register_memory(pool.buffer)
-        self._layout = PoolLayout.of(pool, name, context_hash)
-        self._table = pool.paged.plane_table
+        self._registered = self._agent.register_memory(list(registration.regions), registration.memory)
+        self._layout = PoolLayout.of(registration, name, context_hash)
+        self._table = registration.paged.plane_table
+        self._num_blocks = registration.paged.num_blocks
         self._remotes: dict[str, RemotePool] = {}
 
     def descriptor(self) -> bytes:
@@ -176,25 +187,26 @@ class KVPeer:
         reading = op == "READ"
         names = ("remote_ids", "local_ids") if reading else ("local_ids", "remote_ids")
         remote_t = as_ids(remote_ids, "remote_ids", remote.num_blocks)
-        local_t = as_ids(local_ids, "local_ids", self.pool.num_blocks)
+        local_t = as_ids(local_ids, "local_ids", self._num_blocks)
         for name, ids in (("remote_ids", remote_t), ("local_ids", local_t)):
             if ids.device.type != "cpu":
                 raise ValueError(f"{name}: expected ids on the host, got ids on {ids.device}")
         src, dst = (remote_t, local_t) if reading else (local_t, remote_t)
         src_blocks, dst_blocks = (
-            (remote.num_blocks, self.pool.num_blocks) if reading else (self.pool.num_blocks, remote.num_blocks)
+            (remote.num_blocks, self._num_blocks) if reading else (self._num_blocks, remote.num_blocks)
         )
         check_host_pair(src, dst, src_blocks, dst_blocks, same_cache=False, names=names)
         remote_table = remote.plane_table
         src_table, dst_table = (remote_table, self._table) if reading else (self._table, remote_table)
         ranges = _plan_ranges(src_table, src, dst_table, dst)
-        local_ranges = [(d if reading else s, n, 0) for s, d, n in ranges]
-        remote_ranges = [(s if reading else d, n, 0) for s, d, n in ranges]
+        here, there = self._layout, remote.layout
+        local_ranges = [(d if reading else s, n, here.device_id) for s, d, n in ranges]
+        remote_ranges = [(s if reading else d, n, there.device_id) for s, d, n in ranges]
         written = _Blocks("local", local_t) if reading else _Blocks(f"{remote.agent!r}'s", remote_t)
         handle = self._agent.initialize_xfer(
             op,
-            self._agent.get_xfer_descs(local_ranges, _DRAM),
-            self._agent.get_xfer_descs(remote_ranges, _DRAM),
+            self._agent.get_xfer_descs(local_ranges, here.memory),
+            self._agent.get_xfer_descs(remote_ranges, there.memory),
             remote.agent,
         )
         transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for _, _, n in ranges), written)
