@@ -6,8 +6,11 @@ HostKVPool of PLANES planes. For each plane-block size, one call reads BLOCKS ra
 - ``per-block NIXL loop``: one NIXL transfer per block, each waited for (what a caller without kvcopy writes);
 - ``contiguous (limit)``: one NIXL transfer of the same bytes as one range.
 Each row: the median of REPEATS calls, GB/s and the ratio to the limit, with the machine's identity.
+``--memory gpu``: the same between GPU memory of the two processes (each an engine cache, a PagedKV whose
+blocks are contiguous, registered as NIXL VRAM; needs a CUDA device and UCX built with CUDA).
 
     .venv/bin/python benchmarks/bench_remote.py [--sizes 2,8,32,128] [--blocks 64] [--repeats 5] [--csv out.csv]
+                                                [--memory host|gpu]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import kvcopy
 from kvcopy.policy.machine import machine_identity
 from kvcopy.remote import KVPeer
+from kvcopy.remote.registration import registration_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
@@ -30,16 +34,27 @@ WAIT_S = 120  # generous: a loaded machine may take seconds per call
 COLUMNS = ("link", "method", "plane_block_bytes", "num_blocks", "bytes", "descriptors", "median_s", "gbps", "x_limit")
 
 
-def _pool(plane_block_bytes: int, num_blocks: int, seed: int) -> kvcopy.HostKVPool:
+def _cache(plane_block_bytes: int, num_blocks: int, seed: int, memory: str) -> tuple[object, torch.Tensor]:
+    """(what a KVPeer registers, its bytes): a page-first HostKVPool, or on the GPU an engine cache whose
+    blocks are contiguous (PLANES plane-blocks each, as in a page-first pool)."""
+    data = torch.randint(
+        0,
+        256,
+        (num_blocks * PLANES * plane_block_bytes,),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    if memory == "gpu":
+        raw = data.cuda().view(num_blocks, PLANES * plane_block_bytes)
+        planes = [raw[:, i * plane_block_bytes : (i + 1) * plane_block_bytes] for i in range(PLANES)]
+        return kvcopy.PagedKV.from_planes(planes), raw.view(-1)
     like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_block_bytes, dtype=torch.uint8)] * PLANES)
     pool = kvcopy.HostKVPool(like, num_blocks, pin_memory=False)
-    pool.buffer.copy_(
-        torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    )
-    return pool
+    pool.buffer.copy_(data)
+    return pool, pool.buffer
 
 
-def _serve(conn) -> None:
+def _serve(conn, memory: str) -> None:
     peer = None
     while True:
         command, *args = conn.recv()
@@ -48,11 +63,11 @@ def _serve(conn) -> None:
             peer = None
         if command == "exit":
             return
-        pool = _pool(*args, seed=1)
-        peer = KVPeer(pool, f"remote-{args[0]}")
+        kv, raw = _cache(*args, seed=1, memory=memory)
+        peer = KVPeer(kv, f"remote-{args[0]}")
         conn.send(peer.descriptor())
         peer.connect(conn.recv())
-        conn.send(pool.buffer.numpy().tobytes())
+        conn.send(raw.cpu().numpy().tobytes())
 
 
 def _median(call, repeats: int) -> float:
@@ -65,11 +80,13 @@ def _median(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]]) -> None:
-    """One NIXL READ of ``ranges`` ((remote address, local address, bytes)), waited for."""
+def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]], here: object) -> None:
+    """One NIXL READ of ``ranges`` ((remote address, local address, bytes)), waited for; ``here``: the local
+    registration (its NIXL memory kind and device id)."""
     agent = peer._agent  # noqa: SLF001 - the baselines use the same agent, without kvcopy's planning
-    local = agent.get_xfer_descs([(dst, n, 0) for _, dst, n in ranges], "DRAM")
-    far = agent.get_xfer_descs([(src, n, 0) for src, _, n in ranges], "DRAM")
+    there = remote.layout
+    local = agent.get_xfer_descs([(dst, n, here.device_id) for _, dst, n in ranges], here.memory)
+    far = agent.get_xfer_descs([(src, n, there.device_id) for src, _, n in ranges], there.memory)
     handle = agent.initialize_xfer("READ", local, far, remote.agent)
     agent.transfer(handle)
     while (state := agent.check_xfer_state(handle)) == "PROC":
@@ -85,11 +102,16 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=64, help="random blocks per call")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--csv", help="also write the rows here")
+    parser.add_argument("--memory", choices=("host", "gpu"), default="host", help="host pools, or GPU caches")
     args = parser.parse_args()
-    identity = machine_identity(torch.device("cpu"))
+    gpu = args.memory == "gpu"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--memory gpu: no CUDA device visible")
+    identity = machine_identity(torch.device("cuda" if gpu else "cpu"))
+    link = f"loopback (two processes, one machine), {args.memory} memory"
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(child,), daemon=True)
+    server = ctx.Process(target=_serve, args=(child, args.memory), daemon=True)
     server.start()
     rows = []
     try:
@@ -98,7 +120,8 @@ def main() -> int:
             num_blocks = 2 * args.blocks
             parent.send(("pool", plane_block, num_blocks))
             descriptor = parent.recv()
-            local = _pool(plane_block, num_blocks, seed=2)
+            local, local_bytes = _cache(plane_block, num_blocks, seed=2, memory=args.memory)
+            here = registration_of(local)
             with KVPeer(local, f"local-{kib}") as peer:
                 remote = peer.connect(descriptor)
                 parent.send(peer.descriptor())
@@ -106,8 +129,8 @@ def main() -> int:
                 g = torch.Generator().manual_seed(kib)
                 remote_ids = torch.randperm(num_blocks, generator=g)[: args.blocks]
                 local_ids = torch.randperm(num_blocks, generator=g)[: args.blocks]
-                block = local.nbytes_per_block
-                far_base, near_base = remote.layout.planes[0][0], local.buffer.data_ptr()
+                block = PLANES * plane_block
+                far_base, near_base = remote.layout.planes[0][0], local_bytes.data_ptr()
                 per_block = [
                     [(far_base + r * block, near_base + q * block, block)]
                     for r, q in zip(remote_ids.tolist(), local_ids.tolist())
@@ -120,16 +143,16 @@ def main() -> int:
                     last["t"].wait(WAIT_S)
 
                 calls = {
-                    "contiguous (limit)": lambda: _raw_read(peer, remote, contiguous),
+                    "contiguous (limit)": lambda: _raw_read(peer, remote, contiguous, here),
                     "kvcopy read": kvcopy_read,
-                    "per-block NIXL loop": lambda: [_raw_read(peer, remote, r) for r in per_block],
+                    "per-block NIXL loop": lambda: [_raw_read(peer, remote, r, here) for r in per_block],
                 }
                 timed = {name: _median(call, args.repeats) for name, call in calls.items()}
+                local_bytes.zero_()
                 kvcopy_read()  # checked last, after the other calls wrote the same local blocks
+                got = local_bytes.cpu()
                 for r, q in zip(remote_ids.tolist(), local_ids.tolist()):
-                    if not torch.equal(
-                        local.buffer[q * block : (q + 1) * block], expected[r * block : (r + 1) * block]
-                    ):
+                    if not torch.equal(got[q * block : (q + 1) * block], expected[r * block : (r + 1) * block]):
                         raise SystemExit(f"block {r} -> {q}: bytes differ")
                 nbytes = args.blocks * block
                 descriptors = {
@@ -140,7 +163,7 @@ def main() -> int:
                 for name, seconds in timed.items():
                     rows.append(
                         {
-                            "link": "loopback (two processes, one machine)",
+                            "link": link,
                             "method": name,
                             "plane_block_bytes": plane_block,
                             "num_blocks": args.blocks,
@@ -157,7 +180,7 @@ def main() -> int:
     print(
         f"kvcopy remote bench on {identity.get('device_name')} ({identity.get('host_cores')} cores), "
         f"{identity.get('date')}: {args.blocks} random page-first blocks of {PLANES} planes per call, "
-        f"loopback between two processes over NIXL/UCX, median of {args.repeats}"
+        f"{link} over NIXL/UCX, median of {args.repeats}"
     )
     print(f"{'KiB/plane-block':>15} {'method':<22} {'descr.':>6} {'ms':>9} {'GB/s':>7} {'x limit':>8}")
     for r in rows:
