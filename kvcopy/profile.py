@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_PROFILE_PATH",
+    "PER_SIZE_JUDGED_DIRECTIONS",
     "POOR_FIT_R2",
     "POOR_FIT_RESIDUAL",
     "LinkFit",

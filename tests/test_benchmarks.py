@@ -363,3 +363,6 @@ def test_decision_table_labels_itself_not_measured(tmp_path: Path) -> None:
     assert "NOT MEASURED" in text.splitlines()[0]
     for label in ("llama-3.1-8b", "llama-3.1-70b tp 4", "llama-3.1-70b tp 8", "deepseek-v3 tp 8"):
         assert f"| {label} | 4096 |" in text and f"- {label}: " in text
+        assert text.count(f"| {label} | 4096 |") == 2  # kept here, and held by another node
+    assert "## The prefix on another node: fetch or recompute (NOT MEASURED)" in text
+    assert "Thresholds for fetching:" in text

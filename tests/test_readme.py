@@ -73,4 +73,8 @@ def test_the_remote_example_runs(monkeypatch, capsys):
     assert heading == "## Beyond one machine"
     namespace = _run(code, monkeypatch)
     assert namespace["fetch"].num_descriptors == 1
-    assert f"1 {32 << 20}" in capsys.readouterr().out.splitlines()  # (NIXL logs to stdout too)
+    printed = capsys.readouterr().out.splitlines()
+    assert f"1 {32 << 20}" in printed  # (NIXL logs to stdout too)
+    decision = namespace["decision"]
+    assert decision.t_fetch is not None and decision.t_reload is None
+    assert f"{decision.action} {decision.explanation}" in printed

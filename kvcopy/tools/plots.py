@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..policy.planner import Planner
-from ..profile import Profile
+from ..profile import PER_SIZE_JUDGED_DIRECTIONS, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]
 
@@ -65,6 +65,9 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     panels = len(directions) + (profile.prefill is not None)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
     for ax, direction in zip(axes[0], directions):
+        if direction in PER_SIZE_JUDGED_DIRECTIONS:
+            _per_size_panel(ax, profile, direction)
+            continue
         for method, mp in sorted(profile.links[direction].items()):
             pts = np.array(mp.points)
             line = ax.errorbar(
@@ -91,6 +94,33 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
         "Points: measured medians (bars: 20th-80th percentile). Lines: the fits t = alpha + bytes / beta "
         "(copies) and t = alpha + FLOPs / (FLOP/s) (prefill), which method='auto' and the planner use.",
     )
+
+
+def _per_size_panel(ax: Any, profile: Profile, direction: str) -> None:
+    """The link to a peer: one color per range size (each range is one network descriptor), each with its fit
+    (what the planner's fetch uses); the title says which peer (a loopback is labelled so)."""
+    for method, mp in sorted(profile.links[direction].items()):
+        pts = np.array(mp.points)
+        for size in sorted({int(p) for p in pts[:, 2]}):
+            mine = pts[np.rint(pts[:, 2] / size) == 1] if size else pts
+            fit = mp.by_block_nbytes.get(size, mp.fit)
+            line = ax.errorbar(
+                mine[:, 0],
+                mine[:, 3],
+                yerr=[mine[:, 3] - mine[:, 4], mine[:, 5] - mine[:, 3]],
+                fmt="o",
+                ms=3,
+                label=f"{method}, {size // 1024} KiB ranges: alpha {fit.alpha_s * 1e6:.1f} us, "
+                f"beta {fit.beta_bytes_per_s / 1e9:.2f} GB/s",
+            )
+            xs = np.logspace(np.log10(mine[:, 0].min()), np.log10(mine[:, 0].max()), 50)
+            ax.plot(xs, [fit.predict(x) for x in xs], color=line[0].get_color(), lw=1)
+    peak = profile.peaks.get(direction)
+    title = DIRECTION_NAMES.get(direction, direction) + f"\n{profile.hardware.get('remote_link', '')}"
+    title += f"; one range: {peak / 1e9:.1f} GB/s" if peak else ""
+    ax.set(xscale="log", yscale="log", xlabel="bytes per read", ylabel="seconds per read", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _prefill_panel(ax: Any, profile: Profile) -> None:
@@ -176,7 +206,7 @@ def plot_plan(
         yscale="log",
         xlabel=f"cached prefix tokens (each with {new_tokens} new token{'s' if new_tokens != 1 else ''})",
         ylabel="seconds until the new tokens are computed",
-        title=f"{planner.spec.name}: reload vs recompute",
+        title=f"{planner.spec.name}: reload{', fetch' if planner.fetch_bytes_per_s is not None else ''} vs recompute",
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7.5)
