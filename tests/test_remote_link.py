@@ -93,10 +93,12 @@ def test_calibrate_remote_adds_the_link_and_prints_it_per_range_size(monkeypatch
     from kvcopy.policy import calibrator
 
     monkeypatch.setattr(calibrator, "calibrate", lambda *a, **k: _local_profile())  # the local part: not here
-    out = tmp_path / "profile.json"
-    status = cli.main(["calibrate", "--device", "cpu", "--quick", "--remote", "--out", str(out), "--no-progress"])
+    out, plot = tmp_path / "profile.json", tmp_path / "calib.png"
+    args = ["calibrate", "--device", "cpu", "--quick", "--remote", "--out", str(out), "--plot", str(plot)]
+    status = cli.main([*args, "--no-progress"])
     printed = capsys.readouterr().out
     assert status == 0, printed
+    assert plot.read_bytes().startswith(b"\x89PNG")  # with the link's panel, one line per range size
     saved = Profile.load(out)
     _assert_link(saved, LOOPBACK)
     assert f"remote link ({REMOTE_DIRECTION}): {LOOPBACK}" in printed

@@ -122,7 +122,7 @@ class KVPeer:
     """One NIXL agent named ``name`` with ``pool`` registered: a HostKVPool, or an engine's PagedKV (on a GPU:
     NIXL's VRAM, so two GPUs exchange blocks directly where UCX supports GPUDirect); ``cache_key``: the
     CacheKey whose blocks the pool holds (a peer refuses to connect to a pool of another context). A context
-    manager; :meth:`close` deregisters the pool."""
+    manager; :meth:`close` deregisters the pool. Not thread-safe: use a peer from one thread at a time."""
 
     def __init__(
         self,
