@@ -28,13 +28,20 @@ from remote_helpers import remote_peer  # noqa: E402
 PEER_START_S = 120
 
 
+def _point(nbytes: float, seconds: float) -> list[float]:
+    """A calibration point: bytes, blocks, plane-block bytes, median, p20 and p80 seconds."""
+    return [nbytes, 1, nbytes, seconds, 0.9 * seconds, 1.1 * seconds]
+
+
 def _local_profile() -> Profile:
     fit = LinkFit(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=0.99, max_abs_residual=0.2)
     return Profile(
         hardware={"device_name": "test", "torch": "x", "torch_threads": 2, "date": "now"},
-        links={"h2h": {"cpu": MethodProfile(fit)}},
+        links={"h2h": {"cpu": MethodProfile(fit, points=[_point(n, fit.predict(n)) for n in (1e5, 1e7)])}},
         peaks={"h2h": 2e10},
-        prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99),
+        prefill=PrefillProfile(
+            model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99, points=((1e11, 0.11), (2e11, 0.21))
+        ),
     )
 
 

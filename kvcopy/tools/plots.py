@@ -69,6 +69,8 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
             _per_size_panel(ax, profile, direction)
             continue
         for method, mp in sorted(profile.links[direction].items()):
+            if not mp.points:  # a profile written by hand: a fit without the points it came from
+                continue
             pts = np.array(mp.points)
             line = ax.errorbar(
                 pts[:, 0],
@@ -100,7 +102,7 @@ def _per_size_panel(ax: Any, profile: Profile, direction: str) -> None:
     """The link to a peer: one color per range size (each range is one network descriptor), each with its fit
     (what the planner's fetch uses); the title says which peer (a loopback is labelled so)."""
     for method, mp in sorted(profile.links[direction].items()):
-        pts = np.array(mp.points)
+        pts = np.array(mp.points) if mp.points else np.zeros((0, 6))
         for size in sorted({int(p) for p in pts[:, 2]}):
             mine = pts[np.rint(pts[:, 2] / size) == 1] if size else pts
             fit = mp.by_block_nbytes.get(size, mp.fit)
