@@ -111,6 +111,7 @@ def remote_peer(
     parent, child = ctx.Pipe()
     process = ctx.Process(target=serve, args=(child, kind, num_blocks, host_layout, seed, context), daemon=True)
     process.start()
+    child.close()  # the child has its own end now: a dead child is EOF here, not a silent pipe
     try:
         if not parent.poll(REPLY_TIMEOUT_S):
             raise TimeoutError("the remote process did not start")

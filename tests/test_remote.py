@@ -4,6 +4,7 @@ a peer that disappears ends in an exception, not a hang."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -153,6 +154,29 @@ def test_a_peer_that_disappears_is_an_exception_within_the_timeout():
             started = time.monotonic()
             with pytest.raises((RemoteTransferError, TimeoutError), match="local blocks"):
                 peer.read(pool, list(range(64)), list(range(64))).wait(timeout=10)
+            assert time.monotonic() - started < WAIT_S
+
+
+# A transfer big enough to be in flight when its peer is killed: one 256 MiB range, about 0.1 s over loopback.
+KILL_BLOCKS = 16384  # of the "wide" kind's 16 KiB blocks
+# When the peer is killed, after the reads start: well inside the first one.
+KILL_AFTER_S = 0.02
+
+
+def test_a_peer_killed_mid_transfer_is_an_exception_within_the_timeout():
+    with remote_peer("wide", KILL_BLOCKS, "page_first", seed=25) as remote:
+        local = make_pool("wide", KILL_BLOCKS, "page_first", seed=26)
+        with KVPeer(local, "local-kill-mid") as peer:
+            pool = peer.connect(remote.descriptor)
+            whole = torch.arange(KILL_BLOCKS)
+            peer.read(pool, whole, whole).wait(WAIT_S)  # connected and working
+            killer = threading.Timer(KILL_AFTER_S, remote.process.kill)
+            started = time.monotonic()
+            killer.start()
+            with pytest.raises((RemoteTransferError, TimeoutError), match="local blocks"):
+                while time.monotonic() - started < WAIT_S:  # the kill lands in the first read unless the machine
+                    peer.read(pool, whole, whole).wait(timeout=10)  # is slow; then in a later one
+            killer.join()
             assert time.monotonic() - started < WAIT_S
 
 
