@@ -434,6 +434,9 @@ BAD_VALUES = {
     "bench --ids": ("bench", "--ids", "shuffled"),
     "bench --device": ("bench", "--device", "foo"),
     "bench --workload": ("bench", "--workload", "gpt-17"),
+    "plan --from-peer": ("plan", "--model", "llama-3.1-8b", "--from-peer"),  # a profile without a network link
+    "calibrate --remote": ("calibrate", "--remote", "no-such-peer.desc"),
+    "peer --seconds": ("peer", "--descriptor", "peer.desc", "--seconds", "0"),
 }
 
 
@@ -454,10 +457,11 @@ def test_every_subcommand_answers_a_bad_value_with_one_line_and_status_2(env, pr
 
 def test_version_and_help_say_what_each_command_does(env):
     results = run_all(
-        env, {"version": ("--version",), **{cmd: (cmd, "--help") for cmd in ("calibrate", "plan", "bench", "info")}}
+        env,
+        {"version": ("--version",), **{cmd: (cmd, "--help") for cmd in ("calibrate", "plan", "bench", "peer", "info")}},
     )
     assert results["version"].stdout.strip() == f"kvcopy {kvcopy.__version__}"
-    for command in ("calibrate", "plan", "bench", "info"):
+    for command in ("calibrate", "plan", "bench", "peer", "info"):
         assert results[command].returncode == 0
         text = " ".join(results[command].stdout.split())
         assert len(text) > 200, text  # a paragraph, not only the option list

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="reload, recompute or split for a model and prefix, from a profile",
+        help="reload, recompute, split, or fetch from a peer, for a model and prefix, from a profile",
         description="Decides, for a model and a cached prefix, between reloading it, reloading layer by layer, "
         "splitting (compute the front while the back loads) and recomputing it, or with --from-peer between "
         "fetching it from another node and recomputing it, from a calibrated "
