@@ -283,8 +283,8 @@ class Planner:
     def decide(
         self, prefix_tokens: int, new_tokens: int = 1, *, load_nbytes: int | None = None, from_peer: bool = False
     ) -> Decision:
-        """Reload, layer-wise reload, split or recompute for a cached prefix of ``prefix_tokens`` and
-        ``new_tokens`` (>= 1) to compute after it.
+        """Reload, layer-wise reload, split or recompute (fetch, split or recompute with ``from_peer``) for a
+        cached prefix of ``prefix_tokens`` and ``new_tokens`` (>= 1) to compute after it.
 
         ``load_nbytes``: the bytes a reload would move, when the engine knows them (whole
         blocks, a sliding window's ring); default ``spec.kv_bytes(prefix_tokens)``.

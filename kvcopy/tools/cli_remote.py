@@ -53,6 +53,8 @@ def add_remote_link(profile: object, descriptor: bytes | None, *, quick: bool, p
         measure(profile, descriptor, quick=quick, progress=progress)  # type: ignore[arg-type]
     except ValueError as err:  # a descriptor that is not one, or of another calibration pool
         raise CliError(f"--remote: {err}") from None
+    except (RuntimeError, TimeoutError) as err:  # the peer vanished, or never started (a loopback peer)
+        raise CliError(f"--remote: the link could not be measured: {err}") from None
 
 
 def print_remote_link(profile: object) -> None:
