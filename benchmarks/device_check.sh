@@ -164,6 +164,14 @@ if [ "$has_transformers" = 1 ]; then
   shortened 120 && engine+=(--requests 16 --max-prompt 512)
   soft_step bench_engine 120 "$python" benchmarks/bench_engine.py "${engine[@]}" --csv "$out/bench_engine.csv"
 fi
+# GPU memory over NIXL between two agents and two processes, where NIXL is installed (kvcopy[nixl]).
+if "$python" -c 'import nixl_cu13' 2>/dev/null; then
+  [ "$dry_run" = 0 ] && pytest_step remote_gpu_tests 60 -m gpu tests/test_remote.py
+  [ "$dry_run" = 0 ] && soft_step bench_remote_gpu 60 "$python" benchmarks/bench_remote.py --memory gpu \
+    --csv "$out/bench_remote_gpu.csv"
+else
+  echo "device_check: NIXL is not here: the GPU-memory remote test and bench_remote --memory gpu are skipped" >&2
+fi
 [ "$dry_run" = 0 ] && pytest_step gpu_compile_tests 120 -m gpu -k torch_compile tests/test_gpu.py tests/test_engine_gpu.py
 [ ${#skipped[@]} = 0 ] || echo "device_check: skipped for the deadline: ${skipped[*]}" >&2
 [ ${#failed[@]} = 0 ] || fail "failed steps: ${failed[*]} (logs in $out)"

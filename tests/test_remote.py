@@ -15,6 +15,7 @@ pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip
 import kvcopy  # noqa: E402
 from kvcopy.remote import KVPeer, RemoteTransferError  # noqa: E402
 
+from conftest import gpu, requires_gpu  # noqa: E402
 from remote_helpers import make_pool, planes_of, remote_peer, storage_bytes  # noqa: E402
 
 # Generous: a loopback transfer of a few MB takes milliseconds; a loaded CI machine may take seconds.
@@ -219,8 +220,10 @@ def test_an_engine_cache_registers_the_memory_under_its_planes_once():
         KVPeer(halves, "local-tensor")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory registered as NIXL VRAM: needs a CUDA device")
+@gpu
+@requires_gpu
 def test_gpu_caches_exchange_blocks_between_two_agents():
+    """GPU memory registered as NIXL VRAM: blocks move GPU to GPU, bitwise."""
     from kvcopy.remote.registration import registration_of
 
     def cache(seed: int) -> kvcopy.PagedKV:
