@@ -102,6 +102,24 @@ def test_every_transfer_handle_is_released_once_even_when_dropped_unfinished():
             assert len(released) == 2 and released[0] is not released[1]
 
 
+def test_connecting_again_returns_the_pool_or_replaces_a_restarted_peer():
+    local = make_pool("bf16", 16, "page_first", seed=28)
+    with KVPeer(local, "local-reconnect") as peer:
+        with remote_peer("bf16", 16, "page_first", seed=29) as first:
+            pool = peer.connect(first.descriptor)
+            assert peer.connect(first.descriptor) is pool  # the same descriptor: the same pool
+            peer.read(pool, [1], [1]).wait(WAIT_S)
+        with remote_peer("bf16", 16, "page_first", seed=29) as restarted:  # the same agent name, a new process
+            again = peer.connect(restarted.descriptor)
+            assert again is not pool
+            peer.read(again, [2, 3], [4, 5]).wait(WAIT_S)
+            _assert_same(_blocks(local, [4, 5]), _blocks(_replica("bf16", 16, "page_first", 29), [2, 3]))
+            with pytest.raises(ValueError, match="not replaced by a later connect"):
+                peer.read(pool, [0], [0])
+    with pytest.raises(ValueError, match="'local-reconnect' is closed"):
+        peer.read(again, [0], [0])
+
+
 def test_mismatched_layouts_and_contexts_are_refused():
     key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="org/model@abc", block_tokens=16)
     with remote_peer("wide", 8, "page_first", seed=8) as wide, remote_peer("bf16", 8, "layer_first", seed=9) as lf:

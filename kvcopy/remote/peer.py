@@ -146,6 +146,7 @@ class KVPeer:
         self._table = registration.paged.plane_table
         self._num_blocks = registration.paged.num_blocks
         self._remotes: dict[str, RemotePool] = {}
+        self._metadata: dict[str, bytes] = {}  # each connected agent's NIXL metadata, to know a reconnect
 
     def descriptor(self) -> bytes:
         """What a remote peer needs to connect: this agent's metadata, the pool's layout and its context hash."""
@@ -167,10 +168,16 @@ class KVPeer:
                 f"this one {self._layout.context_hash}: a block of another model configuration is never read as "
                 "this one's"
             )
+        self._check_open()
+        known = self._remotes.get(layout.agent)
+        if known is not None and known.layout == layout and self._metadata[layout.agent] == metadata:
+            return known  # the same descriptor again: the same pool
+        if known is not None:  # the peer came back (a restart): its new pool replaces the old one
+            self._forget(layout.agent)
         agent = self._agent.add_remote_agent(metadata)
         name = agent.decode() if isinstance(agent, bytes) else str(agent)
         remote = RemotePool(name, layout, layout.plane_table())
-        self._remotes[remote.agent] = remote
+        self._remotes[remote.agent], self._metadata[remote.agent] = remote, metadata
         return remote
 
     def read(self, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
@@ -182,8 +189,12 @@ class KVPeer:
         return self._transfer("WRITE", remote, remote_ids, local_ids)
 
     def _transfer(self, op: str, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
+        self._check_open()
         if not isinstance(remote, RemotePool) or self._remotes.get(remote.agent) is not remote:
-            raise ValueError("remote: expected a RemotePool this peer connected to (KVPeer.connect)")
+            raise ValueError(
+                "remote: expected a RemotePool this peer connected to (KVPeer.connect) and has not replaced by a "
+                f"later connect to the same agent; got {remote!r}"
+            )
         reading = op == "READ"
         names = ("remote_ids", "local_ids") if reading else ("local_ids", "remote_ids")
         remote_t = as_ids(remote_ids, "remote_ids", remote.num_blocks)
@@ -222,14 +233,21 @@ class KVPeer:
     def close(self) -> None:
         """Forgets the connected peers and deregisters the pool (wait for this peer's transfers first)."""
         for agent in list(self._remotes):
-            try:
-                self._agent.remove_remote_agent(agent)
-            except Exception:  # noqa: BLE001 - a vanished peer is already gone
-                pass
-        self._remotes.clear()
+            self._forget(agent)
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None
+
+    def _forget(self, agent: str) -> None:
+        del self._remotes[agent], self._metadata[agent]
+        try:
+            self._agent.remove_remote_agent(agent)
+        except Exception:  # noqa: BLE001 - a vanished peer is already gone
+            pass
+
+    def _check_open(self) -> None:
+        if self._registered is None:
+            raise ValueError(f"KVPeer {self.name!r} is closed: its pool is no longer registered")
 
     def __enter__(self) -> KVPeer:
         return self
