@@ -108,8 +108,8 @@ def measure_link(
     peer: KVPeer, remote: RemotePool, sweep: LinkSweep = QUICK_SWEEP, *, progress: bool = True
 ) -> tuple[list[list[float]], float]:
     """Times reads of ``remote``'s blocks into ``peer``'s pool over ``sweep``: the points (total bytes, NIXL
-    descriptors, bytes per descriptor, median s, p20 s, p80 s) per shape, and the contiguous peak in bytes/s
-    (one read of the largest shape's bytes as a single range)."""
+    descriptors per read on average, range bytes, median s, p20 s, p80 s) per shape, and the contiguous peak in
+    bytes/s (one read of the largest shape's bytes as a single range)."""
     pool_blocks = min(peer.pool.num_blocks, remote.num_blocks)
     shapes = [
         (size, count)
@@ -137,7 +137,7 @@ def measure_link(
 
         timing = measure(read_next, warmup=2, repeats=sweep.repeats)
         mean_descriptors = sum(descriptors) / len(descriptors)  # random slots may touch and merge, rarely
-        points.append([size * count, mean_descriptors, size * count / mean_descriptors, *_seconds(timing)])
+        points.append([size * count, mean_descriptors, size, *_seconds(timing)])
         bar.update()
 
     def read_whole() -> None:
