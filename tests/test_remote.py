@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
 import kvcopy  # noqa: E402
-from kvcopy.remote import KVPeer, RemoteTransferError  # noqa: E402
+from kvcopy.remote import KVPeer, RemoteTransferError, RemoteTransferTimeout  # noqa: E402
 
 from conftest import gpu, requires_gpu  # noqa: E402
 from remote_helpers import make_pool, planes_of, remote_peer, storage_bytes  # noqa: E402
@@ -171,9 +171,10 @@ def test_a_peer_that_disappears_is_an_exception_within_the_timeout():
             remote.process.kill()
             remote.process.join(WAIT_S)
             started = time.monotonic()
-            with pytest.raises((RemoteTransferError, TimeoutError), match="local blocks"):
+            with pytest.raises((RemoteTransferError, RemoteTransferTimeout), match="local blocks") as failed:
                 peer.read(pool, list(range(64)), list(range(64))).wait(timeout=10)
             assert time.monotonic() - started < WAIT_S
+            assert (failed.value.side, failed.value.block_ids) == ("local", list(range(64)))  # what is not valid
 
 
 # A transfer big enough to be in flight when its peer is killed: one 256 MiB range, about 0.1 s over loopback.
@@ -192,11 +193,12 @@ def test_a_peer_killed_mid_transfer_is_an_exception_within_the_timeout():
             killer = threading.Timer(KILL_AFTER_S, remote.process.kill)
             started = time.monotonic()
             killer.start()
-            with pytest.raises((RemoteTransferError, TimeoutError), match="local blocks"):
+            with pytest.raises((RemoteTransferError, RemoteTransferTimeout), match="local blocks") as failed:
                 while time.monotonic() - started < WAIT_S:  # the kill lands in the first read unless the machine
                     peer.read(pool, whole, whole).wait(timeout=10)  # is slow; then in a later one
             killer.join()
             assert time.monotonic() - started < WAIT_S
+            assert (failed.value.side, failed.value.block_ids) == ("local", whole.tolist())
 
 
 def test_without_nixl_the_error_names_the_extra(monkeypatch):

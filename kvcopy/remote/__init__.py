@@ -9,6 +9,6 @@ without it is an ImportError naming the extra.
 
 from __future__ import annotations
 
-from .peer import KVPeer, RemotePool, RemoteTransfer, RemoteTransferError
+from .peer import KVPeer, RemotePool, RemoteTransfer, RemoteTransferError, RemoteTransferTimeout
 
-__all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError"]
+__all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]

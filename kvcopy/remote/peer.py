@@ -15,7 +15,7 @@ from ..layout import PagedKV
 from .descriptor import PoolLayout, decode, encode
 from .registration import registration_of
 
-__all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError"]
+__all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
 
 # Waiting for a transfer: poll without sleeping for this long (a small loopback transfer takes tens of
 # microseconds, less than one sleep), then sleep between polls, backing off from the first pause to the last.
@@ -30,12 +30,38 @@ class _Blocks:
         self.owner, self.ids = owner, ids
 
     def __str__(self) -> str:
-        return f"{self.owner} blocks {self.ids.tolist()}"
+        where = "local" if self.owner == "local" else f"{self.owner!r}'s"
+        return f"{where} blocks {self.ids.tolist()}"
 
 
-class RemoteTransferError(RuntimeError):
-    """A remote transfer failed (the peer disappeared, or NIXL reported an error); the local blocks it was
-    writing hold no valid data."""
+class _InvalidBlocks:
+    """What a failed or unfinished transfer leaves without valid data: ``side`` ("local", or the remote agent's
+    name) and ``block_ids`` there."""
+
+    side: str
+    block_ids: list[int]
+
+    def _name_blocks(self, written: _Blocks) -> None:
+        self.side, self.block_ids = written.owner, written.ids.tolist()
+
+
+class RemoteTransferError(_InvalidBlocks, RuntimeError):
+    """A remote transfer failed (the peer disappeared, or NIXL reported an error). ``side`` and ``block_ids``:
+    the blocks it was writing ("local" ones for a read, the remote agent's for a write), which hold no valid
+    data."""
+
+    def __init__(self, message: str, written: _Blocks) -> None:
+        super().__init__(message)
+        self._name_blocks(written)
+
+
+class RemoteTransferTimeout(_InvalidBlocks, TimeoutError):
+    """``RemoteTransfer.wait`` reached its timeout; ``side`` and ``block_ids``: the blocks the transfer writes,
+    without valid data until it is done (it may still land later)."""
+
+    def __init__(self, message: str, written: _Blocks) -> None:
+        super().__init__(message)
+        self._name_blocks(written)
 
 
 def _nixl():  # noqa: ANN202 - the nixl module
@@ -92,7 +118,8 @@ class RemoteTransfer:
         return self._state == "DONE"
 
     def wait(self, timeout: float | None = None) -> None:
-        """Returns once the transfer is done; TimeoutError after ``timeout`` seconds (it may still land later)."""
+        """Returns once the transfer is done; RemoteTransferTimeout (a TimeoutError) after ``timeout`` seconds
+        (the transfer may still land later)."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         pause = _POLL_MIN_S
@@ -101,14 +128,17 @@ class RemoteTransfer:
             if now - started < _SPIN_S:
                 continue
             if deadline is not None and now >= deadline:
-                raise TimeoutError(
-                    f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is"
+                raise RemoteTransferTimeout(
+                    f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is",
+                    self._written,
                 )
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
 
     def _fail(self, cause: BaseException | None) -> None:
-        raise RemoteTransferError(f"{self.direction} failed; {self._written} hold no valid data") from cause
+        raise RemoteTransferError(
+            f"{self.direction} failed; {self._written} hold no valid data", self._written
+        ) from cause
 
 
 def _release_handle(agent: object, handle: object) -> None:
@@ -213,7 +243,7 @@ class KVPeer:
         here, there = self._layout, remote.layout
         local_ranges = [(d if reading else s, n, here.device_id) for s, d, n in ranges]
         remote_ranges = [(s if reading else d, n, there.device_id) for s, d, n in ranges]
-        written = _Blocks("local", local_t) if reading else _Blocks(f"{remote.agent!r}'s", remote_t)
+        written = _Blocks("local", local_t) if reading else _Blocks(remote.agent, remote_t)
         handle = self._agent.initialize_xfer(
             op,
             self._agent.get_xfer_descs(local_ranges, here.memory),
@@ -225,7 +255,7 @@ class KVPeer:
             state = self._agent.transfer(handle)
         except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
             transfer._release()
-            raise RemoteTransferError(f"{op.lower()} failed to start; {written} hold no valid data") from err
+            raise RemoteTransferError(f"{op.lower()} failed to start; {written} hold no valid data", written) from err
         if state == "ERR":
             transfer.done()  # raises RemoteTransferError
         return transfer
