@@ -1,4 +1,5 @@
-"""KVPeer: one NIXL agent that registers a HostKVPool and moves its blocks to and from other peers."""
+"""KVPeer: one NIXL agent that registers a HostKVPool (or an engine's PagedKV) and moves its blocks to and from
+other peers."""
 
 from __future__ import annotations
 
@@ -87,10 +88,11 @@ class RemotePool:
 
 class RemoteTransfer:
     """One NIXL transfer in flight. ``done()`` polls; ``wait(timeout)`` blocks; both raise RemoteTransferError
-    when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged)."""
+    when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged); ``nbytes``:
+    their bytes."""
 
     def __init__(
-        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: object
+        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: _Blocks
     ) -> None:
         self._agent, self._handle = agent, handle
         self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
