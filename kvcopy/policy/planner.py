@@ -215,14 +215,18 @@ class Planner:
     def t_fetch_nbytes(self, nbytes: float) -> tuple[float, int]:
         """(seconds, chunks) to bring ``nbytes`` of a peer's KV here: the network read and the local reload,
         pipelined at the best chunk count (whole blocks per chunk). ValueError without a network link."""
+        alpha, beta = self._fetch_link()
+        blocks = math.ceil(nbytes / self.spec.block_nbytes(self.block_tokens))
+        return pipelined_seconds(nbytes, blocks, lambda b: alpha + b / beta, self.t_load_nbytes)
+
+    def _fetch_link(self) -> tuple[float, float]:
+        """(alpha, beta) of the network link; ValueError naming ``from_peer`` when the planner has none."""
         if self.fetch_alpha_s is None or self.fetch_bytes_per_s is None:
             raise ValueError(
                 "from_peer: this planner has no network link to a peer (fetch_alpha_s / fetch_bytes_per_s, or "
                 "a profile from `kvcopy calibrate --remote`)"
             )
-        alpha, beta = self.fetch_alpha_s, self.fetch_bytes_per_s
-        blocks = math.ceil(nbytes / self.spec.block_nbytes(self.block_tokens))
-        return pipelined_seconds(nbytes, blocks, lambda b: alpha + b / beta, self.t_load_nbytes)
+        return self.fetch_alpha_s, self.fetch_bytes_per_s
 
     def t_load(self, tokens: int) -> float:
         """Seconds to reload the KV of ``tokens`` prefix tokens (one call)."""
@@ -304,7 +308,7 @@ class Planner:
         ):
             raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
         if from_peer:
-            self.t_fetch_nbytes(0)  # the error, before any work, when there is no network link
+            self._fetch_link()  # the error, before any work, when there is no network link
         prefix = prefix_tokens
         extend = self.t_prefill(new_tokens, prefix)
         t_recompute = self.t_prefill(prefix + new_tokens)
@@ -318,7 +322,7 @@ class Planner:
             return self.t_fetch_nbytes(nbytes)[0] if from_peer else self.t_load_nbytes(nbytes)
 
         nbytes = self.spec.kv_bytes(prefix) if load_nbytes is None else load_nbytes
-        t_load = load(nbytes)
+        t_load, chunks = self.t_fetch_nbytes(nbytes) if from_peer else (self.t_load_nbytes(nbytes), 0)
         t_layerwise = max(t_load, extend) + t_load / self.spec.num_layers if self.layerwise and not from_peer else None
         split = self._best_split(prefix, load)
         t_split = split[1] + extend if split else None
@@ -329,7 +333,6 @@ class Planner:
         if t_split is not None and t_split < best_other * (1.0 - self.split_margin):
             options["split"] = t_split
         action = min(options, key=options.__getitem__)
-        chunks = self.t_fetch_nbytes(nbytes)[1] if from_peer else 0
         return Decision(
             action,
             prefix,

@@ -118,8 +118,12 @@ def measure_link(
         if size * count <= sweep.max_read_bytes and 2 * size * count <= pool_blocks * CALIBRATION_UNIT_BYTES
     ]
     whole = torch.arange(min(sweep.max_read_bytes // CALIBRATION_UNIT_BYTES, pool_blocks))
-    for _ in range(_WARMUP_READS):  # the first reads set up the connection and fault the pools' pages in
+
+    def read_whole() -> None:
         peer.read(remote, whole, whole).wait(READ_TIMEOUT_S)
+
+    for _ in range(_WARMUP_READS):  # the first reads set up the connection and fault the pools' pages in
+        read_whole()
     generator = torch.Generator().manual_seed(0)
     bar = progress_bar(len(shapes) + 1, progress, "calibrating the remote link", "shape")
     points = []
@@ -137,20 +141,12 @@ def measure_link(
 
         timing = measure(read_next, warmup=2, repeats=sweep.repeats)
         mean_descriptors = sum(descriptors) / len(descriptors)  # random slots may touch and merge, rarely
-        points.append([size * count, mean_descriptors, size, *_seconds(timing)])
+        points.append([size * count, mean_descriptors, size, timing.median, timing.p20, timing.p80])
         bar.update()
-
-    def read_whole() -> None:
-        peer.read(remote, whole, whole).wait(READ_TIMEOUT_S)
-
     peak = measure(read_whole, warmup=1, repeats=sweep.repeats).median
     bar.update()
     bar.close()
     return points, whole.numel() * CALIBRATION_UNIT_BYTES / peak
-
-
-def _seconds(timing: object) -> tuple[float, float, float]:
-    return timing.median, timing.p20, timing.p80  # type: ignore[attr-defined]
 
 
 def check_calibration_descriptor(data: bytes) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..policy.planner import Planner
-from ..profile import PER_SIZE_JUDGED_DIRECTIONS, Profile
+from ..profile import PER_SIZE_JUDGED_DIRECTIONS, LinkFit, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]
 
@@ -71,17 +71,8 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
         for method, mp in sorted(profile.links[direction].items()):
             if not mp.points:  # a profile written by hand: a fit without the points it came from
                 continue
-            pts = np.array(mp.points)
-            line = ax.errorbar(
-                pts[:, 0],
-                pts[:, 3],
-                yerr=[pts[:, 3] - pts[:, 4], pts[:, 5] - pts[:, 3]],
-                fmt="o",
-                ms=3,
-                label=f"{method}: alpha {mp.fit.alpha_s * 1e6:.1f} us, beta {mp.fit.beta_bytes_per_s / 1e9:.1f} GB/s",
-            )
-            xs = np.logspace(np.log10(pts[:, 0].min()), np.log10(pts[:, 0].max()), 100)
-            ax.plot(xs, [mp.fit.predict(x) for x in xs], color=line[0].get_color(), lw=1)
+            label = f"{method}: alpha {mp.fit.alpha_s * 1e6:.1f} us, beta {mp.fit.beta_bytes_per_s / 1e9:.1f} GB/s"
+            _points_and_fit(ax, np.array(mp.points), mp.fit, label)
         peak = profile.peaks.get(direction)
         title = DIRECTION_NAMES.get(direction, direction) + (f"\ncontiguous peak {peak / 1e9:.1f} GB/s" if peak else "")
         ax.set(xscale="log", yscale="log", xlabel="bytes per call", ylabel="seconds per call", title=title)
@@ -98,25 +89,28 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     )
 
 
+def _points_and_fit(ax: Any, pts: np.ndarray, fit: LinkFit, label: str) -> None:
+    """Calibration points ``[bytes, blocks, plane-block bytes, median, p20, p80]`` (medians, p20-p80 bars) and
+    the fitted line through their range, in one color."""
+    line = ax.errorbar(
+        pts[:, 0], pts[:, 3], yerr=[pts[:, 3] - pts[:, 4], pts[:, 5] - pts[:, 3]], fmt="o", ms=3, label=label
+    )
+    xs = np.logspace(np.log10(pts[:, 0].min()), np.log10(pts[:, 0].max()), 100)
+    ax.plot(xs, [fit.predict(x) for x in xs], color=line[0].get_color(), lw=1)
+
+
 def _per_size_panel(ax: Any, profile: Profile, direction: str) -> None:
     """The link to a peer: one color per range size (each range is one network descriptor), each with its fit
     (what the planner's fetch uses); the title says which peer (a loopback is labelled so)."""
     for method, mp in sorted(profile.links[direction].items()):
         pts = np.array(mp.points) if mp.points else np.zeros((0, 6))
         for size in sorted({int(p) for p in pts[:, 2]}):
-            mine = pts[np.rint(pts[:, 2] / size) == 1] if size else pts
             fit = mp.by_block_nbytes.get(size, mp.fit)
-            line = ax.errorbar(
-                mine[:, 0],
-                mine[:, 3],
-                yerr=[mine[:, 3] - mine[:, 4], mine[:, 5] - mine[:, 3]],
-                fmt="o",
-                ms=3,
-                label=f"{method}, {size // 1024} KiB ranges: alpha {fit.alpha_s * 1e6:.1f} us, "
-                f"beta {fit.beta_bytes_per_s / 1e9:.2f} GB/s",
+            label = (
+                f"{method}, {size // 1024} KiB ranges: alpha {fit.alpha_s * 1e6:.1f} us, "
+                f"beta {fit.beta_bytes_per_s / 1e9:.2f} GB/s"
             )
-            xs = np.logspace(np.log10(mine[:, 0].min()), np.log10(mine[:, 0].max()), 50)
-            ax.plot(xs, [fit.predict(x) for x in xs], color=line[0].get_color(), lw=1)
+            _points_and_fit(ax, pts[pts[:, 2] == size], fit, label)
     peak = profile.peaks.get(direction)
     title = DIRECTION_NAMES.get(direction, direction) + f"\n{profile.hardware.get('remote_link', '')}"
     title += f"; one range: {peak / 1e9:.1f} GB/s" if peak else ""
