@@ -20,6 +20,7 @@ from .ops import available_methods, copy_blocks, gather, scatter
 from .policy.cachekey import BlockIndex, CacheKey
 from .policy.calibrator import calibrate
 from .policy.model import ModelSpec
+from .policy.online import OnlineProfile
 from .policy.planner import Decision, Planner
 from .profile import Profile, set_default_profile
 from .ranges import ByteRange, copy_ranges
@@ -35,6 +36,7 @@ __all__ = [
     "Decision",
     "HostKVPool",
     "ModelSpec",
+    "OnlineProfile",
     "PagedKV",
     "Planner",
     "Profile",

@@ -37,19 +37,21 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from . import _ext, dispatch
 from ._block_order import BlockOrder, Blocks, TransferConflictError, watch
 from ._copy_streams import COPY_STREAM_PRIORITY, EventPool, destroy_streams, new_copy_stream
+from ._cpu_worker import cpu_copy_job
 from ._ids import BlockIds
 from .host import HostKVPool
 from .layout import PagedKV
 from .methods.registry import CopyMethod
 from .methods.sm_budget import check_num_ctas
 from .methods.staging import ids_on
-from .profile import Profile
+from .profile import Profile, direction_of
 from .transfer import CudaSignal, ThreadSignal, Transfer
 
 __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
@@ -69,6 +71,12 @@ class TransferEngine:
     writes). A context manager: leaving it (or :meth:`close`) waits for every
     transfer in flight. ``sm_budget``: the CTAs each SM-kernel copy may use (the
     ``num_ctas`` of kvcopy.copy_blocks; None: its host-link default of 4).
+    ``observer``: called once with each transfer that finished without error
+    (its ``turnaround``, ``queued``, ``elapsed``, ``link``, ``method``, bytes
+    and blocks are set), e.g. ``OnlineProfile.observe_copy``'s feed. On a CPU
+    the worker that ran the copy calls it; on CUDA whoever first finds the
+    transfer done (its ``done()``, ``wait()``, or the engine's next
+    submission). It must be quick and never block; its errors are logged.
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class TransferEngine:
         profile: Profile | None = None,
         debug: bool | None = None,
         sm_budget: int | None = None,
+        observer: Callable[[Transfer], None] | None = None,
     ) -> None:
         if not isinstance(kv, PagedKV):
             raise TypeError(f"kv: expected a PagedKV, got {type(kv).__name__}")
@@ -91,6 +100,9 @@ class TransferEngine:
         self.profile = profile
         self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
         self.sm_budget = check_num_ctas(sm_budget, "sm_budget")
+        if observer is not None and not callable(observer):
+            raise TypeError(f"observer: expected a callable or None, got {type(observer).__name__}")
+        self.observer = observer
         self._method = method
         self._order = BlockOrder()  # the transfers in flight, by block
         self._lock = threading.Lock()  # guards _order: transfers may come from many threads
@@ -279,6 +291,11 @@ class TransferEngine:
         with self._lock:
             return self._order.conflict(side, blocks, writes=writes, stream=stream)
 
+    def _labels(self, method: CopyMethod, src: PagedKV, dst: PagedKV) -> dict[str, object]:
+        """What a Transfer says of itself besides its size: method, link, and who observes it."""
+        link = direction_of(src.device.type, dst.device.type)
+        return {"method": method.name, "link": link, "observer": self.observer}
+
     def _copy(
         self,
         method: CopyMethod,
@@ -307,10 +324,12 @@ class TransferEngine:
         after: list[Transfer],
     ) -> Transfer:
         stream = self._stream_for(direction, capturing)
-        ready = self._signal_events.get()
+        # Timed outside a capture: the submission on the caller's stream (see kvcopy.transfer.Timer).
+        ready = self._signal_events.get() if capturing else self._timing_events.get()
         ready.record(torch.cuda.current_stream(self.kv.device))
         stream.wait_event(ready)  # the copy starts after the caller's queued work
-        self._signal_events.put([ready])  # the wait is bound: the event may be recorded again
+        if capturing:
+            self._signal_events.put([ready])  # the wait is bound: the event may be recorded again
         for earlier in after:  # and after the engine's own transfers that touch its blocks
             earlier.wait_stream(stream)
         layer_events: list[torch.cuda.Event] = []
@@ -321,17 +340,17 @@ class TransferEngine:
             if method.stages_ids:  # staged once on the copy stream, shared by every layer
                 src_ids, dst_ids = ids_on(src_ids, dst_ids, self.kv.device)
             # Timing events are not recorded inside a graph capture: elapsed stays None there.
-            timer = None if capturing else (self._timing_events.get(), self._timing_events.get())
+            timer = None if capturing else (ready, self._timing_events.get(), self._timing_events.get())
             if timer:
-                timer[0].record(stream)
+                timer[1].record(stream)
             for layer in range(self.kv.num_layers) if layerwise else [None]:
                 self._copy(method, src, src_ids, dst, dst_ids, layer)
                 if layerwise:
                     layer_events.append(self._signal_events.get())
                     layer_events[-1].record(stream)
             if timer:
-                timer[1].record(stream)
-                done_event = timer[1]
+                timer[2].record(stream)
+                done_event = timer[2]
             else:
                 done_event = self._signal_events.get()
                 done_event.record(stream)
@@ -346,6 +365,7 @@ class TransferEngine:
             layers,
             timer,
             keepalive=(src, dst, src_ids, dst_ids),
+            **self._labels(method, src, dst),
         )
         weakref.finalize(transfer, self._signal_events.put, layer_events)
         if timer:
@@ -369,26 +389,12 @@ class TransferEngine:
         src_ids, dst_ids = src_ids.clone(), dst_ids.clone()
         done = ThreadSignal()
         layers = [ThreadSignal() for _ in range(self.kv.num_layers)] if layerwise else None
-        stamps: list[float] = []
+        stamps = [time.perf_counter()]  # submitted; the worker adds started and ended (kvcopy.transfer.Timer)
+        transfer = Transfer(direction, num_blocks, nbytes, done, layers, stamps, **self._labels(method, src, dst))
 
-        def run() -> None:
-            for earlier in after:  # the other worker's transfers that touch these blocks (failed ones count as done)
-                with contextlib.suppress(Exception):
-                    earlier.wait()
-            stamps.append(time.perf_counter())
-            try:
-                for layer in range(self.kv.num_layers) if layers else [None]:
-                    self._copy(method, src, src_ids, dst, dst_ids, layer)
-                    if layers:
-                        layers[layer].set()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits
-                for signal in layers or []:
-                    if not signal.query():
-                        signal.set(err)
-                done.set(err)
-                return
-            stamps.append(time.perf_counter())
-            done.set()
+        def copy(layer: int | None) -> None:
+            self._copy(method, src, src_ids, dst, dst_ids, layer)
 
+        run = cpu_copy_job(copy, self.kv.num_layers, after, transfer, done, layers, stamps)
         self._workers[direction].submit(run)
-        return Transfer(direction, num_blocks, nbytes, done, layers, stamps)
+        return transfer

@@ -7,6 +7,7 @@ engine's copy stream; on CPU it is set by the worker thread that did the copy.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,14 @@ __all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal"]
 
 # How often a host wait on a CUDA event with a timeout polls it.
 _POLL_SECONDS = 50e-6
+
+logger = logging.getLogger(__name__)
+
+# Seconds of a transfer's life as the engine stamps it: (submitted, started, ended). On CUDA, events: the first
+# is recorded on the caller's stream at submission (so it fires when the caller's queued work, which the copy
+# must follow anyway, is done), the others on the copy stream around the copy. On a CPU, perf_counter stamps
+# the submitting thread and the worker fill in.
+Timer = tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | list[float]
 
 
 class TransferSignal(Protocol):
@@ -107,6 +116,8 @@ class Transfer:
     ``done()`` never blocks; ``wait()`` blocks the host and re-raises an error
     of the transfer; ``wait_stream()`` / ``wait_layer()`` make a CUDA stream
     wait on the device without blocking the host (on CPU they block the caller).
+    ``method``: the copy method that ran it; ``link``: its direction in a
+    Profile's terms ("d2h", "h2d" or "h2h").
     """
 
     def __init__(
@@ -116,17 +127,25 @@ class Transfer:
         nbytes: int,
         done: TransferSignal,
         layers: list[TransferSignal] | None = None,
-        timer: tuple[torch.cuda.Event, torch.cuda.Event] | list[float] | None = None,
+        timer: Timer | None = None,
         keepalive: tuple[object, ...] = (),
+        *,
+        method: str = "",
+        link: str = "",
+        observer: Callable[[Transfer], None] | None = None,
     ) -> None:
         self.direction = direction
         self.num_blocks = num_blocks
         self.nbytes = nbytes
+        self.method = method
+        self.link = link
         self._done = done
         self._layers = layers
-        self._timer = timer  # (start, end) CUDA events, or the [start, end] perf_counter stamps a CPU worker fills
+        self._timer = timer
         self._keepalive = keepalive  # what the copy reads or writes must outlive it (caches, pinned pools, ids)
         self.joined: set[int] = set()  # streams made to wait for the whole transfer (wait_stream)
+        self._observer = observer
+        self._report_once = threading.Lock()  # taken (never waited for) by whoever reports the transfer first
 
     @property
     def layerwise(self) -> bool:
@@ -134,11 +153,28 @@ class Transfer:
 
     def done(self) -> bool:
         """True once every byte has landed (or the transfer failed; ``wait()`` says which)."""
-        return self._done.query()
+        finished = self._done.query()
+        if finished:
+            self.report()
+        return finished
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until done; re-raises the transfer's error; TimeoutError after ``timeout`` seconds."""
         self._done.wait(timeout)
+        self.report()
+
+    def report(self) -> None:
+        """Hands the finished transfer to its engine's observer, once (the first caller to see it done does:
+        the CPU worker that ran it, or whoever finds a CUDA transfer done). A failed or untimed transfer, or
+        an observer's error (logged), reports nothing. Never blocks."""
+        if self._observer is None or not self._report_once.acquire(blocking=False):
+            return
+        if getattr(self._done, "error", None) is not None or self.turnaround is None:
+            return
+        try:
+            self._observer(self)
+        except Exception:  # noqa: BLE001 - an observer must never break a copy
+            logger.exception("kvcopy: the transfer observer failed on %r", self)
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Work queued on ``stream`` (default: current) after this call runs after the transfer."""
@@ -154,15 +190,32 @@ class Transfer:
             raise IndexError(f"layer: expected a layer in [0, {len(self._layers)}), got {layer}")
         self._layers[layer].wait_stream(stream)
 
+    def _seconds_between(self, first: int, last: int) -> float | None:
+        timer = self._timer
+        if timer is None or not self._done.query():
+            return None
+        if isinstance(timer, tuple):
+            return timer[first].elapsed_time(timer[last]) / 1e3
+        return timer[last] - timer[first] if len(timer) == 3 else None
+
     @property
     def elapsed(self) -> float | None:
-        """Seconds from the copy's start to its end on the copy stream / worker; None until done."""
-        if self._timer is None or not self.done():
-            return None
-        if isinstance(self._timer, tuple):
-            start, end = self._timer
-            return start.elapsed_time(end) / 1e3
-        return self._timer[1] - self._timer[0] if len(self._timer) == 2 else None
+        """Seconds from the copy's start to its end on the copy stream / worker; None until done (and inside a
+        CUDA graph capture, which records no timing)."""
+        return self._seconds_between(1, 2)
+
+    @property
+    def queued(self) -> float | None:
+        """Seconds the transfer waited, once submitted, behind other transfers before its copy started (on
+        CUDA: from the moment the caller's stream reached the submission); None until done."""
+        seconds = self._seconds_between(0, 1)
+        return None if seconds is None else max(seconds, 0.0)
+
+    @property
+    def turnaround(self) -> float | None:
+        """Seconds from the submission until done: ``queued`` plus ``elapsed``; None until done."""
+        seconds = self._seconds_between(0, 2)
+        return None if seconds is None else max(seconds, 0.0)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"

@@ -23,11 +23,9 @@ to their KV* and moves it:
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
@@ -39,6 +37,7 @@ from ..layout import PagedKV
 from ..transfer import Transfer
 from ._offload_session import OffloadSession
 from ._offload_stats import OffloadDecision
+from ._path_clock import ForwardRequest, PathClock
 
 __all__ = ["KvcopyOffloadingManager"]
 
@@ -51,24 +50,6 @@ class _Offload:
     allocator: str
     device_units: frozenset[int]
     host_ids: frozenset[int]
-
-
-@dataclass
-class _Resume:
-    """A preempted request that is running again, and the seconds its path has taken so far."""
-
-    decision: OffloadDecision
-    copy_shares: list[tuple[Transfer, float]] = field(default_factory=list)  # (reload, this request's byte share)
-    compute_s: float = 0.0
-
-
-@dataclass
-class _Batch:
-    """The forward in progress: when it started and each request's share of its tokens."""
-
-    started: float
-    shares: dict[str, float]
-    completes: set[str]  # requests this forward brings up to date (no prompt tokens left after it)
 
 
 class KvcopyOffloadingManager(OffloadingManager):
@@ -103,8 +84,11 @@ class KvcopyOffloadingManager(OffloadingManager):
         allocators = cache.cache_allocators
         caches = {name: PagedKV.from_planes([allocator._copy_view]) for name, allocator in allocators.items()}
         pools = session.pools_for(caches)
+        live = session.live
         self._engines = {
-            name: TransferEngine(caches[name], pool, method=session.method, profile=session.profile)
+            name: TransferEngine(
+                caches[name], pool, method=session.method, profile=session.profile, observer=live.observe_transfer
+            )
             for name, pool in pools.items()
             if pool is not None
         }
@@ -113,9 +97,8 @@ class KvcopyOffloadingManager(OffloadingManager):
         self._unit = math.gcd(*(allocator.bytes_per_block for allocator in allocators.values()))
         self._offloads: list[_Offload] = []
         self._awaiting: dict[str, OffloadDecision] = {}  # preempted, not scheduled again yet
-        self._resuming: dict[str, _Resume] = {}
-        self._caught_up: list[_Resume] = []  # up to date; measured once their reload's end is known
-        self._batch: _Batch | None = None
+        # The compute stream waits for a reload on CUDA (inside the forward's seconds); a CPU thread before it.
+        self._clock = PathClock(live, waits_inside_forward=next(iter(caches.values())).device.type == "cuda")
         self._detached = False
         cache.perform_cache_copy = self._ordered_fork_copy(cache.perform_cache_copy)  # this cache only
 
@@ -163,6 +146,7 @@ class KvcopyOffloadingManager(OffloadingManager):
             new_tokens=total - cached,
             reload_blocks=sum(len(blocks) for blocks in tables.values()),
             reload_nbytes=sum(len(blocks) * allocators[name].bytes_per_block for name, blocks in tables.items()),
+            max_forward_tokens=getattr(self.cache, "max_batch_tokens", None),
         )
 
     def _offload_to_cpu(self, victims: list[Any], victim_block_tables: dict[str, dict[str, list[int]]]) -> set[str]:
@@ -174,7 +158,7 @@ class KvcopyOffloadingManager(OffloadingManager):
         kept: set[str] = set()
         for state in victims:
             request_id = state.request_id
-            self._resuming.pop(request_id, None)  # preempted again before catching up: that path is not measured
+            self._clock.forget(request_id)  # preempted again before catching up: that path is not measured
             tables = {name: blocks for name, blocks in victim_block_tables[request_id].items() if blocks}
             decision = self._decide(state, tables)
             reserved = None
@@ -208,7 +192,7 @@ class KvcopyOffloadingManager(OffloadingManager):
 
     def restore_scheduled_requests(self, requests_in_batch: list[Any]) -> None:
         """Reloads the offloaded requests of the batch transformers just scheduled, before its forward."""
-        self._clock()
+        self._clock.stop()  # the previous forward has ended
         allocators = self.cache.cache_allocators
         device_ids: dict[str, list[int]] = {name: [] for name in self._engines}
         host_ids: dict[str, list[int]] = {name: [] for name in self._engines}
@@ -218,7 +202,7 @@ class KvcopyOffloadingManager(OffloadingManager):
             state = future_state.state
             decision = self._awaiting.pop(state.request_id, None)
             if decision is not None:
-                self._resuming[state.request_id] = _Resume(decision)
+                self._clock.resumed(state.request_id, decision)
             if not state.is_cpu_offloaded:
                 continue
             counts = restored[state.request_id] = {}
@@ -256,53 +240,14 @@ class KvcopyOffloadingManager(OffloadingManager):
                 if ids:
                     reload = [transfers[name]] if name in transfers else []
                     self._session.release(name, ids, after=reload + self._offloads_writing(name, ids))
-        for request_id, counts in restored.items():
-            resume = self._resuming.get(request_id)
-            if resume is not None:
-                resume.copy_shares = [(transfers[name], n / len(device_ids[name])) for name, n in counts.items() if n]
+        self._clock.reloaded(list(restored), list(transfers.values()))
         if restored:
             self._session.count_reloaded(len(restored))
-        self._start_batch(requests_in_batch)
-
-    # ------------------------------------------------------------------ measuring the path taken
-
-    def _clock(self) -> None:
-        """Charges the forward that just finished to the resumed requests in it, by token share, and records the
-        path of those it brought up to date (once their reload's end is known: no host wait for it)."""
-        if self._batch is not None:
-            seconds = time.perf_counter() - self._batch.started
-            for request_id, share in self._batch.shares.items():
-                resume = self._resuming.get(request_id)
-                if resume is not None:
-                    resume.compute_s += seconds * share
-            self._caught_up.extend(self._resuming.pop(rid) for rid in self._batch.completes if rid in self._resuming)
-            self._batch = None
-        self._record_caught_up()
-
-    def _record_caught_up(self, *, wait: bool = False) -> None:
-        still = []
-        for resume in self._caught_up:
-            if wait:
-                for transfer, _ in resume.copy_shares:
-                    with contextlib.suppress(Exception):  # a failed reload: its error went to generation
-                        transfer.wait()
-            if all(transfer.done() for transfer, _ in resume.copy_shares):
-                copy_s = sum((transfer.elapsed or 0.0) * share for transfer, share in resume.copy_shares)
-                resume.decision.measured_s = copy_s + resume.compute_s
-            else:
-                still.append(resume)
-        self._caught_up = still
-
-    def _start_batch(self, requests_in_batch: list[Any]) -> None:
-        total = sum(f.query_length for f in requests_in_batch) or 1
-        self._batch = _Batch(
-            started=time.perf_counter(),
-            shares={
-                f.state.request_id: f.query_length / total
+        self._clock.start(
+            [
+                ForwardRequest(f.state.request_id, f.query_length, f.state.position_offset, f.has_new_token)
                 for f in requests_in_batch
-                if f.state.request_id in self._resuming
-            },
-            completes={f.state.request_id for f in requests_in_batch if f.has_new_token},
+            ]
         )
 
     # ------------------------------------------------------------------ freeing
@@ -315,7 +260,7 @@ class KvcopyOffloadingManager(OffloadingManager):
     def free_request_cpu_cache(self, state: Any) -> None:
         """Frees a cancelled or failed request's host blocks (once a copy still writing them is done)."""
         self._awaiting.pop(state.request_id, None)
-        self._resuming.pop(state.request_id, None)
+        self._clock.forget(state.request_id)
         host = self._request_id_to_cpu_blocks.pop(state.request_id, None)
         state.is_cpu_offloaded = False
         for name, ids in (host or {}).items():
@@ -327,10 +272,10 @@ class KvcopyOffloadingManager(OffloadingManager):
         for request_id in list(self._request_id_to_cpu_blocks):
             for name, ids in self._request_id_to_cpu_blocks.pop(request_id).items():
                 self._session.release(name, ids, after=self._offloads_writing(name, ids))
-        self._batch = None  # not charged: the time since it ended may be idle
-        self._record_caught_up(wait=True)
+        self._clock.drop_forward()  # not charged: the time since it ended may be idle
+        self._clock.settle(wait=True)
         self._awaiting.clear()
-        self._resuming.clear()
+        self._clock.clear()
 
     def detach(self) -> None:
         """The offloading context is closing: finish every copy, give requests still on the host back to
@@ -340,7 +285,7 @@ class KvcopyOffloadingManager(OffloadingManager):
         self._detached = True
         for engine in self._engines.values():
             engine.close()
-        self._record_caught_up()
+        self._clock.settle()
         for request_id in list(self._request_id_to_cpu_blocks):
             state = self.scheduler.waiting_requests.get(request_id)
             if state is not None and state.is_cpu_offloaded:

@@ -18,9 +18,10 @@ from typing import Literal
 
 from ..host import HostKVPool
 from ..layout import PagedKV
-from ..policy.planner import Planner
+from ..policy.timing import seconds_text
 from ..profile import Profile
 from ..transfer import Transfer
+from ._live_planner import LivePlanner, predict_paths
 from ._offload_stats import OffloadAction, OffloadDecision, OffloadStats
 
 __all__ = ["POLICIES", "Policy", "OffloadSession"]
@@ -36,19 +37,20 @@ class OffloadSession:
 
     ``host_bytes`` is split between the engine's cache allocators in proportion
     to their block sizes (a request holds about as many blocks in each).
-    ``planner`` is None when no calibrated profile exists: ``"auto"`` then
-    behaves as ``"offload"``.
+    ``live``: the Planner of the moment (learning from the engine, or the
+    calibrated one); while it has none, ``"auto"`` behaves as ``"offload"``.
+    ``profile``: the calibrated profile the copy engines' ``method="auto"`` reads.
     """
 
     def __init__(
-        self, *, host_bytes: int, policy: Policy, planner: Planner | None, method: str, profile: Profile | None
+        self, *, host_bytes: int, policy: Policy, live: LivePlanner, method: str, profile: Profile | None
     ) -> None:
         self.host_bytes = host_bytes
         self.policy = policy
-        self.planner = planner
+        self.live = live
         self.method = method
         self.profile = profile
-        self.stats = OffloadStats(_blocks_in_use=self.host_blocks_in_use)
+        self.stats = OffloadStats(_blocks_in_use=self.host_blocks_in_use, _profile=live.profile)
         self.closed = False
         self._lock = threading.RLock()
         self._pools: dict[str, HostKVPool | None] = {}
@@ -145,23 +147,36 @@ class OffloadSession:
     # ------------------------------------------------------------------ decisions
 
     def decide(
-        self, request_id: str, *, prefix_tokens: int, new_tokens: int, reload_blocks: int, reload_nbytes: int
+        self,
+        request_id: str,
+        *,
+        prefix_tokens: int,
+        new_tokens: int,
+        reload_blocks: int,
+        reload_nbytes: int,
+        max_forward_tokens: int | None = None,
     ) -> OffloadDecision:
-        """Reload (keep the KV on the host) or recompute, by the policy and the Planner; not yet counted."""
+        """Reload (keep the KV on the host) or recompute, by the policy and the Planner of the moment; not yet
+        counted. Both paths are predicted in the terms they are measured in (kvcopy.integrations._live_planner):
+        forwards of at most ``max_forward_tokens`` (the engine's batch token budget; None: one forward)."""
+        planner, observations = self.live.current()
         predicted_reload = predicted_recompute = None
-        explanation = ""
-        if self.planner is not None:
-            decision = self.planner.decide(prefix_tokens, new_tokens, load_nbytes=reload_nbytes)
-            predicted_reload, predicted_recompute = decision.t_reload, decision.t_recompute
-            explanation = decision.explanation
+        if planner is not None:
+            predicted_reload, predicted_recompute = predict_paths(
+                planner, prefix_tokens, new_tokens, reload_nbytes, max_forward_tokens
+            )
         action: OffloadAction
         if self.policy == "recompute":
             action, reason = "recompute", "policy 'recompute'"
-        elif self.policy == "offload" or self.planner is None:
-            action, reason = "reload", f"policy '{self.policy}'" + ("" if self.planner else " (no profile)")
+        elif self.policy == "offload" or planner is None:
+            action, reason = "reload", f"policy '{self.policy}'" + ("" if planner else " (no profile)")
         else:  # the engine reloads or recomputes whole requests: no split, so the cheaper of the two
             action = "reload" if predicted_reload <= predicted_recompute else "recompute"  # type: ignore[operator]
-            reason = f"planner: {explanation}"
+            source = f"learned from {observations} observations" if observations else "calibrated"
+            reason = (
+                f"planner ({source}): reload {seconds_text(predicted_reload)} vs recompute "  # type: ignore[arg-type]
+                f"{seconds_text(predicted_recompute)} for {prefix_tokens} cached + {new_tokens} new tokens"  # type: ignore[arg-type]
+            )
         return OffloadDecision(
             request_id=request_id,
             prefix_tokens=prefix_tokens,
@@ -172,6 +187,7 @@ class OffloadSession:
             reason=reason,
             predicted_reload_s=predicted_reload,
             predicted_recompute_s=predicted_recompute,
+            observations=observations,
         )
 
     def record(self, decision: OffloadDecision, offloaded_blocks: int = 0) -> None:

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..profile import Profile
+
 __all__ = ["OffloadAction", "OffloadDecision", "OffloadStats"]
 
 OffloadAction = Literal["reload", "recompute"]
@@ -22,13 +24,17 @@ class OffloadDecision:
     recompute re-prefills ``prefix_tokens + new_tokens``.
 
     ``predicted_reload_s`` / ``predicted_recompute_s``: the Planner's seconds
-    for each path (None without a calibrated profile). ``measured_s``: the
-    path taken, measured after the request resumed: the copy's own seconds
-    (its share of one reload transfer, by bytes) plus the forward passes that
-    processed its tokens until it caught up, each forward's seconds split by
-    the share of the batch's tokens that were this request's. None until then,
-    if it was preempted again before catching up, or if it caught up in the
-    engine's last forward (whose end is not observed).
+    for each path at decision time (None without a profile), in the terms of
+    ``measured_s`` (docs/decisions.md, "Predicted and measured in a batching
+    engine"): the time the request takes to catch up once it runs again. A
+    reload: the seconds the forward waited for its blocks, plus the forwards
+    that carry its ``new_tokens``; a recompute: the forwards that carry its
+    ``prefix_tokens + new_tokens``; forwards of at most the engine's batch
+    token budget each, each counted whole. ``observations``: how many of the
+    engine's own measurements the Planner's profile held (0: the calibration
+    alone). ``measured_s``: the path taken, measured after the request resumed;
+    None until then, if it was preempted again before catching up, or if it
+    caught up in the engine's last forward (whose end is not observed).
     """
 
     request_id: str
@@ -41,6 +47,12 @@ class OffloadDecision:
     predicted_reload_s: float | None
     predicted_recompute_s: float | None
     measured_s: float | None = None
+    observations: int = 0
+
+    @property
+    def predicted_s(self) -> float | None:
+        """The prediction for the path taken."""
+        return self.predicted_reload_s if self.action == "reload" else self.predicted_recompute_s
 
 
 @dataclass
@@ -54,7 +66,10 @@ class OffloadStats:
     host; ``host_blocks_in_use``: host blocks holding KV now (0 once nothing
     is offloaded and every copy has finished; reading it queries the copies'
     events, so do not read it while another thread captures a CUDA graph in
-    global mode); ``decisions``: one record per preempted request, in order.
+    global mode); ``decisions``: one record per preempted request, in order;
+    ``profile``: the Profile decisions are made from now: learned from the
+    engine's transfers and forwards (``learn=True``), else the calibrated one
+    (None without any).
     """
 
     offloaded_requests: int = 0
@@ -63,7 +78,12 @@ class OffloadStats:
     offloaded_blocks: int = 0
     decisions: list[OffloadDecision] = field(default_factory=list)
     _blocks_in_use: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+    _profile: Callable[[], Profile | None] = field(default=lambda: None, repr=False, compare=False)
 
     @property
     def host_blocks_in_use(self) -> int:
         return self._blocks_in_use()
+
+    @property
+    def profile(self) -> Profile | None:
+        return self._profile()

@@ -16,7 +16,8 @@ scheduled again, or dropped and re-prefilled, as the ``policy`` says:
 - ``"auto"``: the :class:`~kvcopy.Planner` (the one ``kvcopy plan`` uses, from
   the model's live config and a calibrated profile) compares reloading the
   request's blocks with re-prefilling its tokens, per request. Without a
-  profile it behaves as ``"offload"`` and logs that once;
+  profile it behaves as ``"offload"`` (until it has learned one, with
+  ``learn=True``) and logs that once;
 - ``"offload"``: always keep the KV while the host pool has room;
 - ``"recompute"``: always drop it.
 
@@ -28,6 +29,14 @@ forward that reads it. Nothing in transformers is edited: its continuous
 batching builds kvcopy's manager instead of its own while the context is
 open, and leaving the context (also on an exception) puts everything back,
 finishes every copy and frees every host block.
+
+With ``learn=True`` (the default) the calibration is only where the
+judgment starts: every forward the engine runs (its requests' new and cached
+tokens, and its seconds) and every offload and reload (from submission to
+done) feed a :class:`~kvcopy.OnlineProfile`, and the Planner is rebuilt from
+it when its predictions move (kvcopy.integrations._live_planner).
+``stats.profile`` is the learned profile; ``save_profile`` writes it when the
+context closes, for the next start (``profile=``) or ``kvcopy plan --profile``.
 
 transformers is an optional extra (``pip install 'kvcopy[transformers]'``);
 this module imports without it, and :func:`offloading` then raises an
@@ -49,9 +58,9 @@ from typing import Any
 
 from ..methods import method_names
 from ..policy.model import ModelSpec
-from ..policy.planner import Planner
 from ..profile import Profile, default_profile
 from ._hf_compat import SUPPORTED_RANGE, check_internals, import_transformers
+from ._live_planner import LivePlanner
 from ._offload_session import POLICIES, OffloadSession, Policy
 from ._offload_stats import OffloadDecision, OffloadStats
 
@@ -74,7 +83,9 @@ def model_spec(model: Any) -> ModelSpec:
     return ModelSpec.from_hf_config(data, name=name, kv_dtype=getattr(model, "dtype", None))
 
 
-def _check_arguments(model: object, host_gib: object, policy: object, profile: object, method: object) -> None:
+def _check_arguments(
+    model: object, host_gib: object, policy: object, profile: object, method: object, learn: object, save: object
+) -> None:
     if not callable(getattr(model, "generate_batch", None)) or not hasattr(getattr(model, "config", None), "to_dict"):
         raise TypeError(
             f"model: expected a transformers model with continuous batching (generate_batch) and a "
@@ -90,27 +101,32 @@ def _check_arguments(model: object, host_gib: object, policy: object, profile: o
         raise TypeError(f"profile: expected a Profile, a path or None, got {type(profile).__name__}")
     if method != "auto" and method not in method_names():
         raise ValueError(f"method: expected 'auto' or one of {method_names()}, got {method!r}")
+    if not isinstance(learn, bool):
+        raise TypeError(f"learn: expected a bool, got {type(learn).__name__}")
+    if not (save is None or isinstance(save, (str, os.PathLike))):
+        raise TypeError(f"save_profile: expected a path or None, got {type(save).__name__}")
+    if save is not None and not learn:
+        raise ValueError("save_profile: with learn=False nothing is learned to save; pass learn=True")
 
 
-def _planner(model: Any, policy: Policy, profile: Profile | None) -> Planner | None:
-    """The Planner for this model and profile; None (with a log line) where there is no profile."""
-    if profile is None:
-        if policy == "auto":
-            logger.warning(
-                "kvcopy offloading: no calibrated profile (run `kvcopy calibrate`), so policy 'auto' "
-                "keeps every preempted request's KV while the host pool has room, as 'offload' does"
-            )
-        return None
+def _live_planner(model: Any, policy: Policy, profile: Profile | None, learn: bool) -> LivePlanner:
+    """The Planner for this model and profile, learning with ``learn``; logs where there is none yet."""
     try:
         spec = model_spec(model)
     except ValueError as err:
-        if policy == "auto":
+        if policy == "auto" and (profile is not None or learn):
             raise ValueError(
                 f"model: policy 'auto' needs the model's shape, and its config cannot be read: {err}"
             ) from None
         logger.warning("kvcopy offloading: no predictions (the model's config cannot be read: %s)", err)
-        return None
-    return Planner.from_profile(profile, spec)
+        spec = None
+    if profile is None and policy == "auto":
+        logger.warning(
+            "kvcopy offloading: no calibrated profile (run `kvcopy calibrate`), so policy 'auto' keeps every "
+            "preempted request's KV while the host pool has room, as 'offload' does%s",
+            ", until it has learned this engine's costs (learn=True)" if learn else "",
+        )
+    return LivePlanner(spec, profile, learn=learn)
 
 
 @contextlib.contextmanager
@@ -120,6 +136,8 @@ def offloading(
     policy: Policy = "auto",
     profile: Profile | str | os.PathLike[str] | None = None,
     method: str = "auto",
+    learn: bool = True,
+    save_profile: str | os.PathLike[str] | None = None,
 ) -> Iterator[OffloadStats]:
     """Makes kvcopy the offload path and judge of ``model``'s continuous batching while the context is open.
 
@@ -128,7 +146,11 @@ def offloading(
     ``"auto"``, ``"offload"`` or ``"recompute"`` (module docstring).
     ``profile``: a :class:`~kvcopy.Profile`, a path to one, or None for the
     default profile (``kvcopy calibrate``'s). ``method``: the copy method
-    (see :func:`kvcopy.copy_blocks`). Yields the live :class:`OffloadStats`.
+    (see :func:`kvcopy.copy_blocks`). ``learn``: learn the engine's own costs
+    while it serves and decide from them (module docstring; False: decide from
+    the calibration alone). ``save_profile``: write the learned profile there
+    when the context closes (also on an exception). Yields the live
+    :class:`OffloadStats`.
 
     Errors, all before anything is patched: TypeError / ValueError for bad
     arguments, FileNotFoundError for a profile path that does not exist,
@@ -136,12 +158,12 @@ def offloading(
     unsupported transformers or a context already open (nested, or in
     another thread).
     """
-    _check_arguments(model, host_gib, policy, profile, method)
+    _check_arguments(model, host_gib, policy, profile, method, learn, save_profile)
     if isinstance(profile, (str, os.PathLike)):
         profile = Profile.load(profile)
     import_transformers()
     check_internals()
-    planner = _planner(model, policy, profile if profile is not None else default_profile())
+    live = _live_planner(model, policy, profile if profile is not None else default_profile(), learn)
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError(
             "offloading: a kvcopy offloading context is already open in this process "
@@ -153,7 +175,7 @@ def offloading(
         from ._hf_manager import KvcopyOffloadingManager
 
         session = OffloadSession(
-            host_bytes=int(host_gib * 2**30), policy=policy, planner=planner, method=method, profile=profile
+            host_bytes=int(host_gib * 2**30), policy=policy, live=live, method=method, profile=profile
         )
         # Weak: a finished generate_batch's cache (and its device memory) must not outlive its run.
         managers: weakref.WeakSet[KvcopyOffloadingManager] = weakref.WeakSet()
@@ -172,5 +194,9 @@ def offloading(
             for manager in list(managers):
                 manager.detach()
             session.close()
+            if save_profile is not None:
+                learned = session.stats.profile
+                if learned is not None:
+                    learned.save(save_profile)
     finally:
         _ACTIVE.release()

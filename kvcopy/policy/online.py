@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,8 +74,8 @@ class OnlineProfile:
     ``spec.weight_bytes``). ``base``: the calibrated Profile, a prior worth PRIOR_WEIGHT observations (None:
     no prior; the first fits are the observations' own). ``half_life``: in observations of each stream; an
     observation weighs half as much ``half_life`` observations later. Observing never blocks a copy
-    worker; :meth:`profile` fits lazily and returns a copy. Not meant for concurrent :meth:`profile` calls
-    from several threads (observations from any number of threads are fine).
+    worker; :meth:`profile` fits lazily and returns a copy (one fit at a time, behind a lock that observing
+    never takes).
     """
 
     def __init__(self, spec: ModelSpec, base: Profile | None = None, *, half_life: int = 256) -> None:
@@ -90,6 +91,7 @@ class OnlineProfile:
         self._forwards = Stream(self._window)
         self._cached: tuple[tuple[Any, ...], Profile] | None = None
         self._prefill = ForwardLaw(spec)
+        self._fit_lock = threading.Lock()  # profile() from two threads; observing never takes it
         self.refits = 0  # snapshots fitted (profile() calls that found new observations)
         self._base_json = None if base is None else json.dumps(base.to_dict(), sort_keys=True)
 
@@ -132,13 +134,14 @@ class OnlineProfile:
 
     def profile(self) -> Profile:
         """The learned Profile (a copy; the base is never changed). Equal to the base with no observations."""
-        copies = {key: stream.snapshot() for key, stream in sorted(self._copies.items())}
-        forwards = self._forwards.snapshot()
-        key = tuple((k, count(items)) for k, items in copies.items()) + ((_PREFILL, count(forwards)),)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self._fit(copies, forwards))
-            self.refits += 1
-        return copy.deepcopy(self._cached[1])
+        with self._fit_lock:
+            copies = {key: stream.snapshot() for key, stream in sorted(self._copies.items())}
+            forwards = self._forwards.snapshot()
+            key = tuple((k, count(items)) for k, items in copies.items()) + ((_PREFILL, count(forwards)),)
+            if self._cached is None or self._cached[0] != key:
+                self._cached = (key, self._fit(copies, forwards))
+                self.refits += 1
+            return copy.deepcopy(self._cached[1])
 
     def _fit(self, copies: dict[tuple[str, str], tuple[tuple[Any, ...], ...]], forwards: tuple) -> Profile:
         if not forwards and not any(copies.values()):

@@ -1,0 +1,112 @@
+"""The Planner an engine adapter decides with, learning from the engine while it serves.
+
+Engine-independent: an adapter feeds it every finished transfer (:meth:`LivePlanner.observe_transfer`, a
+TransferEngine observer) and every forward it timed (:meth:`LivePlanner.observe_forward`), and asks it for
+the Planner of the moment (:meth:`LivePlanner.current`) and for a preempted request's two costs in the
+engine's terms (:func:`predict_paths`). With ``learn=False`` it is the calibrated Planner, unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..policy.model import ModelSpec
+from ..policy.online import OnlineProfile
+from ..policy.planner import DEFAULT_BLOCK_TOKENS, Planner
+from ..profile import Profile
+from ..transfer import Transfer
+
+__all__ = ["LivePlanner", "MATERIAL_CHANGE", "REFIT_EVERY", "forward_seconds", "predict_paths"]
+
+# New observations before a decision refits the learned profile: a refit costs milliseconds (it is timed
+# inside the engine's step), and this many more observations move a fit of hundreds by a few percent at most.
+REFIT_EVERY = 64
+# A refitted profile replaces the Planner when one of its probe predictions moved by more than this fraction.
+MATERIAL_CHANGE = 0.02
+# Probes of that comparison: copies of this many blocks, forwards of this many tokens.
+_PROBE_BLOCKS = (1, 64)
+_PROBE_TOKENS = (1, 64, 1024)
+
+
+def forward_seconds(planner: Planner, tokens: int, cached: int, max_forward_tokens: int | None) -> float:
+    """Predicted seconds of the forwards that process ``tokens`` after ``cached`` ones, at most
+    ``max_forward_tokens`` per forward (None: one forward), each costed whole by the planner."""
+    step = max_forward_tokens or max(tokens, 1)
+    total, done = 0.0, 0
+    while done < tokens:
+        chunk = min(step, tokens - done)
+        total += planner.t_prefill(chunk, cached + done)
+        done += chunk
+    return total
+
+
+def predict_paths(
+    planner: Planner, prefix_tokens: int, new_tokens: int, reload_nbytes: int, max_forward_tokens: int | None
+) -> tuple[float, float]:
+    """(reload, recompute) seconds of a preempted request, in the terms its path is measured in: the
+    reload's copy plus the forwards of its new tokens; the forwards of all its tokens."""
+    reload = planner.t_load_nbytes(reload_nbytes) + forward_seconds(
+        planner, new_tokens, prefix_tokens, max_forward_tokens
+    )
+    return reload, forward_seconds(planner, prefix_tokens + new_tokens, 0, max_forward_tokens)
+
+
+def _materially_different(old: Planner, new: Planner, block_nbytes: int) -> bool:
+    pairs = [(old.t_load_nbytes(n * block_nbytes), new.t_load_nbytes(n * block_nbytes)) for n in _PROBE_BLOCKS]
+    pairs += [(old.t_prefill(n), new.t_prefill(n)) for n in _PROBE_TOKENS]
+    return any(abs(b - a) > MATERIAL_CHANGE * max(a, 1e-12) for a, b in pairs)
+
+
+class LivePlanner:
+    """The calibrated Planner for ``spec`` (None without a ``base`` profile or a spec), and with ``learn``,
+    an :class:`~kvcopy.OnlineProfile` of the engine's transfers and forwards whose refits replace it when
+    they change its predictions materially. Decision k is made from what was observed before it."""
+
+    def __init__(self, spec: ModelSpec | None, base: Profile | None, *, learn: bool, half_life: int = 256) -> None:
+        self.spec = spec
+        self.base = base
+        self.online = OnlineProfile(spec, base, half_life=half_life) if learn and spec is not None else None
+        self._planner = Planner.from_profile(base, spec) if base is not None and spec is not None else None
+        self._observations = 0  # the engine's observations in the profile the planner was built from
+        self._refitted_at = 0
+        self._lock = threading.Lock()  # decisions and the user's stats.profile may come from two threads
+
+    def observe_transfer(self, transfer: Transfer) -> None:
+        """A TransferEngine observer: a finished offload or reload, by its turnaround (queueing included)."""
+        if self.online is not None and transfer.turnaround is not None:
+            self.online.observe_copy(
+                transfer.link, transfer.method, transfer.nbytes, transfer.turnaround, num_blocks=transfer.num_blocks
+            )
+
+    def observe_forward(self, tokens: list[int], cached_tokens: list[int], seconds: float) -> None:
+        """One forward the engine timed: each request's new and cached tokens."""
+        if self.online is not None and tokens:
+            self.online.observe_forward(tokens, seconds, cached_tokens=cached_tokens)
+
+    def current(self) -> tuple[Planner | None, int]:
+        """The Planner to decide with now, and how many of the engine's observations its profile holds."""
+        online = self.online
+        if online is None:
+            return self._planner, 0
+        with self._lock:
+            total = sum(online.num_observations.values())
+            due = total - self._refitted_at >= REFIT_EVERY or (self._planner is None and total > self._refitted_at)
+            if due:
+                self._refitted_at = total
+                try:
+                    candidate = Planner.from_profile(online.profile(), self.spec)  # type: ignore[arg-type]
+                except ValueError:  # no base, and not yet both a copy link and forwards observed
+                    candidate = None
+                block = self.spec.block_nbytes(DEFAULT_BLOCK_TOKENS)  # type: ignore[union-attr]
+                if candidate is not None and (
+                    self._planner is None or _materially_different(self._planner, candidate, block)
+                ):
+                    self._planner, self._observations = candidate, total
+            return self._planner, self._observations
+
+    def profile(self) -> Profile | None:
+        """The learned profile (with ``learn``), else the calibrated one."""
+        if self.online is None:
+            return self.base
+        with self._lock:
+            return self.online.profile()
