@@ -20,6 +20,7 @@ from transformers.generation.continuous_batching import continuous_api, offloadi
 import kvcopy  # noqa: E402
 from kvcopy.integrations import _hf_manager  # noqa: E402
 from kvcopy.integrations import transformers as kvt  # noqa: E402
+from kvcopy.integrations._live_planner import predict_paths  # noqa: E402
 
 from conftest import HAS_CUDA, gpu  # noqa: E402
 from hf_helpers import (  # noqa: E402
@@ -60,7 +61,8 @@ def test_fp32_tokens_identical_to_never_preempted(case, policy, device):
     model = case.build(torch.float32, device)
     expected = reference(case, model, device)
     profile = crossover_profile(model) if policy == "auto" else None
-    with kvt.offloading(model, host_gib=0.25, policy=policy, profile=profile) as stats:
+    # learn=False: the crossover profile, not what is learned, decides, so that "auto" takes both paths
+    with kvt.offloading(model, host_gib=0.25, policy=policy, profile=profile, learn=False) as stats:
         assert case.generate(model) == expected
     if policy in ("offload", "auto"):
         assert stats.reloaded_requests > 0 and stats.offloaded_blocks > 0
@@ -76,15 +78,21 @@ def test_fp32_tokens_identical_to_never_preempted(case, policy, device):
 def test_auto_follows_the_planner_and_measures_the_path_taken():
     model = LLAMA.build()
     profile = crossover_profile(model)
-    with kvt.offloading(model, host_gib=0.25, policy="auto", profile=profile) as stats:
+    with kvt.offloading(model, host_gib=0.25, policy="auto", profile=profile, learn=False) as stats:
         LLAMA.generate(model)
     planner = kvcopy.Planner.from_profile(profile, kvt.model_spec(model))
     assert {d.action for d in stats.decisions} == {"reload", "recompute"}
+    assert stats.profile is profile  # learn=False: the calibration decides
     for d in stats.decisions:
-        predicted = planner.decide(d.prefix_tokens, d.new_tokens, load_nbytes=d.reload_nbytes)
-        assert (d.predicted_reload_s, d.predicted_recompute_s) == (predicted.t_reload, predicted.t_recompute)
-        assert d.action == ("reload" if predicted.t_reload <= predicted.t_recompute else "recompute")
-        assert d.reason.startswith("planner: ")
+        # in forwards of at most the cache's batch token budget (hf_helpers: max_batch_tokens=256)
+        reload, recompute = predict_paths(planner, d.prefix_tokens, d.new_tokens, d.reload_nbytes, 256)
+        assert (d.predicted_reload_s, d.predicted_recompute_s) == (reload, recompute)
+        assert reload == planner.t_load_nbytes(d.reload_nbytes) + sum(
+            planner.t_prefill(min(256, d.new_tokens - done), d.prefix_tokens + done)
+            for done in range(0, d.new_tokens, 256)
+        )
+        assert d.action == ("reload" if reload <= recompute else "recompute")
+        assert d.reason.startswith("planner (calibrated): ") and d.observations == 0
         assert d.prefix_tokens > 0 and d.new_tokens > 0 and d.reload_blocks * 16 >= d.prefix_tokens
     measured = [d.measured_s for d in stats.decisions if d.measured_s is not None]
     assert measured and all(s > 0 for s in measured)
@@ -246,6 +254,9 @@ def test_exception_in_the_context_restores_transformers():
         (dict(profile="/no/such/profile.json"), FileNotFoundError, "/no/such/profile.json"),
         (dict(profile=3), TypeError, "profile"),
         (dict(method="fast"), ValueError, "method"),
+        (dict(learn="yes"), TypeError, "learn"),
+        (dict(save_profile=3), TypeError, "save_profile"),
+        (dict(learn=False, save_profile="out.json"), ValueError, "save_profile.*learn=True"),
     ],
 )
 def test_bad_arguments_fail_before_anything_is_patched(kwargs, error, match):
@@ -320,14 +331,17 @@ def test_without_transformers_the_module_imports_and_offloading_names_the_extra(
     assert "pip install 'kvcopy[transformers]'" in out.stdout
 
 
-def test_auto_without_a_profile_offloads_and_says_so_once(caplog):
+def test_auto_without_a_profile_offloads_and_says_so_once(caplog, monkeypatch):
+    monkeypatch.setenv("KVCOPY_PROFILE", "none")  # no default profile either
+    monkeypatch.setattr(kvcopy.profile, "_default", {})
     model = LLAMA.build()
     with caplog.at_level(logging.WARNING, logger="kvcopy.integrations.transformers"):
-        with kvt.offloading(model, policy="auto", profile=None) as stats:
+        with kvt.offloading(model, policy="auto", profile=None, learn=False) as stats:
             LLAMA.generate(model)
     assert stats.reloaded_requests > 0 and stats.recomputed_requests == 0
     assert all(d.predicted_reload_s is None and "no profile" in d.reason for d in stats.decisions)
     assert sum("no calibrated profile" in r.getMessage() for r in caplog.records) == 1
+    assert stats.profile is None
 
 
 def test_model_spec_comes_from_the_live_config():
