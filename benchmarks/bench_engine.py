@@ -2,9 +2,10 @@
 
 A random-weight Llama (built from a config) serves ``--requests`` prompts of
 ``--min-prompt``..``--max-prompt`` tokens, ``--new-tokens`` each (default 64
-requests, 256-1024 prompt tokens, 128 new), greedy, on
-a paged cache holding ``--cache-fraction`` of what they need at once, so
-transformers preempts requests again and again. Paths, in one run:
+requests, 128-512 prompt tokens, 128 new), greedy, on a paged cache holding
+``--cache-fraction`` of what they need at once (default 0.06: some 40
+preemptions), so transformers preempts requests again and again. Paths, in
+one run:
 
 - ``transformers soft reset``: transformers on its own without a host pool:
   a preempted request is re-prefilled;
@@ -14,13 +15,19 @@ transformers preempts requests again and again. Paths, in one run:
 - ``kvcopy offload`` / ``kvcopy recompute`` / ``kvcopy auto``:
   ``kvcopy.integrations.transformers.offloading`` with each policy ("auto"
   decides with the Planner from ``--profile``, else from a quick calibration
-  of this machine for this model, made first).
+  of this machine for this model, made first), learning the engine's costs
+  as it serves (``learn=True``); ``kvcopy auto, static``: "auto" deciding
+  from the calibration alone (``learn=False``).
 
 Per path: total seconds, generated tokens per second, preemptions, and the
 time from a preemption to the request's first new token after it resumed
 (median and max; from transformers' own token timestamps), and whether every
-request's tokens equal the first path's. Rows go to ``--csv`` with the
-machine's identity.
+request's tokens equal the first path's. Per kvcopy path, the Planner's
+error: the median and p90 of ``|predicted for the path taken / measured - 1|``
+over its decisions after the first ``--skip`` (docs/decisions.md defines both
+quantities). Then, for the preemptions that the offload and the recompute
+runs both measured, whether "auto" (learned) took the faster path. Rows go
+to ``--csv`` with the machine's identity.
 
     python benchmarks/bench_engine.py [--requests 64] [--csv results/bench_engine_cpu.csv]
 """
@@ -48,6 +55,7 @@ import kvcopy
 from kvcopy.integrations import transformers as kvt
 from kvcopy.policy.machine import machine_identity
 from kvcopy.tools.bench import IDENTITY_COLUMNS
+from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, error_summary
 
 PAGE_TOKENS = 16
 MAX_BATCH_TOKENS = 512
@@ -64,6 +72,10 @@ COLUMNS = (
     "resume_median_s",
     "resume_max_s",
     "same_tokens",
+    "decisions",
+    "error_median",
+    "error_p90",
+    "errors_measured",
     "note",
 ) + IDENTITY_COLUMNS
 
@@ -156,14 +168,17 @@ def resume_latencies(preemptions: list[tuple[str, float]], stamps: dict[str, lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--min-prompt", type=int, default=256)
-    parser.add_argument("--max-prompt", type=int, default=1024)
+    parser.add_argument("--min-prompt", type=int, default=128)
+    parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
         "--cache-fraction",
         type=float,
-        default=0.25,
+        default=0.06,
         help="the paged cache holds this fraction of what all requests need at once",
+    )
+    parser.add_argument(
+        "--skip", type=int, default=DEFAULT_SKIP, help="decisions not judged: the first ones of each run"
     )
     parser.add_argument("--hidden", type=int, default=256, help="model width (heads of 64; KV heads a quarter)")
     parser.add_argument("--layers", type=int, default=4)
@@ -200,22 +215,32 @@ def main(argv: list[str] | None = None) -> int:
             HOST_GIB,
         ),
     ]
-    for policy in ("offload", "recompute", "auto"):
-        paths.append(
-            (f"kvcopy {policy}", "", kvt.offloading(model, host_gib=HOST_GIB, policy=policy, profile=profile), 0.0)
-        )
+    for name, policy, learn in (
+        ("kvcopy offload", "offload", True),
+        ("kvcopy recompute", "recompute", True),
+        ("kvcopy auto, static", "auto", False),
+        ("kvcopy auto", "auto", True),
+    ):
+        context = kvt.offloading(model, host_gib=HOST_GIB, policy=policy, profile=profile, learn=learn)
+        paths.append((name, "learned" if learn else "calibration only", context, 0.0))
     identity = machine_identity(args.device)
-    rows, first_tokens = [], None
+    rows, first_tokens, runs = [], None, {}
     print(
         f"{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new; "
         f"cache {num_blocks} blocks of {PAGE_TOKENS} tokens ({args.cache_fraction:g} of {needed} needed); "
         f"Llama {args.layers} x {args.hidden} {args.dtype} on {identity['device_name']}"
     )
-    header = f"{'path':26} {'seconds':>8} {'tok/s':>8} {'preempt.':>8} {'resume p50':>11} {'resume max':>11}  tokens"
+    header = (
+        f"{'path':26} {'seconds':>8} {'tok/s':>8} {'preempt.':>8} {'resume p50':>11} {'resume max':>11}  "
+        f"{'error p50':>9} {'error p90':>9}  tokens"
+    )
     print(header + "\n" + "-" * len(header))
     for name, note, context, offload_gib in paths:
-        with context:
+        with context as stats:
             tokens, seconds, preemptions, stamps = run_path(model, prompts, args, num_blocks, offload_gib)
+        errors = error_summary(stats, args.skip) if stats is not None else {}
+        if stats is not None:
+            runs[name] = stats
         first_tokens = first_tokens or tokens
         waits = [w for w in resume_latencies(preemptions, stamps) if not math.isnan(w)]
         generated = sum(len(t) for t in tokens.values())
@@ -232,14 +257,21 @@ def main(argv: list[str] | None = None) -> int:
             resume_max_s=round(max(waits), 4) if waits else "",
             same_tokens=tokens == first_tokens,
             note=note,
+            **errors,
             **identity,
         )
         rows.append(row)
         print(
             f"{name:26} {seconds:8.2f} {row['tokens_per_s']:8.1f} {len(preemptions):8d} "
             f"{row['resume_median_s'] or '-':>11} {row['resume_max_s'] or '-':>11}  "
+            f"{errors.get('error_median', '') or '-':>9} {errors.get('error_p90', '') or '-':>9}  "
             f"{'same' if row['same_tokens'] else 'DIFFERENT'}{'  (' + note + ')' if note else ''}"
         )
+    print(
+        f"error: |predicted for the path taken / measured - 1| over the decisions after the first {args.skip} "
+        f"(measured: the time the request takes to catch up once it runs again; docs/decisions.md)"
+    )
+    print(compare_paths(runs["kvcopy auto"], runs["kvcopy offload"], runs["kvcopy recompute"], args.skip))
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as f:

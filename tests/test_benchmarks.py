@@ -154,6 +154,8 @@ def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
         "128",
         "--layers",
         "2",
+        "--skip",
+        "0",
         "--csv",
         str(out),
     )
@@ -164,20 +166,27 @@ def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
         "transformers offload",
         "kvcopy offload",
         "kvcopy recompute",
+        "kvcopy auto, static",
         "kvcopy auto",
     ]
     assert all(r["same_tokens"] == "True" and float(r["tokens_per_s"]) > 0 for r in rows)
+    # kvcopy's rows judge the Planner: decisions made, and the error over the measured ones
+    assert [r["decisions"] == "" for r in rows] == [True, True, False, False, False, False]
+    judged = [r for r in rows[2:] if int(r["errors_measured"])]
+    assert judged and all(0 <= float(r["error_median"]) <= float(r["error_p90"]) for r in judged)
+    assert "error: |predicted for the path taken / measured - 1|" in result.stdout
     assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
     assert "pin_memory dropped" in rows[1]["note"]
 
 
 def test_transformers_example_runs_and_every_token_matches() -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
-    result = _run("examples/transformers_offload.py")
+    result = _run("examples/transformers_offload.py", "--requests", "10")
     assert result.returncode == 0, _describe(result)
     assert "MISMATCH" not in result.stdout
-    for policy in ("offload", "recompute", "auto"):
+    for policy in ("offload", "recompute", "auto, static", "auto"):
         assert re.search(rf"policy {policy} *: .*tokens of 10/10 requests match", result.stdout), policy
+    assert "error: |predicted for the path taken / measured - 1|" in result.stdout
     assert re.search(r"^req_\d+ +\d+ (reload|recompute) ", result.stdout, re.M)  # one line per decision
 
 

@@ -44,6 +44,7 @@ ROUNDING_S = 1e-9
 
 OBSERVER_ERROR = "observer failed on purpose"
 COPY_ERROR = "copy failed on purpose"
+FAILING_HOST_BLOCK = 3  # an offload into this host block (first) fails
 
 
 def _cache(seed: int = 0) -> tuple[kvcopy.PagedKV, kvcopy.HostKVPool]:
@@ -192,11 +193,21 @@ def test_observer_runs_in_the_worker_even_when_the_caller_waits_first(engines, m
 
 def test_offload_is_observed_in_its_own_worker_when_a_reload_waits_for_it(engines, monkeypatch):
     _delay_reports(monkeypatch)
+    real_copy = kvcopy.TransferEngine._copy
+    let_go = threading.Event()
+
+    def copy(self, method, src, src_ids, dst, dst_ids, layer):
+        if src is self.kv:  # the offload: held until the reload that waits for it is submitted
+            assert let_go.wait(HANG_TIMEOUT_S)
+        real_copy(self, method, src, src_ids, dst, dst_ids, layer)
+
+    monkeypatch.setattr(kvcopy.TransferEngine, "_copy", copy)
     kv, host = _cache()
     recorder = Recorder()
     engine = engines(kv, host, observer=recorder)
     offload = engine.offload([0, 1], [0, 1])
     engine.reload([0, 1], [4, 5])  # reads the host blocks the offload writes: its worker waits for the offload
+    let_go.set()
     threads = {id(c.transfer): c.thread for c in recorder.wait_for(2)}
     assert threads[id(offload)].startswith("kvcopy-offload"), f"offload observed in {threads[id(offload)]}"
 
@@ -206,10 +217,9 @@ def test_offload_is_observed_in_its_own_worker_when_a_reload_waits_for_it(engine
 
 def test_failed_transfer_is_not_observed_and_the_engine_keeps_working(engines, monkeypatch):
     real_copy = kvcopy.TransferEngine._copy
-    failing = set()  # the first host block of the offload that fails
 
     def copy(self, method, src, src_ids, dst, dst_ids, layer):
-        if src is self.kv and int(dst_ids[0]) in failing:
+        if src is self.kv and int(dst_ids[0]) == FAILING_HOST_BLOCK:
             raise RuntimeError(COPY_ERROR)
         real_copy(self, method, src, src_ids, dst, dst_ids, layer)
 
@@ -217,8 +227,7 @@ def test_failed_transfer_is_not_observed_and_the_engine_keeps_working(engines, m
     kv, host = _cache()
     recorder = Recorder()
     engine = engines(kv, host, observer=recorder)
-    failing.add(3)
-    failed = engine.offload([0, 1], [3, 4])
+    failed = engine.offload([0, 1], [FAILING_HOST_BLOCK, 4])
     with pytest.raises(RuntimeError, match=COPY_ERROR):
         failed.wait()
     assert failed.done()
@@ -263,12 +272,12 @@ def test_waits_behind_a_slow_offload_show_in_queued_not_in_elapsed(engines, monk
     slow_copy_ended: list[float] = []
 
     def copy(self, method, src, src_ids, dst, dst_ids, layer):
-        slow = src is self.kv and not slow_copy_ended and int(dst_ids[0]) == 0
-        if slow:  # the first offload: held until everything is submitted, then slow
+        held = src is self.kv and int(dst_ids[0]) == 0
+        if held:  # the first offload: held until everything is submitted, then slow
             assert let_go.wait(HANG_TIMEOUT_S)
             time.sleep(SLOW_COPY_S)
         real_copy(self, method, src, src_ids, dst, dst_ids, layer)
-        if slow:
+        if held:
             slow_copy_ended.append(time.perf_counter())
 
     monkeypatch.setattr(kvcopy.TransferEngine, "_copy", copy)

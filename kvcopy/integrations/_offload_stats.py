@@ -87,3 +87,12 @@ class OffloadStats:
     @property
     def profile(self) -> Profile | None:
         return self._profile()
+
+    def prediction_errors(self, skip: int = 0) -> list[float]:
+        """``|predicted for the path taken / measured - 1|`` of each measured decision after the first ``skip``
+        (the ones made before the engine had been observed for long)."""
+        return [
+            abs(d.predicted_s / d.measured_s - 1)
+            for d in self.decisions[skip:]
+            if d.measured_s and d.predicted_s is not None
+        ]

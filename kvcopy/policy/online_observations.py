@@ -34,8 +34,19 @@ def checked_seconds(value: object) -> float:
     return max(value, MIN_SECONDS)
 
 
+def _plain_counts(values: object, least: int) -> tuple[int, ...] | None:
+    """``values`` as a tuple when it is a list or tuple of plain ints >= ``least`` (an engine's common case,
+    checked without the ABC machinery); else None, for the full checks."""
+    if type(values) in (list, tuple) and values and all(type(v) is int for v in values) and min(values) >= least:  # type: ignore[arg-type]
+        return tuple(values)  # type: ignore[arg-type]
+    return None
+
+
 def token_counts(tokens: object, cached_tokens: object) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(new, cached) per request of a forward: ints for one sequence, or one entry per request of a batch."""
+    new_fast, cached_fast = _plain_counts(tokens, 1), _plain_counts(cached_tokens, 0)
+    if new_fast is not None and cached_fast is not None and len(new_fast) == len(cached_fast):
+        return new_fast, cached_fast
     if isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
         if not tokens:
             raise ValueError("tokens: expected at least one request's token count, got an empty sequence")
