@@ -1,5 +1,5 @@
 """What a TransferEngine's CPU worker runs for one transfer: wait for the transfers it must follow, copy
-(layer by layer, signalling each, for a layer-wise reload), stamp the times, signal, report."""
+(layer by layer, signalling each, for a layer-wise reload), stamp the times, report, signal."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def cpu_copy_job(
             done.set(err)
             return
         stamps.append(time.perf_counter())
+        transfer.report()  # here, before done: an observer such as OnlineProfile.observe_copy takes no lock
         done.set()
-        transfer.report()  # in this worker: an observer such as OnlineProfile.observe_copy takes no lock
 
     return run

@@ -164,6 +164,147 @@ class Transfer:
         self.report()
 
     def report(self) -> None:
+        """Hands the finished transfer to its engine's observer, once: on a CPU the worker that ran the copy does,
+        before it signals done (so ``wait()`` returns after the observer ran); on CUDA whoever first finds the
+        transfer done. A failed, unfinished or untimed transfer reports nothing (yet); an observer's error is
+        logged. Never blocks."""
+        if self._observer is None or getattr(self._done, "error", None) is not None or self.turnaround is None:
+            return
+        if not self._report_once.acquire(blocking=False):
+            return
+        try:
+            self._observer(self)
+        except Exception:  # noqa: BLE001 - an observer must never break a copy
+            logger.exception("kvcopy: the transfer observer failed on %r", self)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None: ...
+
+
+class CudaSignal:
+    """An event recorded on a copy stream after the work it signals.
+
+    ``unsafe``: a (weak) callable saying that querying the event now would invalidate a CUDA
+    graph capture in progress (global capture mode forbids event queries from every thread);
+    then ``query`` answers False and ``wait`` waits for the capture to end first.
+    """
+
+    def __init__(self, event: torch.cuda.Event, unsafe: Callable[[], Callable[[], bool] | None] | None = None) -> None:
+        self.event = event
+        self._unsafe = unsafe
+
+    def _query_is_unsafe(self) -> bool:
+        check = self._unsafe() if self._unsafe is not None else None
+        return check is not None and check()
+
+    def query(self) -> bool:
+        return not self._query_is_unsafe() and self.event.query()
+
+    def wait(self, timeout: float | None) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "wait(): this thread's stream is capturing a CUDA graph, which a host wait would "
+                "invalidate (or, for a capture of this engine's transfers, never see end); use "
+                "wait_stream() inside a capture"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._query_is_unsafe():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"transfer not known to be done after {timeout} s (a CUDA graph capture of its "
+                    f"engine's transfers is in progress)"
+                )
+            time.sleep(_POLL_SECONDS)
+        if deadline is None:
+            self.event.synchronize()  # raises what the device reported, if anything
+            return
+        while not self.event.query():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"transfer not done after {timeout} s")
+            time.sleep(_POLL_SECONDS)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        (stream or torch.cuda.current_stream(self.event.device)).wait_event(self.event)
+
+
+class ThreadSignal:
+    """Set by a CPU worker when its copy (or one layer of it) is done, with the error if it failed."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"transfer not done after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        del stream  # no device: the calling thread itself waits
+        self.wait(None)
+
+
+class Transfer:
+    """One offload (device pages -> host) or reload (host -> device pages), in flight or done.
+
+    ``done()`` never blocks; ``wait()`` blocks the host and re-raises an error
+    of the transfer; ``wait_stream()`` / ``wait_layer()`` make a CUDA stream
+    wait on the device without blocking the host (on CPU they block the caller).
+    ``method``: the copy method that ran it; ``link``: its direction in a
+    Profile's terms ("d2h", "h2d" or "h2h").
+    """
+
+    def __init__(
+        self,
+        direction: str,
+        num_blocks: int,
+        nbytes: int,
+        done: TransferSignal,
+        layers: list[TransferSignal] | None = None,
+        timer: Timer | None = None,
+        keepalive: tuple[object, ...] = (),
+        *,
+        method: str = "",
+        link: str = "",
+        observer: Callable[[Transfer], None] | None = None,
+    ) -> None:
+        self.direction = direction
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self.method = method
+        self.link = link
+        self._done = done
+        self._layers = layers
+        self._timer = timer
+        self._keepalive = keepalive  # what the copy reads or writes must outlive it (caches, pinned pools, ids)
+        self.joined: set[int] = set()  # streams made to wait for the whole transfer (wait_stream)
+        self._observer = observer
+        self._report_once = threading.Lock()  # taken (never waited for) by whoever reports the transfer first
+
+    @property
+    def layerwise(self) -> bool:
+        return self._layers is not None
+
+    def done(self) -> bool:
+        """True once every byte has landed (or the transfer failed; ``wait()`` says which)."""
+        finished = self._done.query()
+        if finished:
+            self.report()
+        return finished
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until done; re-raises the transfer's error; TimeoutError after ``timeout`` seconds."""
+        self._done.wait(timeout)
+        self.report()
+
+    def report(self) -> None:
         """Hands the finished transfer to its engine's observer, once (the first caller to see it done does:
         the CPU worker that ran it, or whoever finds a CUDA transfer done). A failed or untimed transfer, or
         an observer's error (logged), reports nothing. Never blocks."""
@@ -192,11 +333,11 @@ class Transfer:
 
     def _seconds_between(self, first: int, last: int) -> float | None:
         timer = self._timer
-        if timer is None or not self._done.query():
+        if timer is None:
             return None
-        if isinstance(timer, tuple):
-            return timer[first].elapsed_time(timer[last]) / 1e3
-        return timer[last] - timer[first] if len(timer) == 3 else None
+        if isinstance(timer, tuple):  # CUDA events: read once the copy stream has passed them
+            return timer[first].elapsed_time(timer[last]) / 1e3 if self._done.query() else None
+        return timer[last] - timer[first] if len(timer) == 3 else None  # the worker stamps the end when done
 
     @property
     def elapsed(self) -> float | None:

@@ -94,8 +94,9 @@ class PathClock:
         forward, self._forward = self._forward, None
         if forward is not None:
             seconds = time.perf_counter() - forward.started
-            if self.waits_inside_forward and forward.reloads:
-                seconds = max(0.0, seconds - _reload_wait(forward.reloads))
+            waited = _reload_wait(forward.reloads) if self.waits_inside_forward and forward.reloads else None
+            if waited is not None:  # (None: a reload failed; its wait is not known, nor its path measured)
+                seconds = max(0.0, seconds - waited)
             self.live.observe_forward(
                 [r.new_tokens for r in forward.requests], [r.cached_tokens for r in forward.requests], seconds
             )
