@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import kvcopy
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
@@ -56,15 +58,21 @@ def test_the_transformers_example_runs(monkeypatch):
     assert stats.decisions, "the example's cache is meant to be too small: transformers should preempt"
     assert stats.host_blocks_in_use == 0
     assert len(namespace["out"]) == len(namespace["prompts"])
+    learned = kvcopy.Profile.load(ROOT / "out" / "learned.json")
+    assert learned.hardware["online"]["observations"]["prefill"] > 0
 
 
 def test_the_engine_example_runs(monkeypatch):
     namespace = _run(_python_blocks()[3][1], monkeypatch)
     kv, host = namespace["kv"], namespace["host"]
     assert host.num_free == host.num_blocks
+    copies = 0
     if namespace["decision"].action != "recompute":  # the reload put the offloaded blocks in their new places
         for plane in kv.planes:
             assert plane[20:23].equal(plane[[3, 7, 9]])
+        copies = 2  # the offload and the reload, each observed once
+    observed = namespace["online"].num_observations
+    assert sum(n for link, n in observed.items() if link != "prefill") == copies and observed["prefill"] == 1
 
 
 def test_the_remote_example_runs(monkeypatch, capsys):
