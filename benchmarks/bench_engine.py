@@ -55,7 +55,7 @@ import kvcopy
 from kvcopy.integrations import transformers as kvt
 from kvcopy.policy.machine import machine_identity
 from kvcopy.tools.bench import IDENTITY_COLUMNS
-from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, error_summary
+from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, crowding_summary, error_summary
 
 PAGE_TOKENS = 16
 MAX_BATCH_TOKENS = 512
@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         f"error: |predicted for the path taken / measured - 1| over the decisions after the first {args.skip} "
         f"(measured: the time the request takes to catch up once it runs again; docs/decisions.md)"
     )
+    crowding = crowding_summary(runs["kvcopy auto"], args.skip)
+    print(f"kvcopy auto's measured decisions, by what their forwards carried: {crowding}")
     print(compare_paths(runs["kvcopy auto"], runs["kvcopy offload"], runs["kvcopy recompute"], args.skip))
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)

@@ -36,12 +36,14 @@ import sys
 import time
 
 import torch
+import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcopy
 from kvcopy.integrations import transformers as kvt
-from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, error_summary
+from kvcopy.policy.machine import machine_identity
+from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, crowding_summary, error_summary
 
 NUM_REQUESTS = 64  # some 30 preemptions on the tight cache
 NEW_TOKENS = 40
@@ -131,8 +133,13 @@ def main() -> int:
             None,
         )
 
+    who = machine_identity(args.device)
     print(
-        f"\n{spec.name} on {args.device}: {args.requests} requests, a {TIGHT_BLOCKS}-block cache "
+        f"\nmeasured on {who['device_name']} ({who['host_cores']} cores, {who['torch_threads']} threads), torch "
+        f"{who['torch']}, transformers {transformers.__version__}, kvcopy {who['kvcopy']}, {who['date']}"
+    )
+    print(
+        f"{spec.name} on {args.device}: {args.requests} requests, a {TIGHT_BLOCKS}-block cache "
         f"({PAGE_TOKENS} tokens a block)"
     )
     header = (
@@ -158,6 +165,7 @@ def main() -> int:
             f"p90 {errors['error_p90']} over {errors['errors_measured']} measured decisions"
         )
     print(f"(error: |predicted for the path taken / measured - 1| after the first {DEFAULT_SKIP} decisions)")
+    print(f"auto's measured decisions, by what their forwards carried: {crowding_summary(runs['auto'])}")
     print(compare_paths(runs["auto"], runs["offload"], runs["recompute"]))
     print(f"({time.perf_counter() - start:.0f} s in all)")
     return 0 if all(all(m.values()) for m in matched.values()) else 1

@@ -389,6 +389,19 @@ def test_a_reloaded_path_is_its_reload_wait_plus_the_forwards_that_carry_it(fake
     assert resumed.measured_s == pytest.approx(RELOAD_WAIT_S + 0.25 + 0.125)
 
 
+def test_a_path_records_the_largest_prefill_chunk_of_others_it_waited_for(fake_clock):
+    clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    crowded, alone = decision("r"), decision("q")
+    clock.resumed("r", crowded)
+    clock.resumed("q", alone)
+    # r rides beside another request's 200-token chunk, then beside decode steps only; q beside decode steps only
+    forward(clock, fake_clock, 0.25, ForwardRequest("r", 64, 500, False), ForwardRequest("p", 200, 0, False))
+    forward(clock, fake_clock, 0.125, ForwardRequest("r", 1, 564, True), ForwardRequest("o", 1, 92, True))
+    forward(clock, fake_clock, 0.125, ForwardRequest("q", 1, 300, True), ForwardRequest("o", 1, 93, True))
+    assert (crowded.crowding_tokens, alone.crowding_tokens) == (200, 0)
+    assert crowded.measured_s == pytest.approx(0.375) and alone.measured_s == pytest.approx(0.125)
+
+
 def test_a_recomputed_path_is_the_forwards_that_carry_it(fake_clock):
     clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     recomputed = decision("c", "recompute")

@@ -35,6 +35,10 @@ class OffloadDecision:
     alone). ``measured_s``: the path taken, measured after the request resumed;
     None until then, if it was preempted again before catching up, or if it
     caught up in the engine's last forward (whose end is not observed).
+    ``crowding_tokens``: once measured, the most tokens other requests'
+    prefill chunks took in one forward of its path (0: those forwards carried
+    only decode steps of others): time it waited for, which no prediction
+    made at decision time can see.
     """
 
     request_id: str
@@ -48,6 +52,7 @@ class OffloadDecision:
     predicted_recompute_s: float | None
     measured_s: float | None = None
     observations: int = 0
+    crowding_tokens: int = 0
 
     @property
     def predicted_s(self) -> float | None:

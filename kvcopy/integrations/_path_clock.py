@@ -45,6 +45,7 @@ class _Path:
     decision: OffloadDecision
     reloads: list[Transfer] = field(default_factory=list)
     forward_s: float = 0.0
+    crowding_tokens: int = 0  # the most tokens of other requests' prefill chunks in one of its forwards
 
 
 @dataclass
@@ -104,6 +105,8 @@ class PathClock:
                 path = self._paths.get(request.request_id)
                 if path is not None:
                     path.forward_s += seconds
+                    crowding = sum(r.new_tokens for r in forward.requests if r is not request and r.new_tokens > 1)
+                    path.crowding_tokens = max(path.crowding_tokens, crowding)
                     if request.completes:
                         self._caught_up.append(self._paths.pop(request.request_id))
         self.settle()
@@ -126,6 +129,7 @@ class PathClock:
                 wait_s = _reload_wait(path.reloads) if path.reloads else 0.0
                 if wait_s is not None:
                     path.decision.measured_s = wait_s + path.forward_s
+                    path.decision.crowding_tokens = path.crowding_tokens
             else:
                 still.append(path)
         self._caught_up = still

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_SKIP", "compare_paths", "error_summary"]
+__all__ = ["DEFAULT_SKIP", "compare_paths", "crowding_summary", "error_summary"]
 
 # Decisions of a run not judged: the first ones, made before the engine had been observed for long.
 DEFAULT_SKIP = 10
@@ -30,6 +30,24 @@ def error_summary(stats: Any, skip: int = DEFAULT_SKIP) -> dict[str, object]:
         error_p90=round(float(p90), 3),
         errors_measured=len(errors),
     )
+
+
+def crowding_summary(stats: Any, skip: int = DEFAULT_SKIP) -> str:
+    """The error split by whether a forward on the measured path also carried another request's prefill chunk
+    (``crowding_tokens``), which the request then waited for: what no prediction at decision time can see."""
+    judged = [d for d in stats.decisions[skip:] if d.measured_s and d.predicted_s is not None]
+    parts = []
+    for label, mine in (
+        ("alone or with decode steps", [d for d in judged if not d.crowding_tokens]),
+        ("beside another request's prefill chunk", [d for d in judged if d.crowding_tokens]),
+    ):
+        errors = [abs(d.predicted_s / d.measured_s - 1) for d in mine]
+        if errors:
+            p50, p90 = np.percentile(errors, [50, 90])
+            parts.append(f"{label}: {len(errors)}, error median {p50:.3f}, p90 {p90:.3f}")
+        else:
+            parts.append(f"{label}: none")
+    return "; ".join(parts)
 
 
 def compare_paths(auto: Any, reload_run: Any, recompute_run: Any, skip: int = DEFAULT_SKIP) -> str:
