@@ -65,6 +65,8 @@ MAX_SIZES_PER_LINK = 16
 # Shapes (copies) and forwards kept in the snapshot's points, for plots: the most recent.
 MAX_POINTS = 64
 _PREFILL = "prefill"
+# A method the base never measured has the base's fastest method there as its prior: fastest at this size.
+_STAND_IN_PROBE_NBYTES = 1 << 20
 
 
 class OnlineProfile:
@@ -182,7 +184,7 @@ class OnlineProfile:
             }
         }
 
-    # ------------------------------------------------------------------ copies
+    # ------------------------------------------------------------------ the prior
 
     def _prior_prefill(self) -> tuple[float, float, float | None] | None:
         """(alpha of one whole forward of ``spec``, FLOP/s, weight bytes/s) from the base, as
@@ -205,7 +207,9 @@ class OnlineProfile:
             return measured[method]
         if not measured:
             return None
-        return min(measured.values(), key=lambda mp: mp.fit.predict(1 << 20))
+        return min(measured.values(), key=lambda mp: mp.fit.predict(_STAND_IN_PROBE_NBYTES))
+
+    # ------------------------------------------------------------------ copies
 
     def _bandwidth_cap(self, direction: str, rates: np.ndarray) -> float:
         base = self.base
