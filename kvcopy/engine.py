@@ -74,9 +74,9 @@ class TransferEngine:
     ``observer``: called once with each transfer that finished without error
     (its ``turnaround``, ``queued``, ``elapsed``, ``link``, ``method``, bytes
     and blocks are set), e.g. ``OnlineProfile.observe_copy``'s feed. On a CPU
-    the worker that ran the copy calls it (before the transfer reads as done); on CUDA whoever first finds the
-    transfer done (its ``done()``, ``wait()``, or the engine's next
-    submission). It must be quick and never block; its errors are logged.
+    the worker that ran the copy calls it, before the transfer reads as done;
+    on CUDA whoever first finds the transfer done (its ``done()``, ``wait()``,
+    the engine's next submission). It must be quick; its errors are logged.
     """
 
     def __init__(

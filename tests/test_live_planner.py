@@ -440,13 +440,19 @@ def test_a_reload_wait_inside_the_forward_is_taken_out_of_it_and_counted_once(fa
     assert second.measured_s == pytest.approx(0.25 + 0.125)
 
 
-def test_a_path_whose_reload_is_not_done_is_recorded_at_a_later_settle(fake_clock):
+def caught_up_before_its_reload_is_done(fake_clock: FakeClock) -> tuple[PathClock, OffloadDecision, Reload]:
+    """A resumed request caught up in one forward of 0.25 s, while its reload is not seen done yet."""
     clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     resumed = decision("r")
     reload = Reload(RELOAD_WAIT_S, done=False)
     clock.resumed("r", resumed)
     clock.reloaded(["r"], [reload])
     forward(clock, fake_clock, 0.25, ForwardRequest("r", 1, 500, True))
+    return clock, resumed, reload
+
+
+def test_a_path_whose_reload_is_not_done_is_recorded_at_a_later_settle(fake_clock):
+    clock, resumed, reload = caught_up_before_its_reload_is_done(fake_clock)
     clock.settle()
     assert resumed.measured_s is None  # caught up, but when its blocks arrived is not known yet
     reload.finish()
@@ -455,12 +461,7 @@ def test_a_path_whose_reload_is_not_done_is_recorded_at_a_later_settle(fake_cloc
 
 
 def test_settle_with_wait_waits_for_the_reloads(fake_clock):
-    clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
-    resumed = decision("r")
-    reload = Reload(RELOAD_WAIT_S, done=False)
-    clock.resumed("r", resumed)
-    clock.reloaded(["r"], [reload])
-    forward(clock, fake_clock, 0.25, ForwardRequest("r", 1, 500, True))
+    clock, resumed, reload = caught_up_before_its_reload_is_done(fake_clock)
     assert resumed.measured_s is None
     finisher = threading.Timer(FINISH_AFTER_S, reload.finish)
     finisher.start()

@@ -18,6 +18,7 @@ pytest.importorskip("transformers", reason="the transformers extra is part of th
 import kvcopy  # noqa: E402
 from kvcopy.integrations import transformers as kvt  # noqa: E402
 from kvcopy.integrations._live_planner import REFIT_EVERY, predict_paths  # noqa: E402
+from kvcopy.policy.timing import seconds_text  # noqa: E402
 from kvcopy.tools import cli  # noqa: E402
 
 from hf_helpers import MODEL_CASES, ROOMY_BLOCKS, crossover_profile  # noqa: E402
@@ -107,8 +108,11 @@ def test_the_learned_profile_is_saved_and_the_next_start_and_kvcopy_plan_begin_t
     # and `kvcopy plan --profile` reads it
     config = tmp_path / "config.json"
     model.config.to_json_file(config)
+    capsys.readouterr()
     assert cli.main(["plan", "--profile", str(path), "--model", str(config), "--prefix", "128"]) == 0
-    assert "recompute" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    planned = kvcopy.Planner.from_profile(saved, kvcopy.ModelSpec.from_hf_config(str(config))).decide(128, 1)
+    assert "decision: " in printed and f"recompute {seconds_text(planned.t_recompute)}" in printed
 
 
 def test_learning_without_a_calibration_starts_as_offload_and_then_plans(monkeypatch):
