@@ -122,6 +122,13 @@ class PrefillProfile:
     weight_bytes_per_s: float | None = None
     num_layers: int | None = None
 
+    def alpha_for(self, model: str, num_layers: int) -> float:
+        """The fixed seconds of one forward of ``num_layers`` layers of ``model``: ``alpha_s`` for the model it
+        was measured on (or a profile without a layer count), else scaled per layer."""
+        if model == self.model or not self.num_layers:
+            return self.alpha_s
+        return self.alpha_s * num_layers / self.num_layers
+
 
 @dataclass
 class Profile:

@@ -30,11 +30,7 @@ MAX_BATCH_TOKENS = 256
 
 def errors(decisions: list[kvt.OffloadDecision]) -> dict[tuple[str, int], float]:
     """|predicted for the path taken / measured - 1| per measured decision, keyed by (request, prefix)."""
-    return {
-        (d.request_id, d.prefix_tokens): abs(d.predicted_s / d.measured_s - 1)
-        for d in decisions
-        if d.measured_s and d.predicted_s is not None
-    }
+    return {(d.request_id, d.prefix_tokens): d.prediction_error for d in decisions if d.prediction_error is not None}
 
 
 def test_learning_makes_the_later_predictions_closer_to_what_the_engine_measures():

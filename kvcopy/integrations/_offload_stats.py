@@ -59,6 +59,13 @@ class OffloadDecision:
         """The prediction for the path taken."""
         return self.predicted_reload_s if self.action == "reload" else self.predicted_recompute_s
 
+    @property
+    def prediction_error(self) -> float | None:
+        """``|predicted for the path taken / measured - 1|``; None until measured, or without a prediction."""
+        if not self.measured_s or self.predicted_s is None:
+            return None
+        return abs(self.predicted_s / self.measured_s - 1)
+
 
 @dataclass
 class OffloadStats:
@@ -96,8 +103,4 @@ class OffloadStats:
     def prediction_errors(self, skip: int = 0) -> list[float]:
         """``|predicted for the path taken / measured - 1|`` of each measured decision after the first ``skip``
         (the ones made before the engine had been observed for long)."""
-        return [
-            abs(d.predicted_s / d.measured_s - 1)
-            for d in self.decisions[skip:]
-            if d.measured_s and d.predicted_s is not None
-        ]
+        return [d.prediction_error for d in self.decisions[skip:] if d.prediction_error is not None]

@@ -192,9 +192,7 @@ class OnlineProfile:
         prefill = self.base.prefill if self.base is not None else None
         if prefill is None:
             return None
-        alpha = prefill.alpha_s
-        if prefill.model != self.spec.name.split("@")[0] and prefill.num_layers:
-            alpha = prefill.alpha_s * self.spec.num_layers / prefill.num_layers
+        alpha = prefill.alpha_for(self.spec.name.split("@")[0], self.spec.num_layers)
         return alpha, prefill.flops_per_s, prefill.weight_bytes_per_s
 
     def _planes(self) -> int:

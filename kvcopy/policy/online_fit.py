@@ -44,7 +44,6 @@ class RobustFit:
     params: np.ndarray
     r2: float  # 1 - SS_res / SS_tot on relative residuals, weighted by age
     max_abs_residual: float  # largest |t - pred| / pred among the observations the fit kept (Huber weight 1)
-    inliers: int  # observations with Huber weight 1
 
 
 def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
@@ -86,7 +85,7 @@ def fit_max_linear(
     ends = [problem.descend(np.clip(np.asarray(s, dtype=np.float64), lower, upper)) for s in starts]
     common = min(problem.sigma(theta) for theta in ends)
     best = min(ends, key=lambda theta: problem.loss(theta, common))
-    return _quality(features, seconds, weights, is_data, best)
+    return _quality(features, seconds, weights, is_data, best, problem.sigma(best))
 
 
 class _Problem:
@@ -146,14 +145,18 @@ class _Problem:
 
 
 def _quality(
-    features: np.ndarray, seconds: np.ndarray, weights: np.ndarray, is_data: np.ndarray, theta: np.ndarray
+    features: np.ndarray,
+    seconds: np.ndarray,
+    weights: np.ndarray,
+    is_data: np.ndarray,
+    theta: np.ndarray,
+    sigma: float,
 ) -> RobustFit:
+    """How well ``theta`` describes the observations; ``sigma``: their residual spread there."""
     pred, _ = _predict(features, theta)
     t, p, w = seconds[is_data], pred[is_data], weights[is_data]
     relative = (t - p) / p
-    log_r = np.log(t) - np.log(p)
-    sigma = max(SIGMA_FLOOR, _MAD_TO_SIGMA * weighted_median(np.abs(log_r), w))
-    kept = np.abs(log_r) <= HUBER_K * sigma
+    kept = np.abs(np.log(t) - np.log(p)) <= HUBER_K * sigma
     rel_w = w / (t * t)
     mean = np.sum(rel_w * t) / np.sum(rel_w)
     ss_tot = float(np.sum(rel_w * (t - mean) ** 2))
@@ -163,5 +166,4 @@ def _quality(
         params=theta,
         r2=float(r2),
         max_abs_residual=float(np.max(np.abs(relative[kept]))) if kept.any() else 0.0,
-        inliers=int(kept.sum()),
     )

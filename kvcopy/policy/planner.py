@@ -176,11 +176,10 @@ class Planner:
         planes = spec.num_layers * (1 if spec.attention == "mla" else 2)
         plane_block = spec.block_nbytes(block_tokens) / planes
         fits = [mp.link_at(plane_block) for mp in profile.links[direction].values()]
-        alpha = prefill.alpha_s
+        model = spec.name.split("@")[0]
+        alpha = prefill.alpha_for(model, spec.num_layers)
         note = ""
-        if prefill.model != spec.name.split("@")[0]:
-            if prefill.num_layers:
-                alpha = prefill.alpha_s * spec.num_layers / prefill.num_layers
+        if prefill.model != model:
             note = f"prefill calibrated on {prefill.model}, scaled to {spec.name}"
         elif spec.tp > 1:
             note = f"one of {spec.tp} tensor-parallel ranks"

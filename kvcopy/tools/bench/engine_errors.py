@@ -35,13 +35,13 @@ def error_summary(stats: Any, skip: int = DEFAULT_SKIP) -> dict[str, object]:
 def crowding_summary(stats: Any, skip: int = DEFAULT_SKIP) -> str:
     """The error split by whether a forward on the measured path also carried another request's prefill chunk
     (``crowding_tokens``), which the request then waited for: what no prediction at decision time can see."""
-    judged = [d for d in stats.decisions[skip:] if d.measured_s and d.predicted_s is not None]
+    judged = [d for d in stats.decisions[skip:] if d.prediction_error is not None]
     parts = []
     for label, mine in (
         ("alone or with decode steps", [d for d in judged if not d.crowding_tokens]),
         ("beside another request's prefill chunk", [d for d in judged if d.crowding_tokens]),
     ):
-        errors = [abs(d.predicted_s / d.measured_s - 1) for d in mine]
+        errors = [d.prediction_error for d in mine]
         if errors:
             p50, p90 = np.percentile(errors, [50, 90])
             parts.append(f"{label}: {len(errors)}, error median {p50:.3f}, p90 {p90:.3f}")
