@@ -222,6 +222,31 @@ def test_pinned_pools_dropped_without_close_do_not_break_new_ones(res):
 # --------------------------------------------------------------------------- ordering with the caller's stream
 
 
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_observer_gets_each_cuda_transfer_once_with_its_timings(res, method):
+    """The observer on CUDA: called by whoever first finds a transfer done, once, with event timings."""
+    kv, pool = res.setup(seed=11)
+    seen: list[kvcopy.Transfer] = []
+    eng = res.engine(kv, pool, method=method, observer=seen.append)
+    block_ids, host_ids = [3, 9, 12], [0, 5, 11]
+    expected = reference_copy(kv, block_ids, pool, host_ids)
+    out = eng.offload(block_ids, host_ids)
+    out.wait()
+    assert_same_bytes(dst_bytes(pool), expected)
+    back = eng.reload(host_ids, [1, 2, 4])
+    deadline = time.monotonic() + 60  # against a hang only
+    while not back.done():  # found done by done(), not wait()
+        assert time.monotonic() < deadline, "the reload never read as done"
+        time.sleep(1e-3)
+    out.done(), back.wait(), back.done()  # seen done again: not reported again
+    assert seen == [out, back]
+    assert [(t.link, t.method) for t in seen] == [("d2h", out.method), ("h2d", back.method)]
+    assert all(t.method for t in seen)
+    for t in seen:
+        assert t.turnaround >= t.elapsed >= 0 and t.queued >= 0
+        assert t.turnaround == pytest.approx(t.queued + t.elapsed, abs=1e-5)
+
+
 @pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_offload_reads_after_the_producer_on_the_current_stream(res, method):
     kv, pool = res.setup(seed=6)
