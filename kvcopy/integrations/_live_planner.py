@@ -41,14 +41,21 @@ def forward_seconds(planner: Planner, tokens: int, cached: int, max_forward_toke
 
 
 def predict_paths(
-    planner: Planner, prefix_tokens: int, new_tokens: int, reload_nbytes: int, max_forward_tokens: int | None
+    planner: Planner,
+    prefix_tokens: int,
+    new_tokens: int,
+    reload_nbytes: int,
+    max_forward_tokens: int | None,
+    *,
+    cached_tokens: int = 0,
 ) -> tuple[float, float]:
-    """(reload, recompute) seconds of a preempted request, in the terms its path is measured in: the
-    reload's copy plus the forwards of its new tokens; the forwards of all its tokens."""
+    """(reload, recompute) seconds of a request, in the terms its path is measured in: the reload's copy
+    plus the forwards of its new tokens; the forwards of all its tokens. ``cached_tokens``: tokens before the
+    prefix that are on the device either way (an engine's own prefix cache)."""
     reload = planner.t_load_nbytes(reload_nbytes) + forward_seconds(
-        planner, new_tokens, prefix_tokens, max_forward_tokens
+        planner, new_tokens, cached_tokens + prefix_tokens, max_forward_tokens
     )
-    return reload, forward_seconds(planner, prefix_tokens + new_tokens, 0, max_forward_tokens)
+    return reload, forward_seconds(planner, prefix_tokens + new_tokens, cached_tokens, max_forward_tokens)
 
 
 def _materially_different(old: Planner, new: Planner, block_nbytes: int) -> bool:
@@ -62,11 +69,22 @@ class LivePlanner:
     an :class:`~kvcopy.OnlineProfile` of the engine's transfers and forwards whose refits replace it when
     they change its predictions materially. Decision k is made from what was observed before it."""
 
-    def __init__(self, spec: ModelSpec | None, base: Profile | None, *, learn: bool, half_life: int = 256) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec | None,
+        base: Profile | None,
+        *,
+        learn: bool,
+        half_life: int = 256,
+        decode_share: float = 0.0,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    ) -> None:
         self.spec = spec
         self.base = base
         self.online = OnlineProfile(spec, base, half_life=half_life) if learn and spec is not None else None
-        self._planner = Planner.from_profile(base, spec) if base is not None and spec is not None else None
+        self.decode_share = decode_share  # the Planner's options (kvcopy.Planner.from_profile)
+        self.block_tokens = block_tokens
+        self._planner = self._plan(base) if base is not None else None
         self._observations = 0  # the engine's observations in the profile the planner was built from
         self._refitted_at = 0
         self._lock = threading.Lock()  # decisions and the user's stats.profile may come from two threads
@@ -94,15 +112,20 @@ class LivePlanner:
             if due:
                 self._refitted_at = total
                 try:
-                    candidate = Planner.from_profile(online.profile(), self.spec)  # type: ignore[arg-type]
+                    candidate = self._plan(online.profile())
                 except ValueError:  # no base, and not yet both a copy link and forwards observed
                     candidate = None
-                block = self.spec.block_nbytes(DEFAULT_BLOCK_TOKENS)  # type: ignore[union-attr]
+                block = self.spec.block_nbytes(self.block_tokens)  # type: ignore[union-attr]
                 if candidate is not None and (
                     self._planner is None or _materially_different(self._planner, candidate, block)
                 ):
                     self._planner, self._observations = candidate, total
             return self._planner, self._observations
+
+    def _plan(self, profile: Profile) -> Planner | None:
+        if self.spec is None:
+            return None
+        return Planner.from_profile(profile, self.spec, block_tokens=self.block_tokens, decode_share=self.decode_share)
 
     def profile(self) -> Profile | None:
         """The learned profile (with ``learn``), else the calibrated one."""

@@ -155,15 +155,17 @@ class OffloadSession:
         reload_blocks: int,
         reload_nbytes: int,
         max_forward_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> OffloadDecision:
         """Reload (keep the KV on the host) or recompute, by the policy and the Planner of the moment; not yet
         counted. Both paths are predicted in the terms they are measured in (kvcopy.integrations._live_planner):
-        forwards of at most ``max_forward_tokens`` (the engine's batch token budget; None: one forward)."""
+        forwards of at most ``max_forward_tokens`` (the engine's batch token budget; None: one forward), after
+        ``cached_tokens`` the device holds either way."""
         planner, observations = self.live.current()
         predicted_reload = predicted_recompute = None
         if planner is not None:
             predicted_reload, predicted_recompute = predict_paths(
-                planner, prefix_tokens, new_tokens, reload_nbytes, max_forward_tokens
+                planner, prefix_tokens, new_tokens, reload_nbytes, max_forward_tokens, cached_tokens=cached_tokens
             )
         action: OffloadAction
         if self.policy == "recompute":

@@ -1,0 +1,118 @@
+"""The scheduler half of kvcopy's vLLM offloading: vLLM's own CPU manager, plus the load-or-recompute judgment.
+
+vLLM's scheduler asks the manager about a waiting request's offloaded chunks
+one key at a time, in prefix order, and stops at the first MISS; a MISS on the
+first key means no load and vLLM computes every token (docs/engines.md,
+"vLLM"). So the judgment is made once per request and scheduler step, at the
+first hit of a full-attention group: the manager reads the request's whole hit
+(the run of stored chunks from that key on, from the request's key positions),
+asks the Planner whether loading it beats recomputing it, and if not answers
+MISS for every key of the request until the step ends. Everything else (LRU or
+ARC eviction, chunk allocation, events) is vLLM's ``CPUOffloadingManager``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, get_offload_group_idx
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+from .._offload_session import OffloadSession
+from .._offload_stats import OffloadDecision
+
+__all__ = ["HitGeometry", "KVCopyOffloadingManager", "request_hit"]
+
+_FOUND = (LookupResult.HIT, LookupResult.HIT_PENDING)
+
+
+@dataclass(frozen=True)
+class HitGeometry:
+    """What the judgment needs of vLLM's cache: tokens per offload chunk per group, the full-attention groups
+    (the ones looked up as a prefix), tokens and bytes per device block, and the batch token budget."""
+
+    tokens_per_chunk: dict[int, int]
+    full_groups: frozenset[int]
+    tokens_per_block: int
+    bytes_per_block: int
+    max_forward_tokens: int | None = None
+
+
+def request_hit(
+    key: OffloadKey, req_context: ReqContext, stored: Callable[[OffloadKey], bool], tokens_per_chunk: int
+) -> tuple[int, int, int]:
+    """(computed, hit_end, known_end) in tokens for the request whose lookup reached ``key``: where its lookup
+    started (the tokens vLLM's prefix cache already holds), the end of the run of stored chunks from ``key``
+    on, and the end of its last complete chunk (its length, to within a chunk)."""
+    group = get_offload_group_idx(key)
+    # vLLM 0.33 records every key of the request with its end position before it looks any up; ReqContext has no
+    # public way to list them (kvcopy.integrations.vllm._compat checks this attribute exists).
+    positions = sorted(
+        (position, k) for k, position in req_context._offload_key_positions.items() if get_offload_group_idx(k) == group
+    )
+    start = req_context.get_offload_key_position(key)
+    assert start is not None, "vLLM looked up a key it did not place"
+    hit_end = start
+    for position, k in positions:
+        if position <= start:
+            continue
+        if position != hit_end + tokens_per_chunk or not stored(k):
+            break
+        hit_end = position
+    known_end = positions[-1][0] if positions else start
+    return start - tokens_per_chunk, hit_end, known_end
+
+
+class KVCopyOffloadingManager(CPUOffloadingManager):
+    """vLLM's CPU offloading manager whose lookups refuse a hit the Planner says to recompute.
+
+    ``session`` decides (kvcopy's policy and live Planner) and keeps the decisions; ``geometry`` maps keys to
+    tokens and bytes. The other keyword arguments are ``CPUOffloadingManager``'s.
+    """
+
+    def __init__(self, *, session: OffloadSession, geometry: HitGeometry, **cpu_manager: object) -> None:
+        super().__init__(**cpu_manager)  # type: ignore[arg-type]
+        self.session = session
+        self.geometry = geometry
+        self._verdicts: dict[str, bool] = {}  # this step's judgment per request: load its hit or not
+
+    def _stored(self, key: OffloadKey) -> bool:
+        chunk = self._policy.get(key)  # CPUOffloadingManager's eviction policy: side-effect free
+        return chunk is not None
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        result = super().lookup(key, req_context)
+        if result not in _FOUND:
+            return result
+        verdict = self._verdicts.get(req_context.req_id)
+        if verdict is None:
+            group = get_offload_group_idx(key)
+            if group not in self.geometry.full_groups:
+                return result  # a sliding-window group's suffix: judged with its full-attention groups
+            verdict = self._judge(key, req_context, group).action == "reload"
+            self._verdicts[req_context.req_id] = verdict
+        return result if verdict else LookupResult.MISS
+
+    def _judge(self, key: OffloadKey, req_context: ReqContext, group: int) -> OffloadDecision:
+        geometry = self.geometry
+        computed, hit_end, known_end = request_hit(key, req_context, self._stored, geometry.tokens_per_chunk[group])
+        prefix = hit_end - computed
+        blocks = -(-prefix // geometry.tokens_per_block)
+        decision = self.session.decide(
+            req_context.req_id,
+            prefix_tokens=prefix,
+            new_tokens=max(known_end - hit_end, 1),  # at least the token vLLM always computes
+            reload_blocks=blocks,
+            reload_nbytes=blocks * geometry.bytes_per_block,
+            max_forward_tokens=geometry.max_forward_tokens,
+            cached_tokens=computed,
+        )
+        self.session.record(decision)
+        if decision.action == "reload":
+            self.session.count_reloaded(1)
+        return decision
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._verdicts.clear()  # the next step judges again, on what is stored and learned by then
+        super().on_schedule_end(context)

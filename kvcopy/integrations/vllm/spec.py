@@ -1,0 +1,159 @@
+"""KVCopyOffloadingSpec: vLLM's offloading spec whose copies run on kvcopy and whose loads its Planner judges.
+
+vLLM builds the spec in each role: the scheduler asks it for the manager
+(:mod:`.manager`), the worker for the worker (:mod:`.worker`). Both read the
+same extra-config keys (:mod:`._config`) and size the host tier alike:
+``cpu_bytes_to_use`` // (bytes of a device block x ``blocks_per_chunk``) chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from ...policy.model import ModelSpec
+from ...profile import Profile, default_profile
+from .._live_planner import LivePlanner
+from .._offload_session import OffloadSession
+from .._offload_stats import OffloadStats
+from ._compat import check_vllm
+from ._config import SpecConfig, read_config
+from .manager import HitGeometry, KVCopyOffloadingManager
+from .worker import KVCopyOffloadingWorker, paged_kv_of
+
+__all__ = ["KVCopyOffloadingSpec"]
+
+logger = logging.getLogger("kvcopy.integrations.vllm")
+
+
+def _vllm_config() -> Any | None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def _model_spec(config: OffloadingConfig) -> ModelSpec | None:
+    """The ModelSpec of the model vLLM serves: its hf_config (the current vLLM config's), else the config.json of
+    the model directory; None (with a warning) when kvcopy cannot read it."""
+    vllm_config = _vllm_config()
+    source: Any = None
+    if vllm_config is not None and getattr(vllm_config, "model_config", None) is not None:
+        source = vllm_config.model_config.hf_config.to_dict()
+    elif os.path.isfile(os.path.join(config.model.name, "config.json")):
+        source = config.model.name
+    if source is None:
+        logger.warning("kvcopy: no config.json for %r; every hit is loaded (policy 'offload')", config.model.name)
+        return None
+    name = os.path.basename(config.model.name.rstrip("/")) or config.model.name
+    try:
+        try:
+            return ModelSpec.from_hf_config(source, name=name, kv_dtype=config.model.dtype)
+        except ValueError:  # a KV dtype name kvcopy does not know (e.g. "auto"): the config's own dtype
+            return ModelSpec.from_hf_config(source, name=name)
+    except ValueError as err:
+        logger.warning("kvcopy: cannot plan for %r (%s); every hit is loaded (policy 'offload')", config.model.name, err)
+        return None
+
+
+def _max_forward_tokens() -> int | None:
+    vllm_config = _vllm_config()
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return getattr(scheduler, "max_num_batched_tokens", None)
+
+
+class KVCopyOffloadingSpec(OffloadingSpec):
+    """vLLM's ``OffloadingSpec`` for host-memory offloading through kvcopy (docs/engines.md, "vLLM").
+
+    Extra-config keys (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (required), vLLM's
+    ``blocks_per_chunk``, ``kvcopy_policy`` ("auto": load a hit only when the Planner predicts it faster than
+    recomputing it; "offload": load every hit), ``kvcopy_profile`` (a Profile's path; default: kvcopy's
+    default profile), ``kvcopy_method`` (the copy method, "auto"), ``kvcopy_learn`` (refine the profile from
+    the engine's transfers and steps, with :class:`~kvcopy.integrations.vllm.KVCopyOffloadingConnector`) and
+    ``kvcopy_decode_share`` (the share of the link decode traffic keeps, 0 by default).
+
+    A vLLM outside the tested range is a RuntimeError, and a bad key a ValueError or TypeError, here, before
+    any transfer. :attr:`stats` has the scheduler's decisions (one per judged hit).
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        check_vllm()
+        self.settings: SpecConfig = read_config(config.extra_config)
+        super().__init__(config)
+        blocks_per_chunk = self.blocks_per_chunk
+        chunk_bytes = config.worker_kv_bytes_per_block * blocks_per_chunk
+        self.num_chunks = self.settings.cpu_bytes_to_use // chunk_bytes if chunk_bytes > 0 else 0
+        if chunk_bytes > 0 and self.num_chunks < 1:
+            raise ValueError(
+                f"cpu_bytes_to_use: {self.settings.cpu_bytes_to_use} bytes hold no chunk of {blocks_per_chunk} "
+                f"blocks ({chunk_bytes} bytes)"
+            )
+        path = self.settings.profile_path
+        self.profile: Profile | None = Profile.load(path) if path is not None else default_profile()
+        self._manager: KVCopyOffloadingManager | None = None
+        self._worker: KVCopyOffloadingWorker | None = None
+        self._session: OffloadSession | None = None
+
+    def _new_session(self, spec: ModelSpec | None, host_bytes: int) -> OffloadSession:
+        settings = self.settings
+        live = LivePlanner(
+            spec,
+            self.profile,
+            learn=settings.learn,
+            decode_share=settings.decode_share,
+            block_tokens=self.tokens_per_block[0] if self.tokens_per_block else 16,
+        )
+        return OffloadSession(
+            host_bytes=host_bytes, policy=settings.policy, live=live, method=settings.method, profile=self.profile
+        )
+
+    @property
+    def session(self) -> OffloadSession | None:
+        """The scheduler's session (its policy, live Planner and decisions), once the manager is built."""
+        return self._session
+
+    @property
+    def stats(self) -> OffloadStats | None:
+        """The scheduler's decisions: ``decisions`` (one per judged hit, with both predictions), loaded hits
+        (``reloaded_requests``), refused ones (``recomputed_requests``), and ``profile``."""
+        return None if self._session is None else self._session.stats
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            config = self.config
+            spec = _model_spec(config) if self.settings.policy == "auto" else None
+            self._session = self._new_session(spec, host_bytes=0)
+            geometry = HitGeometry(
+                tokens_per_chunk={g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in config.groups},
+                full_groups=frozenset(g.group_id for g in config.groups if g.sliding_window_size_in_chunks is None),
+                tokens_per_block=self.tokens_per_block[0] if self.tokens_per_block else 16,
+                bytes_per_block=config.worker_kv_bytes_per_block,
+                max_forward_tokens=_max_forward_tokens(),
+            )
+            self._manager = KVCopyOffloadingManager(
+                session=self._session,
+                geometry=geometry,
+                num_chunks=self.num_chunks,
+                cache_policy=self.extra_config.get("eviction_policy", "lru"),
+                cache_policy_module_path=self.extra_config.get("cache_policy_module_path"),
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            kv = paged_kv_of(kv_caches)
+            host_bytes = self.num_chunks * self.blocks_per_chunk * kv.nbytes_per_block
+            session = self._new_session(None, host_bytes)
+            self._worker = KVCopyOffloadingWorker(
+                kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_chunks=self.num_chunks,
+                session=session,
+                method=self.settings.method,
+                profile=self.profile,
+            )
+        return self._worker

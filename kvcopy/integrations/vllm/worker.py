@@ -1,0 +1,188 @@
+"""The worker half of kvcopy's vLLM offloading: every job one TransferEngine submission.
+
+vLLM's worker-side connector calls ``submit_store`` / ``submit_load`` with a
+job id and the job's specs, ``get_finished`` once per step and ``wait`` for the
+loads a step must have (docs/engines.md, "vLLM"). Here:
+
+- the device side is one :class:`~kvcopy.PagedKV` whose planes are vLLM's
+  canonical KV tensors (each ``(num_blocks, page_bytes)`` int8: vLLM has already
+  reduced FlashAttention's, FlashInfer's and MLA's layouts, scale tensors
+  included, to these pages);
+- the host side is one page-first :class:`~kvcopy.HostKVPool` of
+  ``num_chunks * blocks_per_chunk`` blocks, one per device block of a chunk
+  (kvcopy.integrations.vllm._chunks);
+- order comes from the TransferEngine: a load of chunks a store is still
+  writing starts after it, a store reads device blocks only after the work
+  already queued on the caller's stream (the forward that wrote them), and
+  jobs that share no block overlap. Loads (expedited or not) run on the reload
+  stream, so they never queue behind stores.
+
+A copy that fails is logged and reported ``success=False``, never as done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from ...engine import TransferEngine
+from ...layout import PagedKV
+from ...profile import Profile
+from ...transfer import Transfer
+from .._offload_session import OffloadSession
+from ._chunks import job_block_ids
+
+__all__ = ["KVCopyOffloadingWorker", "paged_kv_of"]
+
+logger = logging.getLogger("kvcopy.integrations.vllm")
+
+
+def paged_kv_of(kv_caches: CanonicalKVCaches) -> PagedKV:
+    """The PagedKV over vLLM's canonical KV tensors: one plane per tensor, a block its page of bytes."""
+    planes = []
+    for i, entry in enumerate(kv_caches.tensors):
+        tensor = entry.tensor
+        if tensor.dim() != 2 or tensor.dtype != torch.int8 or tensor.shape[1] != entry.page_size_bytes:
+            raise ValueError(
+                f"kv_caches.tensors[{i}]: expected an int8 (num_blocks, {entry.page_size_bytes}) page tensor, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
+        planes.append(tensor)
+    return PagedKV(planes)
+
+
+@dataclass
+class _Job:
+    transfer: Transfer | None  # None: it failed before it was submitted
+    nbytes: int
+
+
+class KVCopyOffloadingWorker(OffloadingWorker):
+    """Stores (device -> host) and loads (host -> device) of vLLM's jobs on one kvcopy TransferEngine.
+
+    ``session`` owns the host pool (``num_chunks * blocks_per_chunk`` blocks) and, with learning, the live
+    planner the engine's observer feeds; ``method`` and ``profile`` are the engine's copy method and the
+    profile its ``"auto"`` reads. ``get_finished`` reports each job once, with its bytes and its turnaround
+    (seconds from submission until done, time behind other copies included).
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        session: OffloadSession,
+        method: str = "auto",
+        profile: Profile | None = None,
+    ) -> None:
+        self.kv = paged_kv_of(kv_caches)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_chunks = num_chunks
+        self.session = session
+        self.host = session.pools_for({"kv": self.kv})["kv"]
+        if self.host is None or self.host.num_blocks < num_chunks * blocks_per_chunk:
+            raise ValueError(f"cpu_bytes_to_use: holds no {num_chunks} chunks of {blocks_per_chunk} blocks")
+        self.engine = TransferEngine(
+            self.kv, self.host, method=method, profile=profile, observer=session.live.observe_transfer
+        )
+        self._jobs: dict[int, _Job] = {}  # in flight or not yet reported, in submission order
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ submission
+
+    def _ids(self, gpu: LoadStoreSpec, host: LoadStoreSpec, name: str) -> tuple[list[int], list[int]]:
+        if not isinstance(gpu, GPULoadStoreSpec):
+            raise TypeError(f"{name}: expected a GPULoadStoreSpec, got {type(gpu).__name__}")
+        if not isinstance(host, BlockIDsLoadStoreSpec):
+            raise TypeError(f"{name}: expected the host chunks as a BlockIDsLoadStoreSpec, got {type(host).__name__}")
+        return job_block_ids(gpu.block_ids, gpu.group_sizes, gpu.block_indices, host.block_ids, self.blocks_per_chunk)
+
+    def _submit(self, job_id: int, direction: str, device_ids: list[int], host_ids: list[int]) -> bool:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"submit_{direction}: this worker is shut down")
+            if job_id in self._jobs:
+                raise ValueError(f"job_id: {job_id} is already in flight")
+            try:
+                if direction == "store":
+                    transfer = self.engine.offload(device_ids, host_ids)
+                else:
+                    transfer = self.engine.reload(host_ids, device_ids)
+            except Exception:  # noqa: BLE001 - vLLM hears of it as a failed job, never as a done one
+                logger.exception("kvcopy: %s job %d failed to start", direction, job_id)
+                transfer = None
+            self._jobs[job_id] = _Job(transfer, len(device_ids) * self.kv.nbytes_per_block)
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        """Device blocks -> host chunks, after the work already queued on the current stream."""
+        device_ids, host_ids = self._ids(src_spec, dst_spec, "src_spec")
+        return self._submit(job_id, "store", device_ids, host_ids)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        """Host chunks -> device blocks, after any unfinished store of those chunks. ``expedited`` loads need no
+        other treatment: no load waits behind a store it does not read from."""
+        device_ids, host_ids = self._ids(dst_spec, src_spec, "dst_spec")
+        return self._submit(job_id, "load", device_ids, host_ids)
+
+    # ------------------------------------------------------------------ completion
+
+    @staticmethod
+    def _result(job_id: int, job: _Job) -> TransferResult:
+        transfer = job.transfer
+        if transfer is None:
+            return TransferResult(job_id=job_id, success=False)
+        try:
+            transfer.wait()  # done already: re-raises the copy's error, if it had one
+        except Exception:  # noqa: BLE001 - reported, not raised: vLLM decides what a failed job means
+            logger.exception("kvcopy: job %d failed; its blocks are not valid", job_id)
+            return TransferResult(job_id=job_id, success=False)
+        return TransferResult(job_id=job_id, success=True, transfer_size=job.nbytes, transfer_time=transfer.turnaround)
+
+    def get_finished(self) -> list[TransferResult]:
+        """The jobs finished since the last call, each reported once."""
+        with self._lock:
+            done = [(job_id, job) for job_id, job in self._jobs.items() if job.transfer is None or job.transfer.done()]
+            for job_id, _ in done:
+                del self._jobs[job_id]
+        return [self._result(job_id, job) for job_id, job in done]
+
+    @property
+    def job_ids_in_flight(self) -> set[int]:
+        """The jobs submitted and not yet reported by :meth:`get_finished`."""
+        with self._lock:
+            return set(self._jobs)
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Blocks until those jobs (the ones still unreported) are done; errors wait for get_finished."""
+        with self._lock:
+            transfers = [self._jobs[j].transfer for j in job_ids if j in self._jobs]
+        for transfer in transfers:
+            if transfer is not None:
+                with contextlib.suppress(Exception):
+                    transfer.wait()
+
+    def shutdown(self) -> None:
+        """Waits for every copy in flight, then frees the host pool; later submissions are a RuntimeError."""
+        with self._lock:
+            self._closed = True
+        self.engine.close()
+        with self._lock:
+            self._jobs.clear()
+        self.session.close()
