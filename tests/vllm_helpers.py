@@ -257,6 +257,7 @@ def make_rig(
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
+    extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
     transfer = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
     if connector != "OffloadingConnector":
         transfer["kv_connector_module_path"] = "kvcopy.integrations.vllm"

@@ -15,8 +15,6 @@ without it is an ImportError saying how to install it, and with a vLLM outside
 
 from __future__ import annotations
 
-import importlib.util
-
 from ._compat import INSTALL, SUPPORTED_RANGE
 from ._config import KEYS, POLICIES, ProfileNotFoundError
 
@@ -46,7 +44,9 @@ def _stand_ins(error: Exception) -> tuple[type, type]:
     return KVCopyOffloadingSpec, KVCopyOffloadingConnector
 
 
-if importlib.util.find_spec("vllm") is None:
+try:
+    import vllm  # noqa: F401 - only to know it is there
+except ImportError:
     KVCopyOffloadingSpec, KVCopyOffloadingConnector = _stand_ins(
         ImportError(f"kvcopy.integrations.vllm needs vLLM {SUPPORTED_RANGE}: {INSTALL}")
     )
