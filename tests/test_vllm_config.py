@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
-from vllm_helpers import make_rig  # noqa: I001  (skips the module without vLLM)
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
+
 
 import kvcopy.integrations.vllm as kv_vllm  # noqa: E402
 from kvcopy.integrations.vllm import _compat  # noqa: E402
+
+from vllm_helpers import make_rig  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile  # noqa: I001  (skips the module without vLLM)
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
+
 
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 
 from kvcopy.integrations.vllm.manager import request_hit  # noqa: E402
+
+from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
 
 PROMPT = [(5 * i + 1) % 250 for i in range(160)]
 TOKENS = PROMPT + [9, 8, 7]

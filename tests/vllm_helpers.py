@@ -253,12 +253,18 @@ def make_rig(
     connector: str = "OffloadingConnector",
     max_batch_tokens: int = 512,
     layout: str = "LBHNC",
+    load_failure_policy: str = "fail",
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
     extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
-    transfer = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
+    transfer = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra_config,
+        "kv_load_failure_policy": load_failure_policy,
+    }
     if connector != "OffloadingConnector":
         transfer["kv_connector_module_path"] = "kvcopy.integrations.vllm"
     vllm_config = VllmConfig(
@@ -287,7 +293,9 @@ def make_rig(
             block_size=BLOCK_TOKENS,
         )
         worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), vllm_config.cache_config.get_resolved_kv_cache_layout())
+        caches = allocate_kv_cache(
+            kv_cache_config, torch.device("cpu"), vllm_config.cache_config.get_resolved_kv_cache_layout()
+        )
         caches = {name: cache.view(cache.shape[0], 2, BLOCK_TOKENS, -1) for name, cache in caches.items()}
         worker.register_kv_caches(caches)
     return Rig(vllm_config, scheduler, worker, caches, kv_cache_config)

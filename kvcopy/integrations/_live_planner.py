@@ -91,10 +91,14 @@ class LivePlanner:
 
     def observe_transfer(self, transfer: Transfer) -> None:
         """A TransferEngine observer: a finished offload or reload, by its turnaround (queueing included)."""
-        if self.online is not None and transfer.turnaround is not None:
-            self.online.observe_copy(
-                transfer.link, transfer.method, transfer.nbytes, transfer.turnaround, num_blocks=transfer.num_blocks
-            )
+        if transfer.turnaround is not None:
+            self.observe_copy(transfer.link, transfer.method, transfer.nbytes, transfer.turnaround, transfer.num_blocks)
+
+    def observe_copy(self, link: str, method: str, nbytes: int, seconds: float, num_blocks: int = 1) -> None:
+        """A finished copy reported from elsewhere (another process's engine): its Profile direction, method,
+        bytes, turnaround and blocks."""
+        if self.online is not None:
+            self.online.observe_copy(link, method, nbytes, seconds, num_blocks=num_blocks)
 
     def observe_forward(self, tokens: list[int], cached_tokens: list[int], seconds: float) -> None:
         """One forward the engine timed: each request's new and cached tokens."""

@@ -20,6 +20,8 @@ SUPPORTED_RANGE = f">={SUPPORTED_MIN},<{SUPPORTED_BELOW}"
 # vLLM pins an exact torch; kvcopy's own is kept by installing vLLM without its dependencies and then the
 # pure-Python ones it needs (pyproject's "vllm" extra).
 INSTALL = "pip install --no-deps 'vllm>=0.33,<0.34' && pip install 'kvcopy[vllm]'"
+
+
 def _release(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
 
@@ -39,8 +41,7 @@ def check_vllm(version: str | None = None) -> None:
     version = vllm_version() if version is None else version
     if not _release(SUPPORTED_MIN) <= _release(version)[:2] < _release(SUPPORTED_BELOW):
         raise RuntimeError(
-            f"kvcopy.integrations.vllm was tested with vLLM {SUPPORTED_RANGE}; this is vLLM {version} "
-            f"({INSTALL})"
+            f"kvcopy.integrations.vllm was tested with vLLM {SUPPORTED_RANGE}; this is vLLM {version} ({INSTALL})"
         )
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -48,4 +49,6 @@ def check_vllm(version: str | None = None) -> None:
     if "_offload_key_positions" not in getattr(ReqContext, "__dataclass_fields__", {}) or not hasattr(
         CPUOffloadingManager, "lookup"
     ):
-        raise RuntimeError(f"vLLM {version}: ReqContext no longer records key positions; kvcopy needs {SUPPORTED_RANGE}")
+        raise RuntimeError(
+            f"vLLM {version}: ReqContext no longer records key positions; kvcopy needs {SUPPORTED_RANGE}"
+        )

@@ -13,7 +13,7 @@ ARC eviction, chunk allocation, events) is vLLM's ``CPUOffloadingManager``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, get_offload_group_idx
@@ -76,6 +76,25 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
         self.session = session
         self.geometry = geometry
         self._verdicts: dict[str, bool] = {}  # this step's judgment per request: load its hit or not
+        self._failed: set[OffloadKey] = set()  # keys whose store failed (KVCopyOffloadingConnector says which)
+        self._recompute: set[str] = set()  # requests whose load failed: computed from now on
+
+    def fail_load(self, request_id: str) -> None:
+        """A load for ``request_id`` failed: its hits are not loaded again (vLLM recomputes it, or fails it)."""
+        self._recompute.add(request_id)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._recompute.discard(req_context.req_id)
+        super().on_request_finished(req_context)
+
+    def fail_store(self, keys: Collection[OffloadKey]) -> None:
+        """The store of ``keys`` failed: its completion drops them instead of making them loadable."""
+        self._failed.update(keys)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        failed = self._failed.intersection(keys)
+        self._failed.difference_update(failed)
+        super().complete_store(keys, req_context, success=success and not failed)
 
     def _stored(self, key: OffloadKey) -> bool:
         chunk = self._policy.get(key)  # CPUOffloadingManager's eviction policy: side-effect free
@@ -85,6 +104,8 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
         result = super().lookup(key, req_context)
         if result not in _FOUND:
             return result
+        if req_context.req_id in self._recompute:
+            return LookupResult.MISS
         verdict = self._verdicts.get(req_context.req_id)
         if verdict is None:
             group = get_offload_group_idx(key)

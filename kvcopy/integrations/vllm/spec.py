@@ -55,7 +55,9 @@ def _model_spec(config: OffloadingConfig) -> ModelSpec | None:
         except ValueError:  # a KV dtype name kvcopy does not know (e.g. "auto"): the config's own dtype
             return ModelSpec.from_hf_config(source, name=name)
     except ValueError as err:
-        logger.warning("kvcopy: cannot plan for %r (%s); every hit is loaded (policy 'offload')", config.model.name, err)
+        logger.warning(
+            "kvcopy: cannot plan for %r (%s); every hit is loaded (policy 'offload')", config.model.name, err
+        )
         return None
 
 

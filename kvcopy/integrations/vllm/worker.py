@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,13 @@ from ...transfer import Transfer
 from .._offload_session import OffloadSession
 from ._chunks import job_block_ids
 
-__all__ = ["KVCopyOffloadingWorker", "paged_kv_of"]
+__all__ = ["CopyObservation", "KVCopyOffloadingWorker", "paged_kv_of"]
 
 logger = logging.getLogger("kvcopy.integrations.vllm")
+
+# Finished copies kept for the scheduler until a connector collects them (KVCopyOffloadingConnector does, every
+# step); vLLM's stock connector never does, so the oldest are dropped past this many: about a minute of copies.
+MAX_UNCOLLECTED_COPIES = 4096
 
 
 def paged_kv_of(kv_caches: CanonicalKVCaches) -> PagedKV:
@@ -63,19 +68,32 @@ def paged_kv_of(kv_caches: CanonicalKVCaches) -> PagedKV:
     return PagedKV(planes)
 
 
+@dataclass(frozen=True)
+class CopyObservation:
+    """One finished copy as OnlineProfile.observe_copy takes it: Profile direction, method, bytes, blocks, and
+    its turnaround in seconds."""
+
+    link: str
+    method: str
+    nbytes: int
+    num_blocks: int
+    seconds: float
+
+
 @dataclass
 class _Job:
     transfer: Transfer | None  # None: it failed before it was submitted
     nbytes: int
+    device_ids: list[int]
 
 
 class KVCopyOffloadingWorker(OffloadingWorker):
     """Stores (device -> host) and loads (host -> device) of vLLM's jobs on one kvcopy TransferEngine.
 
-    ``session`` owns the host pool (``num_chunks * blocks_per_chunk`` blocks) and, with learning, the live
-    planner the engine's observer feeds; ``method`` and ``profile`` are the engine's copy method and the
-    profile its ``"auto"`` reads. ``get_finished`` reports each job once, with its bytes and its turnaround
-    (seconds from submission until done, time behind other copies included).
+    ``session`` owns the host pool (``num_chunks * blocks_per_chunk`` blocks); ``method`` and ``profile`` are
+    the engine's copy method and the profile its ``"auto"`` reads. ``get_finished`` reports each job once,
+    with its bytes and its turnaround (seconds from submission until done, time behind other copies
+    included). Each finished copy also lands in :attr:`copies`, for the scheduler's planner to learn from.
     """
 
     def __init__(
@@ -95,9 +113,10 @@ class KVCopyOffloadingWorker(OffloadingWorker):
         self.host = session.pools_for({"kv": self.kv})["kv"]
         if self.host is None or self.host.num_blocks < num_chunks * blocks_per_chunk:
             raise ValueError(f"cpu_bytes_to_use: holds no {num_chunks} chunks of {blocks_per_chunk} blocks")
-        self.engine = TransferEngine(
-            self.kv, self.host, method=method, profile=profile, observer=session.live.observe_transfer
-        )
+        self.engine = TransferEngine(self.kv, self.host, method=method, profile=profile, observer=self._observe)
+        self.copies: deque[CopyObservation] = deque(maxlen=MAX_UNCOLLECTED_COPIES)  # for the scheduler to learn
+        self.hold_failures = False  # KVCopyOffloadingConnector: failed jobs go to `failures`, not get_finished
+        self.failures: list[tuple[int, list[int]]] = []  # (job id, device blocks) of failed jobs held back
         self._jobs: dict[int, _Job] = {}  # in flight or not yet reported, in submission order
         self._lock = threading.Lock()
         self._closed = False
@@ -125,7 +144,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
             except Exception:  # noqa: BLE001 - vLLM hears of it as a failed job, never as a done one
                 logger.exception("kvcopy: %s job %d failed to start", direction, job_id)
                 transfer = None
-            self._jobs[job_id] = _Job(transfer, len(device_ids) * self.kv.nbytes_per_block)
+            self._jobs[job_id] = _Job(transfer, len(device_ids) * self.kv.nbytes_per_block, device_ids)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -143,6 +162,15 @@ class KVCopyOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------------ completion
 
+    def _observe(self, transfer: Transfer) -> None:
+        """The engine's observer: every copy that finished without error, with its turnaround."""
+        if transfer.turnaround is not None:
+            self.copies.append(
+                CopyObservation(
+                    transfer.link, transfer.method, transfer.nbytes, transfer.num_blocks, transfer.turnaround
+                )
+            )
+
     @staticmethod
     def _result(job_id: int, job: _Job) -> TransferResult:
         transfer = job.transfer
@@ -156,12 +184,20 @@ class KVCopyOffloadingWorker(OffloadingWorker):
         return TransferResult(job_id=job_id, success=True, transfer_size=job.nbytes, transfer_time=transfer.turnaround)
 
     def get_finished(self) -> list[TransferResult]:
-        """The jobs finished since the last call, each reported once."""
+        """The jobs finished since the last call, each reported once (with ``hold_failures``, the failed ones go
+        to :attr:`failures` instead)."""
         with self._lock:
             done = [(job_id, job) for job_id, job in self._jobs.items() if job.transfer is None or job.transfer.done()]
             for job_id, _ in done:
                 del self._jobs[job_id]
-        return [self._result(job_id, job) for job_id, job in done]
+        results = []
+        for job_id, job in done:
+            result = self._result(job_id, job)
+            if not result.success and self.hold_failures:
+                self.failures.append((job_id, job.device_ids))
+            else:
+                results.append(result)
+        return results
 
     @property
     def job_ids_in_flight(self) -> set[int]:
