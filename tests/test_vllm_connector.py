@@ -108,6 +108,30 @@ def test_a_failed_load_fails_the_request_under_vllms_default_policy(tmp_path):
         rig.close()
 
 
+SYNC = {"sync_load_budget_bytes": 1 << 30}  # vLLM loads these hits inside the step, expedited
+
+
+def test_an_expedited_load_is_loaded_within_the_step(tmp_path):
+    rig = connector_rig(tmp_path, **SYNC)
+    try:
+        assert store_reset_and_rerun(rig) == [len(TOKENS) - HIT]
+        # the forward that waited for the load is not learned as a forward: only the first request's is
+        assert rig.session.live.online.num_observations["prefill"] == 1
+    finally:
+        rig.close()
+
+
+def test_a_failed_expedited_load_is_recomputed(tmp_path, caplog):
+    rig = connector_rig(tmp_path, load_failure_policy="recompute", **SYNC)
+    try:
+        computed = run_with_failed_load(rig)
+        assert computed == [len(TOKENS) - HIT, len(TOKENS)]  # the step on invalid blocks is discarded, all recomputed
+        assert "injected reload failure" in caplog.text
+        assert rig.requests["again"].status.name == "FINISHED_LENGTH_CAPPED"
+    finally:
+        rig.close()
+
+
 def test_a_failed_store_never_reads_as_stored(tmp_path):
     rig = connector_rig(tmp_path)
     try:

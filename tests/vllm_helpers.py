@@ -186,6 +186,7 @@ class Rig:
                 finished_sending=results.finished_sending,
                 finished_recving=results.finished_recving,
                 failed_recving=results.failed_recving,
+                invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=worker_meta,
             ),
         )
