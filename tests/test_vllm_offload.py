@@ -26,13 +26,9 @@ PROMPT = [(7 * i + 3) % 250 for i in range(150)]
 
 
 def expected_block(rig, tokens, name: str, block_index: int) -> torch.Tensor:
-    """A block's KV as the forward writes it: kv_value for each of its tokens, in every K/V slot."""
+    """A full block's page as the forwards write it (tests/vllm_helpers.py): kv_value of its whole prefix."""
     layer = int(name.split(".")[1])
-    like = rig.caches[name][0]
-    out = torch.zeros_like(like)
-    for offset in range(BLOCK_TOKENS):
-        out[:, offset] = kv_value(tokens, block_index * BLOCK_TOKENS + offset, layer)
-    return out
+    return torch.full_like(rig.caches[name][0], kv_value(tokens, (block_index + 1) * BLOCK_TOKENS - 1, layer))
 
 
 def assert_blocks_hold(rig, request_id: str, tokens, blocks: range, groups=None) -> int:
@@ -101,6 +97,28 @@ def test_a_partial_first_chunk_loads_from_the_right_sub_block(tmp_path, blocks_p
         assert {"again": len(tokens) - hit} in rig.forwards
         loaded = range(local_blocks, hit // BLOCK_TOKENS)
         assert assert_blocks_hold(rig, "again", tokens, loaded) == 2 * len(loaded)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "mla"), [("LBNHC", False), ("BLHNC", False), ("BLNHC", False), ("LBHNC", True), ("BLHNC", True)]
+)
+def test_every_kv_cache_layout_loads_bitwise(tmp_path, layout, mla):
+    """vLLM's page layouts (LBHNC, the connector's own, is above): FlashAttention's token-major pages (LBNHC),
+    the cross-layer block-first ones (BL..., one page per block for all layers), and MLA's latent pages."""
+    rig = make_rig(tmp_path, num_layers=3, layout=layout, mla=mla, extra={"kvcopy_policy": "offload"})
+    try:
+        store_then_reset(rig, PROMPT)
+        tokens = PROMPT + [5, 6, 7]
+        rig.add("again", tokens, max_tokens=4)
+        rig.run_until_prefilled("again")
+        hit = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert {"again": len(tokens) - hit} in rig.forwards
+        assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 3 * hit // BLOCK_TOKENS
+        # block-first layouts reach kvcopy as one plane whose block is every layer's page; the others, a plane
+        # per layer
+        assert len(rig.kv_worker.kv.planes) == (1 if layout.startswith("BL") else 3)
     finally:
         rig.close()
 

@@ -35,7 +35,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core import kv_cache_planning  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -70,11 +70,15 @@ def write_model_dir(path: str, num_layers: int, sliding_window: int | None = Non
     return path
 
 
-def layer_specs(num_layers: int, sliding_window: int | None) -> dict[str, object]:
+def layer_specs(num_layers: int, sliding_window: int | None, mla: bool = False) -> dict[str, object]:
+    """Per-layer KV specs, as a model runner reports them: full attention, every odd layer sliding with
+    ``sliding_window``, or MLA (one latent of 4 x HEAD_DIM per token, no heads)."""
     specs = {}
     for i in range(num_layers):
         kwargs = {"block_size": BLOCK_TOKENS, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.float32}
-        if sliding_window is not None and i % 2:
+        if mla:
+            specs[f"layers.{i}"] = MLAAttentionSpec(**{**kwargs, "num_kv_heads": 1, "head_size": 4 * HEAD_DIM})
+        elif sliding_window is not None and i % 2:
             specs[f"layers.{i}"] = SlidingWindowSpec(sliding_window=sliding_window, **kwargs)
         else:
             specs[f"layers.{i}"] = FullAttentionSpec(**kwargs)
@@ -146,19 +150,21 @@ class Rig:
         return request
 
     def _forward(self, output) -> dict[str, int]:
-        """Writes the KV of every token the step computes, at its request's blocks."""
+        """Writes the KV of the blocks the step computes: each block's page, in every layer, holds kv_value of
+        the request's prefix up to the block's last token computed so far (so a full block's value depends on
+        its whole prefix, as attention's KV does), whatever vLLM's layout of the page."""
         computed: dict[str, int] = {}
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
-            start = request.num_computed_tokens - count  # schedule() has already counted them computed
+            end = request.num_computed_tokens  # schedule() has already counted this step's tokens computed
             tokens = request.all_token_ids
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)
             for name, cache in self.caches.items():
                 layer = int(name.split(".")[1])
-                group = self._group_of[name]
-                for position in range(start, start + count):
-                    block = block_ids[group][position // BLOCK_TOKENS]
-                    cache[block, :, position % BLOCK_TOKENS] = kv_value(tokens, position, layer)
+                table = block_ids[self._group_of[name]]
+                for index in range((end - count) // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)):
+                    last = min(end, (index + 1) * BLOCK_TOKENS) - 1
+                    cache[table[index]] = kv_value(tokens, last, layer)
             computed[request_id] = count
         return computed
 
@@ -255,6 +261,7 @@ def make_rig(
     max_batch_tokens: int = 512,
     layout: str = "LBHNC",
     load_failure_policy: str = "fail",
+    mla: bool = False,
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
@@ -279,7 +286,7 @@ def make_rig(
     )
     vllm_config.cache_config.kv_cache_layout = layout
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    specs = layer_specs(num_layers, sliding_window)
+    specs = layer_specs(num_layers, sliding_window, mla)
     page = 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 4
     with set_current_vllm_config(vllm_config):
         groups = kv_cache_planning.get_global_kv_cache_groups(vllm_config, [specs])
@@ -297,6 +304,5 @@ def make_rig(
         caches = allocate_kv_cache(
             kv_cache_config, torch.device("cpu"), vllm_config.cache_config.get_resolved_kv_cache_layout()
         )
-        caches = {name: cache.view(cache.shape[0], 2, BLOCK_TOKENS, -1) for name, cache in caches.items()}
         worker.register_kv_caches(caches)
     return Rig(vllm_config, scheduler, worker, caches, kv_cache_config)
