@@ -7,6 +7,7 @@
 #   KVCOPY_TORCH='torch==2.14.1'  the torch to install (2.14.1 is a CUDA 13.0 build;
 #                              'torch==2.13.0' is CPU-only on the dev machines)
 #   KVCOPY_NO_EXT=1            install without compiling anything
+#   KVCOPY_NO_VLLM=1           leave vLLM out (its tests then skip, saying so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,5 +18,12 @@ torch_spec=${KVCOPY_TORCH:-torch==2.14.1}
 export PATH="$PWD/.venv/bin:$PATH"   # so the build finds the venv's ninja
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "$torch_spec" numpy ninja "setuptools>=77" wheel
-MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install --quiet --no-build-isolation -e ".[test,plot]"
+extras="test,plot"
+if [ "${KVCOPY_NO_VLLM:-0}" != 1 ]; then
+  # vLLM pins torch==2.14.0: installed without its dependencies, it runs on kvcopy's torch; the "vllm" extra
+  # brings the pure-Python packages it needs (pyproject.toml).
+  python -m pip install --quiet --no-deps "vllm==0.33.0"
+  extras="$extras,vllm"
+fi
+MAX_JOBS=${MAX_JOBS:-$(nproc)} python -m pip install --quiet --no-build-isolation -e ".[$extras]"
 python -m kvcopy info
