@@ -11,7 +11,13 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 
-from kvcopy.integrations.vllm.manager import request_hit  # noqa: E402
+from kvcopy.integrations.vllm.manager import (  # noqa: E402
+    COUNTERS,
+    HITS_LOADED,
+    HITS_RECOMPUTED,
+    TOKENS_RECOMPUTED,
+    request_hit,
+)
 
 from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
 
@@ -37,6 +43,7 @@ def fast_load_profile(tmp_path) -> str:
 def run_hit(tmp_path, extra) -> tuple[object, dict[str, int]]:
     """Stores PROMPT, drops vLLM's prefix cache, runs PROMPT + 3 tokens: the rig and the second run's forward."""
     rig = make_rig(tmp_path, extra=extra)
+    rig.counted = count_reported(rig.manager)
     rig.add("first", PROMPT)
     rig.run()
     rig.drain()
@@ -45,6 +52,28 @@ def run_hit(tmp_path, extra) -> tuple[object, dict[str, int]]:
     rig.run()
     computed = [f["again"] for f in rig.forwards if "again" in f]
     return rig, computed
+
+
+def count_reported(manager) -> dict[str, int]:
+    """The judgment's counters summed over every stats report vLLM's scheduler collects (once a step)."""
+    counted = dict.fromkeys(COUNTERS, 0)
+    get_stats = manager.get_stats
+
+    def reporting():
+        stats = get_stats()
+        _, values = stats.metric_sections()  # per metric: {label values: value}; these have no labels
+        for name in COUNTERS:
+            counted[name] += values.get(name, {}).get((), 0)
+        return stats
+
+    manager.get_stats = reporting
+    return counted
+
+
+def assert_counted(rig, *, loaded: int, recomputed: int, tokens: int) -> None:
+    """vLLM's connector stats carried the judgment's counters (declared as metrics by the spec)."""
+    assert rig.counted == {HITS_LOADED: loaded, HITS_RECOMPUTED: recomputed, TOKENS_RECOMPUTED: tokens}
+    assert set(COUNTERS) <= set(type(rig.worker_spec).build_metric_definitions({}))
 
 
 def test_a_hit_slower_to_load_than_to_recompute_is_computed(tmp_path):
@@ -56,6 +85,7 @@ def test_a_hit_slower_to_load_than_to_recompute_is_computed(tmp_path):
         assert decision.predicted_reload_s > decision.predicted_recompute_s
         assert rig.session.stats.recomputed_requests == 1 and rig.session.stats.reloaded_requests == 0
         assert rig.kv_worker.engine.num_in_flight == 0
+        assert_counted(rig, loaded=0, recomputed=1, tokens=HIT)
     finally:
         rig.close()
 
@@ -68,6 +98,7 @@ def test_the_same_hit_is_loaded_when_loading_is_faster(tmp_path):
         assert decision.action == "reload" and decision.predicted_reload_s < decision.predicted_recompute_s
         assert "planner (calibrated)" in decision.reason
         assert rig.session.stats.reloaded_requests == 1
+        assert_counted(rig, loaded=1, recomputed=0, tokens=0)
     finally:
         rig.close()
 

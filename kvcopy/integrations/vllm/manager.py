@@ -16,15 +16,25 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, get_offload_group_idx
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from .._offload_session import OffloadSession
 from .._offload_stats import OffloadDecision
 
-__all__ = ["HitGeometry", "KVCopyOffloadingManager", "request_hit"]
+__all__ = ["COUNTERS", "HitGeometry", "KVCopyOffloadingManager", "request_hit"]
 
 _FOUND = (LookupResult.HIT, LookupResult.HIT_PENDING)
+# vLLM metrics (get_kv_connector_stats, Prometheus) the judgment adds, with their documentation.
+HITS_LOADED = "vllm:kv_offload_kvcopy_hits_loaded"
+HITS_RECOMPUTED = "vllm:kv_offload_kvcopy_hits_recomputed"
+TOKENS_RECOMPUTED = "vllm:kv_offload_kvcopy_tokens_recomputed"
+COUNTERS = {
+    HITS_LOADED: "Offloaded hits kvcopy's planner judged faster to load than to recompute (or policy 'offload').",
+    HITS_RECOMPUTED: "Offloaded hits kvcopy's planner judged faster to recompute: not loaded.",
+    TOKENS_RECOMPUTED: "Tokens of the offloaded hits kvcopy's planner chose to recompute.",
+}
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
         self._verdicts: dict[str, bool] = {}  # this step's judgment per request: load its hit or not
         self._failed: set[OffloadKey] = set()  # keys whose store failed (KVCopyOffloadingConnector says which)
         self._recompute: set[str] = set()  # requests whose load failed: computed from now on
+        self._unreported = dict.fromkeys(COUNTERS, 0)  # the counters' increase since vLLM last asked
 
     def fail_load(self, request_id: str) -> None:
         """A load for ``request_id`` failed: its hits are not loaded again (vLLM recomputes it, or fails it)."""
@@ -132,7 +143,22 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
         self.session.record(decision)
         if decision.action == "reload":
             self.session.count_reloaded(1)
+            self._unreported[HITS_LOADED] += 1
+        else:
+            self._unreported[HITS_RECOMPUTED] += 1
+            self._unreported[TOKENS_RECOMPUTED] += prefix
         return decision
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """vLLM's CPU-tier metrics, plus the judgment's counters (:data:`COUNTERS`) since the last call."""
+        stats = super().get_stats()
+        if stats is None:
+            stats = OffloadingConnectorStats()
+        for name, value in self._unreported.items():
+            if value:
+                stats.increase_counter(name, value)
+        self._unreported = dict.fromkeys(COUNTERS, 0)
+        return stats
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._verdicts.clear()  # the next step judges again, on what is stored and learned by then

@@ -12,8 +12,16 @@ import logging
 import os
 from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingCounterMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from ...policy.model import ModelSpec
 from ...profile import Profile, default_profile
@@ -22,7 +30,7 @@ from .._offload_session import OffloadSession
 from .._offload_stats import OffloadStats
 from ._compat import check_vllm
 from ._config import SpecConfig, read_config
-from .manager import HitGeometry, KVCopyOffloadingManager
+from .manager import COUNTERS, HitGeometry, KVCopyOffloadingManager
 from .worker import KVCopyOffloadingWorker, paged_kv_of
 
 __all__ = ["KVCopyOffloadingSpec"]
@@ -80,6 +88,13 @@ class KVCopyOffloadingSpec(OffloadingSpec):
     A vLLM outside the tested range is a RuntimeError, and a bad key a ValueError or TypeError, here, before
     any transfer. :attr:`stats` has the scheduler's decisions (one per judged hit).
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """vLLM's CPU-tier metrics (the manager is vLLM's CPU manager) and the judgment's counters."""
+        definitions = CPUOffloadingSpec.build_metric_definitions(extra_config)
+        definitions.update({name: OffloadingCounterMetadata(documentation=doc) for name, doc in COUNTERS.items()})
+        return definitions
 
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm()
