@@ -137,7 +137,7 @@ if [ "$dry_run" = 1 ]; then
 else
   # Correctness first, each file in its own process; torch.compile tests last (inductor compiles are slow).
   pytest_step gpu_tests 120 -m gpu -k "not torch_compile" tests/test_gpu.py
-  pytest_step engine_gpu_tests 90 -m gpu -k "not torch_compile" tests/test_engine_gpu.py
+  pytest_step engine_gpu_tests 90 -m gpu -k "not torch_compile" tests/test_engine_gpu.py tests/test_vllm_gpu.py
   pytest_step bench_gpu_tests 45 -m gpu tests/test_bench_gpu.py
   calibrate=() bench=("${gpu_bench[@]}") overlap=()
   engine=(--dtype bfloat16 --hidden 1024 --layers 8)

@@ -262,6 +262,7 @@ def make_rig(
     layout: str = "LBHNC",
     load_failure_policy: str = "fail",
     mla: bool = False,
+    device: str = "cpu",
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
@@ -281,7 +282,7 @@ def make_rig(
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_batch_tokens, max_num_seqs=8, max_model_len=1024, is_encoder_decoder=False
         ),
-        device_config=DeviceConfig(device="cpu"),
+        device_config=DeviceConfig(device=device),
         kv_transfer_config=KVTransferConfig(**transfer),
     )
     vllm_config.cache_config.kv_cache_layout = layout
@@ -302,7 +303,7 @@ def make_rig(
         )
         worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         caches = allocate_kv_cache(
-            kv_cache_config, torch.device("cpu"), vllm_config.cache_config.get_resolved_kv_cache_layout()
+            kv_cache_config, torch.device(device), vllm_config.cache_config.get_resolved_kv_cache_layout()
         )
         worker.register_kv_caches(caches)
     return Rig(vllm_config, scheduler, worker, caches, kv_cache_config)

@@ -1,0 +1,40 @@
+"""kvcopy's vLLM spec with CUDA caches: the store, the reset and the load of tests/test_vllm_offload.py on a
+GPU, where the copies run on the TransferEngine's copy streams and the host pool is pinned.
+
+It needs vLLM and a GPU together; the lent GPU machine cannot receive vLLM's wheel, so there it skips
+(docs/engines.md, "vLLM": what ran where)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed (scripts/setup.sh installs it; it cannot travel to the lent GPU)"
+)
+
+import torch  # noqa: E402
+
+from conftest import gpu, requires_gpu  # noqa: E402
+from test_vllm_offload import PROMPT, assert_blocks_hold, store_then_reset  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, make_rig  # noqa: E402
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("blocks_per_chunk", [1, 4])
+def test_cuda_caches_load_back_bitwise(tmp_path, blocks_per_chunk):
+    rig = make_rig(tmp_path, device="cuda", extra={"kvcopy_policy": "offload", "blocks_per_chunk": blocks_per_chunk})
+    try:
+        assert rig.kv_worker.kv.device.type == "cuda" and rig.kv_worker.host.pinned
+        store_then_reset(rig, PROMPT)
+        tokens = PROMPT + [5, 6, 7]
+        rig.add("again", tokens, max_tokens=4)
+        rig.run_until_prefilled("again")
+        torch.cuda.synchronize()
+        chunk_tokens = BLOCK_TOKENS * blocks_per_chunk
+        hit = len(PROMPT) // chunk_tokens * chunk_tokens
+        assert {"again": len(tokens) - hit} in rig.forwards
+        assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
+        assert {c.link for c in rig.kv_worker.copies} <= {"d2h", "h2d"}
+    finally:
+        rig.close()
