@@ -141,8 +141,8 @@ class KVCopyOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             config = self.config
-            spec = _model_spec(config) if self.settings.policy == "auto" else None
-            self._session = self._new_session(spec, host_bytes=0)
+            # planned under "offload" too: its decisions then still carry both predictions
+            self._session = self._new_session(_model_spec(config), host_bytes=0)
             geometry = HitGeometry(
                 tokens_per_chunk={g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in config.groups},
                 full_groups=frozenset(g.group_id for g in config.groups if g.sliding_window_size_in_chunks is None),
