@@ -21,9 +21,11 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from ...policy.model import ModelSpec
+from ...policy.planner import DEFAULT_BLOCK_TOKENS
 from ...profile import Profile, default_profile
 from .._live_planner import LivePlanner
 from .._offload_session import OffloadSession
@@ -101,7 +103,7 @@ class KVCopyOffloadingSpec(OffloadingSpec):
         self.settings: SpecConfig = read_config(config.extra_config)
         super().__init__(config)
         blocks_per_chunk = self.blocks_per_chunk
-        chunk_bytes = config.worker_kv_bytes_per_block * blocks_per_chunk
+        self._chunk_bytes = chunk_bytes = config.worker_kv_bytes_per_block * blocks_per_chunk
         self.num_chunks = self.settings.cpu_bytes_to_use // chunk_bytes if chunk_bytes > 0 else 0
         if chunk_bytes > 0 and self.num_chunks < 1:
             raise ValueError(
@@ -121,11 +123,16 @@ class KVCopyOffloadingSpec(OffloadingSpec):
             self.profile,
             learn=settings.learn,
             decode_share=settings.decode_share,
-            block_tokens=self.tokens_per_block[0] if self.tokens_per_block else 16,
+            block_tokens=self._block_tokens,
         )
         return OffloadSession(
             host_bytes=host_bytes, policy=settings.policy, live=live, method=settings.method, profile=self.profile
         )
+
+    @property
+    def _block_tokens(self) -> int:
+        """Tokens per device block (the first group's; vLLM's groups share a block size on this path)."""
+        return self.tokens_per_block[0] if self.tokens_per_block else DEFAULT_BLOCK_TOKENS
 
     @property
     def session(self) -> OffloadSession | None:
@@ -146,7 +153,7 @@ class KVCopyOffloadingSpec(OffloadingSpec):
             geometry = HitGeometry(
                 tokens_per_chunk={g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in config.groups},
                 full_groups=frozenset(g.group_id for g in config.groups if g.sliding_window_size_in_chunks is None),
-                tokens_per_block=self.tokens_per_block[0] if self.tokens_per_block else 16,
+                tokens_per_block=self._block_tokens,
                 bytes_per_block=config.worker_kv_bytes_per_block,
                 max_forward_tokens=_max_forward_tokens(),
             )
@@ -157,6 +164,10 @@ class KVCopyOffloadingSpec(OffloadingSpec):
                 cache_policy=self.extra_config.get("eviction_policy", "lru"),
                 cache_policy_module_path=self.extra_config.get("cache_policy_module_path"),
                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                # vLLM's CPU spec's keys and defaults, passed on as it does
+                store_threshold=int(self.extra_config.get("store_threshold", 0)),
+                max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
+                info=CPUOffloadingInfo.from_config(config, self.num_chunks, self._chunk_bytes),
             )
         return self._manager
 
@@ -166,7 +177,7 @@ class KVCopyOffloadingSpec(OffloadingSpec):
             host_bytes = self.num_chunks * self.blocks_per_chunk * kv.nbytes_per_block
             session = self._new_session(None, host_bytes)
             self._worker = KVCopyOffloadingWorker(
-                kv_caches,
+                kv,
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_chunks=self.num_chunks,
                 session=session,

@@ -90,6 +90,7 @@ class _Job:
 class KVCopyOffloadingWorker(OffloadingWorker):
     """Stores (device -> host) and loads (host -> device) of vLLM's jobs on one kvcopy TransferEngine.
 
+    ``kv``: vLLM's canonical KV tensors as a PagedKV (:func:`paged_kv_of`).
     ``session`` owns the host pool (``num_chunks * blocks_per_chunk`` blocks); ``method`` and ``profile`` are
     the engine's copy method and the profile its ``"auto"`` reads. ``get_finished`` reports each job once,
     with its bytes and its turnaround (seconds from submission until done, time behind other copies
@@ -98,7 +99,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
 
     def __init__(
         self,
-        kv_caches: CanonicalKVCaches,
+        kv: PagedKV,
         *,
         blocks_per_chunk: int,
         num_chunks: int,
@@ -106,7 +107,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
         method: str = "auto",
         profile: Profile | None = None,
     ) -> None:
-        self.kv = paged_kv_of(kv_caches)
+        self.kv = kv
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
         self.session = session
