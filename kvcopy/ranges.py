@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+import torch
+
 from . import _ext
 from ._ids import BlockIds
 from .dispatch import KVLike, as_paged, check_pair, prepare_pair
 
-__all__ = ["ByteRange", "copy_ranges"]
+__all__ = ["ByteRange", "copy_ranges", "plan_table_ranges"]
 
 
 class ByteRange(NamedTuple):
@@ -63,3 +65,29 @@ def copy_ranges(
         method == "copy_engine",
     )
     return [ByteRange(*r) for r in planned]
+
+
+def plan_table_ranges(
+    src_table: torch.Tensor, src_ids: torch.Tensor, dst_table: torch.Tensor, dst_ids: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """(source address, destination address, bytes) of each contiguous range a copy between two plane tables
+    becomes (ids as int64 tensors on the host, already checked): kvcopy's range planner
+    (csrc/include/kvcopy/copy_ranges.h), which merges runs of adjacent blocks and side-by-side planes; without the
+    compiled extension one range per block and plane. The tables' addresses need not be this process's: a
+    peer's pool (kvcopy.remote) or offsets into a file (kvcopy.storage) plan the same way."""
+    compiled = _ext.extension()
+    if compiled is not None:
+        return compiled.plan_copy_ranges(
+            src_table.data_ptr(),
+            dst_table.data_ptr(),
+            src_table.shape[0],
+            src_ids.data_ptr(),
+            dst_ids.data_ptr(),
+            src_ids.numel(),
+            False,
+        )
+    ranges = []
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
+        for (sa, ss, n), (da, ds, _) in zip(src_table.tolist(), dst_table.tolist()):
+            ranges.append((sa + s * ss, da + d * ds, n))
+    return ranges

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _ext
 from .._ids import BlockIds, as_ids, check_host_pair
 from ..host import HostKVPool
 from ..layout import PagedKV
+from ..ranges import plan_table_ranges
 from .descriptor import PoolLayout, decode, encode
 from .registration import registration_of
 
@@ -65,7 +65,8 @@ class RemoteTransferTimeout(_InvalidBlocks, TimeoutError):
         self._name_blocks(written)
 
 
-def _nixl():  # noqa: ANN202 - the nixl module
+def nixl_module():  # noqa: ANN202 - the nixl module
+    """NIXL's agent and config classes; ImportError saying how to install NIXL without it."""
     try:
         from nixl_cu13._api import nixl_agent, nixl_agent_config
     except ImportError as err:
@@ -170,7 +171,7 @@ class KVPeer:
         context_hash = getattr(cache_key, "context_hash", None) if cache_key is not None else None
         if cache_key is not None and not isinstance(context_hash, str):
             raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
-        nixl_agent, nixl_agent_config = _nixl()
+        nixl_agent, nixl_agent_config = nixl_module()
         self.pool, self.name, self.backends = pool, name, tuple(backends)
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self._registered = self._agent.register_memory(list(registration.regions), registration.memory)
@@ -241,7 +242,7 @@ class KVPeer:
         check_host_pair(src, dst, src_blocks, dst_blocks, same_cache=False, names=names)
         remote_table = remote.plane_table
         src_table, dst_table = (remote_table, self._table) if reading else (self._table, remote_table)
-        ranges = _plan_ranges(src_table, src, dst_table, dst)
+        ranges = plan_table_ranges(src_table, src, dst_table, dst)
         here, there = self._layout, remote.layout
         local_ranges = [(d if reading else s, n, here.device_id) for s, d, n in ranges]
         remote_ranges = [(s if reading else d, n, there.device_id) for s, d, n in ranges]
@@ -286,27 +287,3 @@ class KVPeer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _plan_ranges(
-    src_table: torch.Tensor, src_ids: torch.Tensor, dst_table: torch.Tensor, dst_ids: torch.Tensor
-) -> list[tuple[int, int, int]]:
-    """(source address, destination address, bytes) of each contiguous range the copy becomes: kvcopy's range
-    planner (csrc/include/kvcopy/copy_ranges.h), which merges runs of adjacent blocks; without the compiled
-    extension one range per block and plane."""
-    compiled = _ext.extension()
-    if compiled is not None:
-        return compiled.plan_copy_ranges(
-            src_table.data_ptr(),
-            dst_table.data_ptr(),
-            src_table.shape[0],
-            src_ids.data_ptr(),
-            dst_ids.data_ptr(),
-            src_ids.numel(),
-            False,
-        )
-    ranges = []
-    for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
-        for (sa, ss, n), (da, ds, _) in zip(src_table.tolist(), dst_table.tolist()):
-            ranges.append((sa + s * ss, da + d * ds, n))
-    return ranges

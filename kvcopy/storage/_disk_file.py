@@ -1,0 +1,104 @@
+"""The files of a disk store and the NIXL agent that moves its bytes.
+
+A store is a directory: ``header.json`` (format, block layout, CacheKey
+context, block count), ``blocks.data`` (``num_blocks`` page-first blocks,
+reserved up front with fallocate) and ``index.log`` (kvcopy.storage._commit_log).
+The data file is opened with O_DIRECT where the block size allows, so that what
+is measured is the disk and not the page cache; NIXL's POSIX backend moves the
+bytes (io_uring, else Linux AIO, else POSIX AIO: the first this kernel accepts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from typing import Any
+
+from ..layout import PLANE_BLOCK_BYTES, PagedKV
+from ..policy.kv_dtypes import torch_name
+
+__all__ = ["DIRECT_ALIGNMENT", "FORMAT", "POSIX_QUEUES", "create_files", "file_agent", "layout_of", "read_header"]
+
+FORMAT = 1  # header.json's "format": bumped when the files change meaning
+# O_DIRECT needs offsets, lengths and addresses aligned to the device's logical block: 4096 covers the disks
+# seen (512 or 4096 bytes); smaller or odd blocks go through the page cache.
+DIRECT_ALIGNMENT = 4096
+# NIXL POSIX backend parameters, in the order tried: io_uring, Linux AIO (libaio), POSIX AIO.
+POSIX_QUEUES = ("use_uring", "use_aio", "use_posix_aio")
+HEADER, DATA, INDEX = "header.json", "blocks.data", "index.log"
+
+
+def layout_of(like: PagedKV) -> dict[str, Any]:
+    """The block layout a store keeps: each plane's block bytes and dtype, page-first."""
+    table = like.plane_table.tolist()
+    planes = [[row[PLANE_BLOCK_BYTES], torch_name(dtype)] for row, dtype in zip(table, like.dtypes)]
+    return {"layout": "page_first", "planes": planes, "nbytes_per_block": like.nbytes_per_block}
+
+
+def create_files(path: str, layout: dict[str, Any], num_blocks: int, context_hash: str) -> None:
+    """The store's directory with its header and its data file reserved; nothing left behind on an error."""
+    os.makedirs(path)  # FileExistsError for an existing path: a store is never created over another
+    try:
+        size = num_blocks * layout["nbytes_per_block"]
+        fd = os.open(os.path.join(path, DATA), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as err:
+                raise OSError(
+                    err.errno, f"path: {size} bytes for {num_blocks} blocks do not fit on {path}'s filesystem"
+                ) from err
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        header = {"format": FORMAT, "num_blocks": num_blocks, "context_hash": context_hash, **layout}
+        with open(os.path.join(path, HEADER), "w") as f:
+            json.dump(header, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def read_header(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, HEADER)) as f:
+            header = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"path: no disk store at {path} (no {HEADER})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"path: {path}/{HEADER} is not valid JSON ({err})") from None
+    if header.get("format") != FORMAT:
+        raise ValueError(f"path: {path} is a disk store of format {header.get('format')}, this kvcopy reads {FORMAT}")
+    return header
+
+
+def open_data(path: str, nbytes_per_block: int) -> tuple[int, bool]:
+    """The data file's descriptor, with O_DIRECT when the block size is aligned and the filesystem takes it."""
+    name = os.path.join(path, DATA)
+    if nbytes_per_block % DIRECT_ALIGNMENT == 0 and hasattr(os, "O_DIRECT"):
+        with contextlib.suppress(OSError):  # tmpfs and some others refuse O_DIRECT
+            return os.open(name, os.O_RDWR | os.O_DIRECT), True
+    return os.open(name, os.O_RDWR), False
+
+
+def file_agent(name: str, backend: str) -> tuple[Any, str]:
+    """A NIXL agent with a POSIX backend (the first queue this machine accepts); (agent, queue name)."""
+    if backend not in ("auto", "posix"):
+        raise ValueError(f"backend: expected 'auto' or 'posix', got {backend!r}")
+    from ..remote.peer import nixl_module
+
+    nixl_agent, nixl_agent_config = nixl_module()
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    errors = []
+    for queue in (*POSIX_QUEUES, None):
+        params = {} if queue is None else {queue: "true"}
+        try:
+            agent.create_backend("POSIX", params)
+            return agent, queue or "posix"
+        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+            errors.append(f"{queue}: {err}")
+    raise RuntimeError(f"backend: NIXL's POSIX backend would not start here ({'; '.join(errors)})")

@@ -1,0 +1,311 @@
+"""DiskKVStore: host blocks on a local disk through NIXL's POSIX backend, persistent and never torn.
+
+One store block is one page-first block of the pool it is laid out like. A
+put writes a pool's blocks into free (or least recently used) slots in one
+NIXL transfer, its runs of adjacent slots and pool ids merged into one
+descriptor each by kvcopy's range planner; once the data is synced its
+entries are committed to the index (kvcopy.storage._commit_log), so a block
+whose put did not complete is never matched. A get reads slots back into
+pool blocks in one transfer and checks each block's CRC-32 against the one
+committed with it: a mismatch is a CorruptBlockError naming the slot, never
+data returned as valid. Verification is always on.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .._ids import BlockIds, as_ids, check_side
+from ..host import HostKVPool
+from ..layout import PagedKV
+from ..ranges import plan_table_ranges
+from ..remote.peer import RemoteTransfer, _Blocks
+from ..remote.registration import registration_of
+from ._commit_log import CommitLog, Entry
+from ._disk_file import INDEX, create_files, file_agent, layout_of, open_data, read_header
+
+__all__ = ["CorruptBlockError", "DiskKVStore", "DiskTransfer"]
+
+
+class CorruptBlockError(ValueError):
+    """A block read from disk does not match the CRC-32 committed with it. ``slots``: the store slots."""
+
+    def __init__(self, message: str, slots: list[int]) -> None:
+        super().__init__(message)
+        self.slots = slots
+
+
+class DiskTransfer:
+    """One put or get in flight: ``done()`` polls, ``wait(timeout=None)`` blocks (TimeoutError after
+    ``timeout``); both raise the transfer's error. A put's blocks match once it is done; a get's pool blocks
+    hold verified data once it is done. ``num_descriptors``: the contiguous ranges it moves."""
+
+    def __init__(self, transfer: RemoteTransfer, finish: Callable[[], None], release: Callable[[], None]) -> None:
+        self._transfer, self._finish, self._release = transfer, finish, release
+        self.num_descriptors, self.nbytes = transfer.num_descriptors, transfer.nbytes
+        self._ended = False
+
+    def _end(self, ok: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            if ok:
+                self._finish()
+        finally:
+            self._release()  # its slots may be reused (a put's) or evicted (a get's) again
+
+    def done(self) -> bool:
+        try:
+            finished = self._transfer.done()
+        except BaseException:
+            self._end(False)
+            raise
+        if finished:
+            self._end(True)
+        return finished
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._transfer.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._end(False)
+            raise
+        self._end(True)
+
+
+class DiskKVStore:
+    """A directory of ``num_blocks`` page-first KV blocks for one CacheKey context: see :meth:`create` and
+    :meth:`open`. A context manager; not thread-safe (use it from one thread, like a KVPeer)."""
+
+    def __init__(self, path: str, like: PagedKV, header: dict, cache_key: object, backend: str) -> None:
+        self.path = path
+        self.num_blocks = int(header["num_blocks"])
+        self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
+        self._block_nbytes = int(header["nbytes_per_block"])
+        self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks)
+        self._fd, self.direct = open_data(path, self._block_nbytes)
+        self._agent, self.queue = file_agent(f"kvcopy-disk-{uuid.uuid4().hex[:12]}", backend)
+        size = self.num_blocks * self._block_nbytes
+        self._file = self._agent.register_memory([(0, size, self._fd, "")], "FILE")
+        # the file as a plane table: one page-first plane per pool plane, at its offset inside a block
+        offsets = np.cumsum([0] + [n for n, _ in self._layout["planes"]])[:-1]
+        self._table = torch.tensor(
+            [[int(o), self._block_nbytes, int(n)] for o, (n, _) in zip(offsets, self._layout["planes"])],
+            dtype=torch.int64,
+        )
+        self._pools: dict[int, tuple[HostKVPool, object]] = {}  # each pool's NIXL registration, by id
+        self._busy: dict[int, int] = {}  # slots an unfinished put writes or get reads: never reused or evicted
+        self._closed = False
+
+    # ------------------------------------------------------------------ making and opening
+
+    @staticmethod
+    def _check_key(cache_key: object) -> str:
+        context_hash = getattr(cache_key, "context_hash", None)
+        if not isinstance(context_hash, str):
+            raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
+        return context_hash
+
+    @staticmethod
+    def _paged(like: object) -> PagedKV:
+        if isinstance(like, HostKVPool):
+            return like.paged
+        if isinstance(like, PagedKV):
+            return like
+        raise TypeError(f"like: expected a HostKVPool or a PagedKV, got {type(like).__name__}")
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        like: HostKVPool | PagedKV,
+        num_blocks: int,
+        *,
+        cache_key: object,
+        backend: str = "auto",
+    ) -> DiskKVStore:
+        """A new store at ``path`` (a directory that must not exist) of ``num_blocks`` blocks laid out like
+        ``like``, its space reserved now: OSError when it does not fit, and nothing is left behind."""
+        paged = cls._paged(like)
+        context_hash = cls._check_key(cache_key)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        path = os.fspath(path)
+        create_files(path, layout_of(paged), num_blocks, context_hash)
+        return cls.open(path, like, cache_key=cache_key, backend=backend)
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], like: HostKVPool | PagedKV, *, cache_key: object, backend: str = "auto"
+    ) -> DiskKVStore:
+        """The store at ``path``, as its last process left it (killed or not). ValueError when it holds another
+        CacheKey context or another block layout than ``like``'s, naming what differs."""
+        paged = cls._paged(like)
+        context_hash = cls._check_key(cache_key)
+        path = os.fspath(path)
+        header = read_header(path)
+        if header["context_hash"] != context_hash:
+            raise ValueError(
+                f"cache_key: {path} holds blocks of CacheKey context {header['context_hash']}, not {context_hash}: "
+                "a block of another model configuration is never read as this one's"
+            )
+        mine = layout_of(paged)
+        for key in ("layout", "planes", "nbytes_per_block"):
+            if header[key] != mine[key]:
+                raise ValueError(f"like: {path} holds blocks with {key} {header[key]}, like has {mine[key]}")
+        return cls(path, paged, header, cache_key, backend)
+
+    # ------------------------------------------------------------------ the pool side
+
+    def _pool(self, pool: object, pool_ids: BlockIds, count: int) -> tuple[HostKVPool, torch.Tensor]:
+        if not isinstance(pool, HostKVPool):
+            raise TypeError(f"pool: expected a HostKVPool, got {type(pool).__name__}")
+        if layout_of(pool.paged) != self._layout or pool.layout != "page_first":
+            raise ValueError(f"pool: expected a page_first pool laid out {self._layout}, got {layout_of(pool.paged)}")
+        ids = as_ids(pool_ids, "pool_ids", pool.num_blocks)
+        if ids.numel() != count:
+            raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
+        check_side(ids, "pool_ids", pool.num_blocks, unique=True)
+        if id(pool) not in self._pools:
+            registration = registration_of(pool)
+            self._pools[id(pool)] = (pool, self._agent.register_memory(list(registration.regions), "DRAM"))
+        return pool, ids
+
+    def _hold(self, slots: list[int]) -> Callable[[], None]:
+        for slot in slots:
+            self._busy[slot] = self._busy.get(slot, 0) + 1
+
+        def release() -> None:
+            for slot in slots:
+                self._busy[slot] -= 1
+                if not self._busy[slot]:
+                    del self._busy[slot]
+
+        return release
+
+    def _transfer(
+        self, op: str, pool: HostKVPool, ids: torch.Tensor, slots: list[int], finish: Callable[[], None]
+    ) -> DiskTransfer:
+        slot_ids = torch.tensor(slots, dtype=torch.int64)
+        src, src_ids, dst, dst_ids = (
+            (pool.paged.plane_table, ids, self._table, slot_ids)
+            if op == "WRITE"
+            else (self._table, slot_ids, pool.paged.plane_table, ids)
+        )
+        ranges = plan_table_ranges(src, src_ids, dst, dst_ids)
+        memory = [(d if op == "READ" else s, n, 0) for s, d, n in ranges]
+        file = [(s if op == "READ" else d, n, self._fd) for s, d, n in ranges]
+        handle = self._agent.initialize_xfer(
+            op, self._agent.get_xfer_descs(memory, "DRAM"), self._agent.get_xfer_descs(file, "FILE"), self._agent.name
+        )
+        written = _Blocks("local", ids if op == "READ" else slot_ids)
+        transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for *_, n in ranges), written)
+        release = self._hold(slots)
+        try:
+            if self._agent.transfer(handle) == "ERR":
+                transfer.done()  # raises
+        except BaseException:
+            release()
+            raise
+        return DiskTransfer(transfer, finish, release)
+
+    def _crcs(self, pool: HostKVPool, ids: torch.Tensor) -> list[int]:
+        return [zlib.crc32(pool.block_bytes(i).numpy()) for i in ids.tolist()]
+
+    # ------------------------------------------------------------------ put, match, get
+
+    def put(self, block_hashes: Sequence[str], pool: HostKVPool, pool_ids: BlockIds) -> DiskTransfer:
+        """Writes ``pool``'s blocks ``pool_ids`` as the blocks of ``block_hashes``; they match once the returned
+        transfer is done. Hashes already stored are kept (and count as used). Full: the least recently used
+        blocks are evicted. A length mismatch or duplicate hashes (ValueError), pool ids out of range
+        (IndexError), more blocks than the store holds (ValueError): raised before anything is written."""
+        self._check_open()
+        hashes = list(block_hashes)
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("block_hashes: expected distinct hashes, got a repeated one")
+        pool, ids = self._pool(pool, pool_ids, len(hashes))
+        if len(hashes) > self.num_blocks:
+            raise ValueError(f"block_hashes: {len(hashes)} blocks do not fit a store of {self.num_blocks}")
+        index = self._index
+        new = [(h, i) for h, i in zip(hashes, ids.tolist()) if index.get(h) is None]
+        index.touch(index.get(h).slot for h in hashes if index.get(h) is not None)  # type: ignore[union-attr]
+        kept = {index.get(h).slot for h in hashes if index.get(h) is not None}  # type: ignore[union-attr]
+        occupied, busy = index.occupied, set(self._busy)
+        free = [s for s in range(self.num_blocks) if s not in occupied and s not in busy][: len(new)]
+        slots = free + index.least_recent(len(new) - len(free), keep=kept | busy)
+        if len(slots) < len(new):
+            raise ValueError(
+                f"block_hashes: {len(new)} new blocks, but only {len(slots)} slots are neither in use by an "
+                "unfinished put or get nor kept by this one"
+            )
+        index.free(s for s in slots if s in index.occupied)  # durably forgotten before they are overwritten
+        new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
+        crcs = self._crcs(pool, new_ids)
+
+        def commit() -> None:
+            os.fsync(self._fd)
+            index.commit(Entry(s, h, c) for s, (h, _), c in zip(slots, new, crcs))
+
+        return self._transfer("WRITE", pool, new_ids, slots, commit)
+
+    def match(self, block_hashes: Sequence[str]) -> list[int]:
+        """The slots of the longest prefix of ``block_hashes`` the store holds, in order."""
+        self._check_open()
+        slots = []
+        for h in block_hashes:
+            entry = self._index.get(h)
+            if entry is None:
+                break
+            slots.append(entry.slot)
+        self._index.touch(slots)
+        return slots
+
+    def get(self, slots: BlockIds, pool: HostKVPool, pool_ids: BlockIds) -> DiskTransfer:
+        """Reads store ``slots`` into ``pool``'s blocks ``pool_ids``; the transfer's ``done``/``wait`` raise
+        CorruptBlockError for a block that does not match its committed CRC-32, naming its slot."""
+        self._check_open()
+        slot_ids = as_ids(slots, "slots", self.num_blocks)
+        check_side(slot_ids, "slots", self.num_blocks, unique=False)
+        entries = {e.slot: e for e in (self._index._by_slot.get(s) for s in slot_ids.tolist()) if e is not None}
+        empty = [s for s in slot_ids.tolist() if s not in entries]
+        if empty:
+            raise ValueError(f"slots: {empty} hold no committed block")
+        pool, ids = self._pool(pool, pool_ids, slot_ids.numel())
+
+        def verify() -> None:
+            bad = [s for s, c in zip(slot_ids.tolist(), self._crcs(pool, ids)) if c != entries[s].crc]
+            if bad:
+                raise CorruptBlockError(f"slots {bad}: read back different from what was committed", bad)
+
+        return self._transfer("READ", pool, ids, slot_ids.tolist(), verify)
+
+    # ------------------------------------------------------------------ end
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"DiskKVStore {self.path}: closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _, registered in self._pools.values():
+            self._agent.deregister_memory(registered)
+        self._agent.deregister_memory(self._file)
+        self._index.close()
+        os.close(self._fd)
+
+    def __enter__(self) -> DiskKVStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

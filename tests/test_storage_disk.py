@@ -1,0 +1,214 @@
+"""kvcopy.storage.disk.DiskKVStore on the CPU: bitwise round trips through NIXL's POSIX backend, persistence
+across processes, refusal of another CacheKey or layout, eviction, coalescing, corruption found, bad input, and
+a writer killed with SIGKILL mid-put whose committed blocks all read back right."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
+
+import kvcopy  # noqa: E402
+from kvcopy.storage.disk import CorruptBlockError, DiskKVStore  # noqa: E402
+
+NUM_BLOCKS = 16
+
+
+def key(weights: str = "w") -> kvcopy.CacheKey:
+    return kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id=weights, block_tokens=16)
+
+
+def layout(kind: str = "bf16", num_blocks: int = 32) -> kvcopy.PagedKV:
+    """Multi-plane bf16 K/V (2 layers), or fp8 data planes with float32 scale planes."""
+    if kind == "bf16":
+        planes = [torch.empty(num_blocks, 16, 2, 64, dtype=torch.bfloat16) for _ in range(4)]
+        return kvcopy.PagedKV.from_planes(planes, planes_per_layer=2)
+    data = [torch.empty(num_blocks, 16, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    scales = [torch.empty(num_blocks, 16, 2, dtype=torch.float32) for _ in range(2)]
+    return kvcopy.PagedKV.from_planes(data + scales, planes_per_layer=2)
+
+
+def filled_pool(paged: kvcopy.PagedKV, seed: int) -> kvcopy.HostKVPool:
+    pool = kvcopy.HostKVPool(paged, paged.num_blocks, pin_memory=False)
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), generator=gen, dtype=torch.uint8))
+    return pool
+
+
+def hashes(n: int, start: int = 0) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"block {i}".encode()).hexdigest() for i in range(start, start + n)]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_scales"])
+def test_put_then_get_is_bitwise_for_random_ids(tmp_path, kind):
+    paged = layout(kind)
+    src, dst = filled_pool(paged, 1), filled_pool(paged, 2)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randperm(32, generator=gen)[:10]
+    with DiskKVStore.create(tmp_path / "store", src, NUM_BLOCKS, cache_key=key()) as store:
+        store.put(hashes(10), src, ids).wait()
+        slots = store.match(hashes(10))
+        assert len(slots) == 10
+        back = torch.randperm(32, generator=gen)[:10]
+        store.get(slots, dst, back).wait()
+        for i, j in zip(ids.tolist(), back.tolist()):
+            assert torch.equal(src.block_bytes(i), dst.block_bytes(j))
+
+
+def test_a_store_survives_its_process(tmp_path):
+    path = tmp_path / "store"
+    script = textwrap.dedent(
+        f"""
+        import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_storage_disk import DiskKVStore, filled_pool, hashes, key, layout
+        pool = filled_pool(layout(), 1)
+        with DiskKVStore.create({str(path)!r}, pool, {NUM_BLOCKS}, cache_key=key()) as store:
+            store.put(hashes(8), pool, list(range(8))).wait()
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    src, dst = filled_pool(layout(), 1), filled_pool(layout(), 9)
+    with DiskKVStore.open(path, dst, cache_key=key()) as store:
+        slots = store.match(hashes(8) + hashes(1, start=99))
+        assert len(slots) == 8  # the prefix present, then the first unknown hash ends it
+        store.get(slots, dst, list(range(8, 16))).wait()
+    for i in range(8):
+        assert torch.equal(src.block_bytes(i), dst.block_bytes(8 + i))
+
+
+def test_another_cache_key_or_layout_is_refused(tmp_path):
+    pool = filled_pool(layout(), 1)
+    DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
+    with pytest.raises(ValueError, match="cache_key: .* holds blocks of CacheKey context"):
+        DiskKVStore.open(tmp_path / "store", pool, cache_key=key("other weights"))
+    with pytest.raises(ValueError, match="like: .* holds blocks with planes"):
+        DiskKVStore.open(tmp_path / "store", layout("fp8_scales"), cache_key=key())
+    with pytest.raises(FileExistsError):
+        DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key())
+
+
+def test_a_full_store_evicts_the_least_recently_used(tmp_path):
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        store.put(hashes(4), pool, [0, 1, 2, 3]).wait()
+        store.match(hashes(1))  # block 0 used again: block 1 is now the least recent
+        store.put(hashes(1, start=10), pool, [4]).wait()
+        assert store.match(hashes(1, start=1)) == []  # evicted
+        assert len(store.match(hashes(1))) == 1 and len(store.match(hashes(1, start=10))) == 1
+
+
+def test_a_run_of_adjacent_blocks_is_one_descriptor(tmp_path):
+    paged = layout(num_blocks=64)
+    pool = filled_pool(paged, 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 64, cache_key=key()) as store:
+        put = store.put(hashes(64), pool, list(range(64)))
+        assert put.num_descriptors == 1 and put.nbytes == 64 * pool.nbytes_per_block
+        put.wait()
+        scattered = store.get(store.match(hashes(64))[::2], pool, list(range(0, 64, 2)))
+        assert scattered.num_descriptors == 32
+        scattered.wait()
+
+
+def test_a_corrupt_block_is_named_never_returned(tmp_path):
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+        store.put(hashes(3), pool, [0, 1, 2]).wait()
+        slots = store.match(hashes(3))
+        with open(tmp_path / "store" / "blocks.data", "r+b") as f:  # a lost write the disk acknowledged
+            f.seek(slots[1] * pool.nbytes_per_block + 100)
+            f.write(b"\x00" * 8)
+            f.flush()
+            os.fsync(f.fileno())
+        os.posix_fadvise(store._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]") as caught:
+            store.get(slots, other, [5, 6, 7]).wait()
+        assert caught.value.slots == [slots[1]]
+
+
+def test_bad_input_fails_before_anything_is_written(tmp_path):
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+        with pytest.raises(ValueError, match="pool_ids: expected 2 ids, got 1"):
+            store.put(hashes(2), pool, [0])
+        with pytest.raises(ValueError, match="block_hashes: expected distinct hashes"):
+            store.put(hashes(1) * 2, pool, [0, 1])
+        with pytest.raises(IndexError):
+            store.put(hashes(1), pool, [32])
+        with pytest.raises(TypeError, match="pool: expected a HostKVPool"):
+            store.put(hashes(1), pool.paged, [0])
+        with pytest.raises(ValueError, match="do not fit a store of 16"):
+            store.put(hashes(17), filled_pool(layout(num_blocks=32), 1), list(range(17)))
+        with pytest.raises(ValueError, match="slots: \\[3\\] hold no committed block"):
+            store.get([3], pool, [0])
+        assert store.match(hashes(2)) == []
+    with pytest.raises(TypeError, match="cache_key: expected a CacheKey"):
+        DiskKVStore.create(tmp_path / "other", pool, 4, cache_key="k")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_store_that_does_not_fit_is_an_error_at_create(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tiny tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("this sandbox does not allow mounting a tmpfs")
+    try:
+        with pytest.raises(OSError, match="do not fit on"):
+            DiskKVStore.create(mount / "store", filled_pool(layout(), 1), 1024, cache_key=key())
+        assert not (mount / "store").exists()  # nothing half-made left behind
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_storage_disk import DiskKVStore, hashes, key, layout
+import kvcopy, torch
+pool = kvcopy.HostKVPool(layout(), 32, pin_memory=False)
+store = DiskKVStore.open({path!r}, pool, cache_key=key())
+for i in range(100000):
+    slot = i % 32
+    pool.block_bytes(slot).fill_(i % 251)  # content derived from the block's hash (its index i)
+    store.put(hashes(1, start=i), pool, [slot]).wait()
+    print(i, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.02, 0.1, 0.3, 0.6])
+def test_a_writer_killed_mid_put_leaves_only_right_blocks(tmp_path, delay_s):
+    path = str(tmp_path / "store")
+    DiskKVStore.create(path, layout(), NUM_BLOCKS, cache_key=key()).close()
+    code = WRITER.format(tests=os.path.dirname(__file__), path=path)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    first = child.stdout.readline()
+    while first and not first.strip().isdigit():  # NIXL's own start-up lines
+        first = child.stdout.readline()
+    time.sleep(delay_s)
+    os.kill(child.pid, signal.SIGKILL)
+    rest = child.communicate()[0].split("\n")
+    reported = [int(first), *(int(line) for line in rest if line.strip().isdigit())]
+    assert len(reported) > 1  # killed among its puts
+    pool = kvcopy.HostKVPool(layout(), 32, pin_memory=False)
+    with DiskKVStore.open(path, pool, cache_key=key()) as store:  # never raises
+        last = reported[-1]
+        for i in range(max(0, last - NUM_BLOCKS + 2), last + 1):  # the blocks it saw complete, not yet evicted
+            (slot,) = store.match(hashes(1, start=i))
+            store.get([slot], pool, [0]).wait()
+            assert bool((pool.block_bytes(0) == i % 251).all())
+        for i in range(max(0, last - 200), last + 2):  # every matched block is right too
+            slots = store.match(hashes(1, start=i))
+            if slots:
+                store.get(slots, pool, [1]).wait()
+                assert bool((pool.block_bytes(1) == i % 251).all())
