@@ -32,7 +32,7 @@ def _run(code: str, monkeypatch) -> dict:
 
 
 def test_every_python_block_is_tested_here():
-    assert len(_python_blocks()) == 5  # a new block needs its own test below
+    assert len(_python_blocks()) == 6  # a new block needs its own test below
 
 
 def test_the_api_example_runs(monkeypatch):
@@ -86,3 +86,17 @@ def test_the_remote_example_runs(monkeypatch, capsys):
     decision = namespace["decision"]
     assert decision.t_fetch is not None and decision.t_reload is None
     assert f"{decision.action} {decision.explanation}" in printed
+
+
+def test_the_disk_store_example_runs(monkeypatch, capsys):
+    pytest.importorskip("nixl_cu13", reason="kvcopy.storage needs the nixl extra (pip install 'kvcopy[nixl]')")
+    heading, code = _python_blocks()[5]
+    assert heading == "## Below host RAM"
+    import shutil
+
+    shutil.rmtree(ROOT / "out" / "disk_store", ignore_errors=True)
+    namespace = _run(code, monkeypatch)
+    assert namespace["put"].num_descriptors == 1
+    assert len(namespace["slots"]) == 4
+    assert capsys.readouterr().out.strip().endswith("True")
+    shutil.rmtree(ROOT / "out" / "disk_store", ignore_errors=True)
