@@ -137,6 +137,30 @@ def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
     assert all(r["link"].startswith("loopback") and r["host_cpu"] and float(r["gbps"]) > 0 for r in rows)
 
 
+def test_bench_disk_checks_and_reports_each_way(tmp_path: Path) -> None:
+    pytest.importorskip("nixl_cu13", reason="the disk bench needs the nixl extra (pip install 'kvcopy[nixl]')")
+    out = tmp_path / "disk.csv"
+    result = _run(
+        "benchmarks/bench_disk.py",
+        "--dir",
+        str(tmp_path / "d"),
+        "--sizes",
+        "4",
+        "--blocks",
+        "8",
+        "--repeats",
+        "1",
+        "--csv",
+        str(out),
+    )
+    assert result.returncode == 0, _describe(result)  # it exits non-zero when a get reads back other bytes
+    rows = list(csv.DictReader(out.open()))
+    methods = {(r["op"], r["method"]): int(r["descriptors"]) for r in rows}
+    assert methods[("write", "contiguous (limit)")] == 1 and methods[("read", "per-block pwrite/pread")] == 8
+    assert 1 <= methods[("write", "kvcopy")] <= 8  # random pool ids: adjacent ones merged, at most one each
+    assert all(r["host_cpu"] and r["filesystem"] and float(r["gbps"]) > 0 for r in rows)
+
+
 def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
     out = tmp_path / "engine.csv"

@@ -249,13 +249,15 @@ class DiskKVStore:
             )
         index.free(s for s in slots if s in index.occupied)  # durably forgotten before they are overwritten
         new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
-        crcs = self._crcs(pool, new_ids)
+        crcs: list[int] = []
 
         def commit() -> None:
             os.fsync(self._fd)
             index.commit(Entry(s, h, c) for s, (h, _), c in zip(slots, new, crcs))
 
-        return self._transfer("WRITE", pool, new_ids, slots, commit)
+        transfer = self._transfer("WRITE", pool, new_ids, slots, commit)
+        crcs += self._crcs(pool, new_ids)  # while NIXL writes: both only read the pool blocks
+        return transfer
 
     def match(self, block_hashes: Sequence[str]) -> list[int]:
         """The slots of the longest prefix of ``block_hashes`` the store holds, in order."""

@@ -1,0 +1,223 @@
+"""KV blocks to and from a local disk: kvcopy's DiskKVStore against what a caller would otherwise write.
+
+A page-first HostKVPool of PLANES planes and a DiskKVStore laid out like it, in a directory on the disk under
+test. For each plane-block size, one call puts (writes) or gets (reads) BLOCKS blocks at random pool ids:
+- ``kvcopy``: DiskKVStore.put / get: one NIXL POSIX transfer whose descriptors kvcopy's range planner merged
+  (adjacent slots and pool ids), with what makes it safe: the CRC-32 of every block, the data's fsync and the
+  index commit for a put, the CRC check for a get;
+- ``per-block pwrite/pread``: os.pwrite / os.pread of each block at its slot, on the same file descriptor
+  (O_DIRECT where the store uses it), then one fsync for writes;
+- ``contiguous (limit)``: one os.pwrite / os.pread of the same bytes as a single range (fsync for writes).
+Reads are cold: through O_DIRECT when the block size allows (the store says whether it could), else after
+dropping the file's pages (posix_fadvise DONTNEED). ``--queues`` also runs kvcopy's put and get under each
+NIXL POSIX queue (io_uring, Linux AIO, POSIX AIO) the machine accepts. Each row: the median of REPEATS calls,
+GB/s and the ratio to the limit, with the machine's identity and the filesystem.
+
+    .venv/bin/python benchmarks/bench_disk.py --dir /path/on/the/disk [--sizes 2,8,32,128] [--blocks 64]
+                                              [--repeats 5] [--queues] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+import kvcopy
+from kvcopy.policy.machine import machine_identity
+from kvcopy.storage import DiskKVStore, _disk_file
+from kvcopy.tools.bench import IDENTITY_COLUMNS
+
+PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
+COLUMNS = (
+    "op",
+    "method",
+    "queue",
+    "plane_block_bytes",
+    "num_blocks",
+    "bytes",
+    "descriptors",
+    "median_s",
+    "gbps",
+    "x_limit",
+)
+
+
+def _hashes(n: int, salt: int) -> list[str]:
+    return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def _filesystem(path: str) -> str:
+    out = subprocess.run(["df", "--output=fstype,source", path], capture_output=True, text=True).stdout.split()
+    return " ".join(out[2:4]) if len(out) >= 4 else "unknown"
+
+
+def _timed(calls: int, body) -> float:
+    times = []
+    for i in range(calls):
+        started = time.perf_counter()
+        body(i)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue: str | None) -> list[dict]:
+    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_bytes, dtype=torch.uint8)] * PLANES)
+    pool = kvcopy.HostKVPool(like, 2 * blocks, pin_memory=False)
+    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
+    key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="bench", block_tokens=16)
+    path = os.path.join(directory, f"store-{plane_bytes}")
+    shutil.rmtree(path, ignore_errors=True)
+    saved = _disk_file.POSIX_QUEUES
+    if queue is not None:
+        _disk_file.POSIX_QUEUES = (queue,)  # this run's queue only
+    try:
+        store = DiskKVStore.create(path, pool, blocks * (repeats + 1), cache_key=key)
+    finally:
+        _disk_file.POSIX_QUEUES = saved
+    gen = torch.Generator().manual_seed(plane_bytes)
+    block = pool.nbytes_per_block
+    nbytes = blocks * block
+    rows = []
+    with store:
+        ids = [torch.randperm(2 * blocks, generator=gen)[:blocks] for _ in range(repeats)]
+        descriptors = {}
+
+        def put(i: int) -> None:
+            transfer = store.put(_hashes(blocks, salt=i), pool, ids[i])
+            descriptors["write"] = transfer.num_descriptors
+            transfer.wait()
+
+        def get(i: int) -> None:
+            slots = store.match(_hashes(blocks, salt=i))
+            order = torch.randperm(len(slots), generator=gen).tolist()  # random slots, random pool ids
+            if not store.direct:
+                os.posix_fadvise(store._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            transfer = store.get([slots[j] for j in order], pool, ids[i][order])  # each block back in its place
+            descriptors["read"] = transfer.num_descriptors
+            transfer.wait()
+
+        expected = pool.buffer.clone()
+        measured = {("write", "kvcopy"): _timed(repeats, put), ("read", "kvcopy"): _timed(repeats, get)}
+        for i in range(repeats):  # untimed: what each get brings back is what its put wrote, bitwise
+            for pool_id in ids[i].tolist():
+                pool.block_bytes(pool_id).zero_()
+            get(i)
+            if not torch.equal(pool.buffer, expected):
+                raise SystemExit(f"bench_disk: a get of {plane_bytes}-byte plane-blocks read back different bytes")
+        if queue is None:
+            fd, view = store._fd, pool.buffer.numpy()
+
+            def per_block(write: bool):
+                def body(i: int) -> None:
+                    if not write and not store.direct:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    for slot, pool_id in enumerate(ids[i].tolist()):
+                        chunk = view[pool_id * block : (pool_id + 1) * block]
+                        if write:
+                            os.pwrite(fd, chunk, slot * block)
+                        else:
+                            os.preadv(fd, [chunk], slot * block)
+                    if write:
+                        os.fsync(fd)
+
+                return body
+
+            def contiguous(write: bool):
+                def body(i: int) -> None:
+                    if not write and not store.direct:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    if write:
+                        os.pwrite(fd, view[:nbytes], 0)
+                        os.fsync(fd)
+                    else:
+                        os.preadv(fd, [view[:nbytes]], 0)
+
+                return body
+
+            for op, write in (("write", True), ("read", False)):
+                measured[(op, "per-block pwrite/pread")] = _timed(repeats, per_block(write))
+                measured[(op, "contiguous (limit)")] = _timed(repeats, contiguous(write))
+                descriptors[(op, "per-block pwrite/pread")] = blocks
+                descriptors[(op, "contiguous (limit)")] = 1
+    shutil.rmtree(path, ignore_errors=True)
+    for (op, method), seconds in measured.items():
+        rows.append(
+            {
+                "op": op,
+                "method": method,
+                "queue": store.queue if method == "kvcopy" else "",
+                "plane_block_bytes": plane_bytes,
+                "num_blocks": blocks,
+                "bytes": nbytes,
+                "descriptors": descriptors[op] if method == "kvcopy" else descriptors[(op, method)],
+                "median_s": seconds,
+                "gbps": nbytes / seconds / 1e9,
+                "direct": store.direct,
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default=None, help="a directory on the disk under test (default: a temporary one)")
+    parser.add_argument("--sizes", default="2,8,32,128", help="KiB per plane-block, comma-separated")
+    parser.add_argument("--blocks", type=int, default=64, help="blocks per call")
+    parser.add_argument("--repeats", type=int, default=5, help="calls per row (the median is reported)")
+    parser.add_argument("--queues", action="store_true", help="also compare NIXL POSIX's queues")
+    parser.add_argument("--csv", help="also write the rows here")
+    args = parser.parse_args()
+    directory = args.dir or tempfile.mkdtemp(prefix="kvcopy-bench-disk-", dir=os.getcwd())
+    os.makedirs(directory, exist_ok=True)
+    identity = machine_identity(torch.device("cpu"))
+    filesystem = _filesystem(directory)
+    rows = []
+    for kib in (int(s) for s in args.sizes.split(",")):
+        rows += _measure(directory, kib * 1024, args.blocks, args.repeats, None)
+        if args.queues:
+            for queue in _disk_file.POSIX_QUEUES:
+                try:
+                    rows += [r for r in _measure(directory, kib * 1024, args.blocks, args.repeats, queue)]
+                except RuntimeError as err:  # this kernel or NIXL build refuses the queue
+                    print(f"queue {queue}: not available here ({err})")
+    if args.dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    limits = {(r["op"], r["plane_block_bytes"]): r["median_s"] for r in rows if r["method"] == "contiguous (limit)"}
+    for r in rows:
+        limit = limits.get((r["op"], r["plane_block_bytes"]))
+        r["x_limit"] = limit / r["median_s"] if limit else float("nan")
+    direct = all(r["direct"] for r in rows)
+    print(
+        f"kvcopy disk bench on {identity.get('host_cpu', identity.get('device_name'))}, {identity.get('date')}: "
+        f"{args.blocks} random page-first blocks of {PLANES} planes per call, on {filesystem}, "
+        f"{'O_DIRECT (cold)' if direct else 'page cache dropped before reads'}, median of {args.repeats}"
+    )
+    header = f"{'op':<5} {'KiB/plane-block':>15} {'method':<24} {'queue':<14} {'descr.':>6} {'ms':>9} {'GB/s':>7}"
+    print(f"{header} {'x limit':>8}")
+    for r in sorted(rows, key=lambda r: (r["op"], r["plane_block_bytes"], r["method"], r["queue"])):
+        print(
+            f"{r['op']:<5} {r['plane_block_bytes'] // 1024:>15} {r['method']:<24} {r['queue']:<14} "
+            f"{r['descriptors']:>6} {r['median_s'] * 1e3:>9.2f} {r['gbps']:>7.2f} {r['x_limit']:>8.2f}"
+        )
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[*IDENTITY_COLUMNS, "filesystem", *COLUMNS, "direct"])
+            writer.writeheader()
+            for r in rows:
+                writer.writerow(
+                    {**{k: identity.get(k, "") for k in IDENTITY_COLUMNS}, "filesystem": _filesystem(directory), **r}
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
