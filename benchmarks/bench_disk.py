@@ -154,7 +154,7 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue:
             {
                 "op": op,
                 "method": method,
-                "queue": store.queue if method == "kvcopy" else "",
+                "queue": (store.queue if queue else f"auto: {store.queue}") if method == "kvcopy" else "",
                 "plane_block_bytes": plane_bytes,
                 "num_blocks": blocks,
                 "bytes": nbytes,
@@ -201,11 +201,11 @@ def main() -> int:
         f"{args.blocks} random page-first blocks of {PLANES} planes per call, on {filesystem}, "
         f"{'O_DIRECT (cold)' if direct else 'page cache dropped before reads'}, median of {args.repeats}"
     )
-    header = f"{'op':<5} {'KiB/plane-block':>15} {'method':<24} {'queue':<14} {'descr.':>6} {'ms':>9} {'GB/s':>7}"
+    header = f"{'op':<5} {'KiB/plane-block':>15} {'method':<24} {'queue':<16} {'descr.':>6} {'ms':>9} {'GB/s':>7}"
     print(f"{header} {'x limit':>8}")
     for r in sorted(rows, key=lambda r: (r["op"], r["plane_block_bytes"], r["method"], r["queue"])):
         print(
-            f"{r['op']:<5} {r['plane_block_bytes'] // 1024:>15} {r['method']:<24} {r['queue']:<14} "
+            f"{r['op']:<5} {r['plane_block_bytes'] // 1024:>15} {r['method']:<24} {r['queue']:<16} "
             f"{r['descriptors']:>6} {r['median_s'] * 1e3:>9.2f} {r['gbps']:>7.2f} {r['x_limit']:>8.2f}"
         )
     if args.csv:
