@@ -31,13 +31,8 @@ def connector_rig(tmp_path, load_failure_policy="fail", **extra):
 
 
 def store_reset_and_rerun(rig) -> list[int]:
-    rig.add("first", PROMPT)
-    rig.run()
-    rig.drain()
-    assert rig.scheduler.reset_prefix_cache()
-    rig.add("again", TOKENS)
-    rig.run()
-    return [f["again"] for f in rig.forwards if "again" in f]
+    rig.store_and_reset(PROMPT)
+    return rig.rerun(TOKENS)
 
 
 def fail_copies(rig, direction: str) -> None:
@@ -76,14 +71,9 @@ def test_learning_off_feeds_nothing(tmp_path):
 
 
 def run_with_failed_load(rig):
-    rig.add("first", PROMPT)
-    rig.run()
-    rig.drain()
-    assert rig.scheduler.reset_prefix_cache()
+    rig.store_and_reset(PROMPT)
     fail_copies(rig, "reload")
-    rig.add("again", TOKENS)
-    rig.run()
-    return [f["again"] for f in rig.forwards if "again" in f]
+    return rig.rerun(TOKENS)
 
 
 def test_a_failed_load_is_recomputed_under_vllms_recompute_policy(tmp_path, caplog):

@@ -15,7 +15,7 @@ pytest.importorskip(
 import torch  # noqa: E402
 
 from conftest import gpu, requires_gpu  # noqa: E402
-from test_vllm_offload import PROMPT, assert_blocks_hold, store_then_reset  # noqa: E402
+from test_vllm_offload import PROMPT, assert_blocks_hold, reload_prefix  # noqa: E402
 from vllm_helpers import BLOCK_TOKENS, make_rig  # noqa: E402
 
 
@@ -26,14 +26,8 @@ def test_cuda_caches_load_back_bitwise(tmp_path, blocks_per_chunk):
     rig = make_rig(tmp_path, device="cuda", extra={"kvcopy_policy": "offload", "blocks_per_chunk": blocks_per_chunk})
     try:
         assert rig.kv_worker.kv.device.type == "cuda" and rig.kv_worker.host.pinned
-        store_then_reset(rig, PROMPT)
-        tokens = PROMPT + [5, 6, 7]
-        rig.add("again", tokens, max_tokens=4)
-        rig.run_until_prefilled("again")
+        tokens, hit = reload_prefix(rig, PROMPT, BLOCK_TOKENS * blocks_per_chunk)
         torch.cuda.synchronize()
-        chunk_tokens = BLOCK_TOKENS * blocks_per_chunk
-        hit = len(PROMPT) // chunk_tokens * chunk_tokens
-        assert {"again": len(tokens) - hit} in rig.forwards
         assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
         assert {c.link for c in rig.kv_worker.copies} <= {"d2h", "h2d"}
     finally:

@@ -44,14 +44,8 @@ def run_hit(tmp_path, extra) -> tuple[object, dict[str, int]]:
     """Stores PROMPT, drops vLLM's prefix cache, runs PROMPT + 3 tokens: the rig and the second run's forward."""
     rig = make_rig(tmp_path, extra=extra)
     rig.counted = count_reported(rig.manager)
-    rig.add("first", PROMPT)
-    rig.run()
-    rig.drain()
-    assert rig.scheduler.reset_prefix_cache()
-    rig.add("again", TOKENS)
-    rig.run()
-    computed = [f["again"] for f in rig.forwards if "again" in f]
-    return rig, computed
+    rig.store_and_reset(PROMPT)
+    return rig, rig.rerun(TOKENS)
 
 
 def count_reported(manager) -> dict[str, int]:

@@ -49,13 +49,14 @@ def assert_blocks_hold(rig, request_id: str, tokens, blocks: range, groups=None)
     return compared
 
 
-def store_then_reset(rig, tokens) -> None:
-    rig.add("first", tokens)
-    rig.run()
-    rig.drain()
-    assert rig.scheduler.reset_prefix_cache()
-    for cache in rig.caches.values():
-        cache.zero_()
+def reload_prefix(rig, prompt, chunk_tokens: int = BLOCK_TOKENS) -> tuple[list[int], int]:
+    """Stores ``prompt``, zeroes the cache, reruns it with 3 more tokens: (those tokens, the tokens loaded:
+    every complete chunk), asserting the rest was computed."""
+    rig.store_and_reset(prompt, zero=True)
+    tokens = prompt + [5, 6, 7]
+    hit = len(prompt) // chunk_tokens * chunk_tokens
+    assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)  # the rest was loaded
+    return tokens, hit
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 4])
@@ -65,13 +66,7 @@ def test_load_returns_the_stored_blocks_bitwise(tmp_path, blocks_per_chunk, num_
         tmp_path, num_layers=num_layers, extra={"kvcopy_policy": "offload", "blocks_per_chunk": blocks_per_chunk}
     )
     try:
-        store_then_reset(rig, PROMPT)
-        tokens = PROMPT + [5, 6, 7]
-        rig.add("again", tokens, max_tokens=4)
-        rig.run_until_prefilled("again")
-        chunk_tokens = BLOCK_TOKENS * blocks_per_chunk
-        hit = len(PROMPT) // chunk_tokens * chunk_tokens  # every complete chunk was stored
-        assert {"again": len(tokens) - hit} in rig.forwards  # the rest was loaded
+        tokens, hit = reload_prefix(rig, PROMPT, BLOCK_TOKENS * blocks_per_chunk)
         assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == num_layers * hit // BLOCK_TOKENS
         decision = rig.session.stats.decisions[-1]
         assert (decision.request_id, decision.action, decision.prefix_tokens) == ("again", "reload", hit)
@@ -84,17 +79,15 @@ def test_a_partial_first_chunk_loads_from_the_right_sub_block(tmp_path, blocks_p
     """vLLM's prefix cache holds ``local_blocks`` blocks, so the load starts inside the first chunk."""
     rig = make_rig(tmp_path, extra={"kvcopy_policy": "offload", "blocks_per_chunk": blocks_per_chunk})
     try:
-        store_then_reset(rig, PROMPT)
+        rig.store_and_reset(PROMPT, zero=True)
         head = PROMPT[: local_blocks * BLOCK_TOKENS + 3]  # too short for a chunk: computed, and cached on the device
         rig.add("head", head)
         rig.run()
         rig.drain()
         tokens = PROMPT + [5, 6, 7]
-        rig.add("again", tokens, max_tokens=4)
-        rig.run_until_prefilled("again")
         chunk_tokens = BLOCK_TOKENS * blocks_per_chunk
         hit = len(PROMPT) // chunk_tokens * chunk_tokens
-        assert {"again": len(tokens) - hit} in rig.forwards
+        assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)
         loaded = range(local_blocks, hit // BLOCK_TOKENS)
         assert assert_blocks_hold(rig, "again", tokens, loaded) == 2 * len(loaded)
     finally:
@@ -109,12 +102,7 @@ def test_every_kv_cache_layout_loads_bitwise(tmp_path, layout, mla):
     the cross-layer block-first ones (BL..., one page per block for all layers), and MLA's latent pages."""
     rig = make_rig(tmp_path, num_layers=3, layout=layout, mla=mla, extra={"kvcopy_policy": "offload"})
     try:
-        store_then_reset(rig, PROMPT)
-        tokens = PROMPT + [5, 6, 7]
-        rig.add("again", tokens, max_tokens=4)
-        rig.run_until_prefilled("again")
-        hit = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
-        assert {"again": len(tokens) - hit} in rig.forwards
+        tokens, hit = reload_prefix(rig, PROMPT)
         assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 3 * hit // BLOCK_TOKENS
         # block-first layouts reach kvcopy as one plane whose block is every layer's page; the others, a plane
         # per layer
@@ -127,12 +115,7 @@ def test_two_kv_cache_groups_full_and_sliding_window(tmp_path):
     rig = make_rig(tmp_path, num_layers=4, sliding_window=32, extra={"kvcopy_policy": "offload"})
     try:
         assert len(rig.kv_cache_config.kv_cache_groups) == 2  # vLLM built a full and a sliding-window group
-        store_then_reset(rig, PROMPT)
-        tokens = PROMPT + [5, 6, 7]
-        rig.add("again", tokens, max_tokens=4)
-        rig.run_until_prefilled("again")
-        hit = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
-        assert {"again": len(tokens) - hit} in rig.forwards
+        tokens, hit = reload_prefix(rig, PROMPT)
         full = assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS), groups={0})
         window = assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS), groups={1})
         assert full == 2 * hit // BLOCK_TOKENS

@@ -222,6 +222,27 @@ class Rig:
             self.step()
         raise AssertionError(f"{request_id} was not prefilled in {max_steps} steps")
 
+    def store_and_reset(self, tokens: list[int], *, zero: bool = False) -> None:
+        """Runs request "first" over ``tokens`` until its stores are reported, then drops vLLM's prefix cache
+        (and with ``zero``, the KV cache's bytes): what is left of it is in kvcopy's host tier."""
+        self.add("first", tokens)
+        self.run()
+        self.drain()
+        assert self.scheduler.reset_prefix_cache()
+        if zero:
+            for cache in self.caches.values():
+                cache.zero_()
+
+    def rerun(self, tokens: list[int], *, keep_blocks: bool = False) -> list[int]:
+        """Runs request "again" over ``tokens``: to its end, or with ``keep_blocks`` until its prompt is in
+        (it keeps its blocks, to be read); the tokens each of its forwards computed."""
+        self.add("again", tokens, max_tokens=4 if keep_blocks else 1)
+        if keep_blocks:
+            self.run_until_prefilled("again")
+        else:
+            self.run()
+        return [f["again"] for f in self.forwards if "again" in f]
+
     def _transfers_pending(self) -> bool:
         connector = self.scheduler.connector.connector_scheduler
         return bool(connector._jobs)
