@@ -436,6 +436,7 @@ BAD_VALUES = {
     "bench --workload": ("bench", "--workload", "gpt-17"),
     "plan --from-peer": ("plan", "--model", "llama-3.1-8b", "--from-peer"),  # a profile without a network link
     "calibrate --remote": ("calibrate", "--remote", "no-such-peer.desc"),
+    "calibrate --disk": ("calibrate", "--disk", "/dev/null"),  # a file, not a folder
     "peer --seconds": ("peer", "--descriptor", "peer.desc", "--seconds", "0"),
 }
 

@@ -1,5 +1,6 @@
 """The ``kvcopy`` command line: ``calibrate``, ``plan``, ``bench``, ``peer`` and ``info`` (their work is in
-kvcopy.tools.cli_commands and kvcopy.tools.cli_remote, their argument types in kvcopy.tools.cli_args)."""
+kvcopy.tools.cli_commands, kvcopy.tools.cli_remote and kvcopy.tools.cli_disk, their argument types in
+kvcopy.tools.cli_args)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DESCRIPTOR",
         help="also measure the network link to a peer over NIXL: the descriptor file `kvcopy peer` wrote on the "
         "other node; without one, the loopback path to a peer process on this machine (labelled as such)",
+    )
+    calibrate.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="also measure writes and reads of a disk store (kvcopy.storage) in a folder on the disk at PATH, "
+        "cold (O_DIRECT where the filesystem takes it): directions h2f and f2h, per range size",
     )
     calibrate.set_defaults(run=cli_commands.calibrate)
 

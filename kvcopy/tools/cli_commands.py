@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .._ext import build_info
-from . import cli_remote
+from . import cli_disk, cli_remote
 from .cli_args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
 
 __all__ = ["DEFAULT_PLAN_MODEL", "bench", "calibrate", "info", "plan"]
@@ -29,6 +29,7 @@ def calibrate(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     device = device_arg(args.device)
     descriptor = cli_remote.remote_descriptor(args.remote)
+    cli_disk.check_disk_arg(args.disk)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     unknown = [m for m in methods or [] if m not in method_names()]
     if unknown:
@@ -43,6 +44,8 @@ def calibrate(args: argparse.Namespace) -> int:
             raise CliError(str(err)) from None
         if args.remote is not None:
             cli_remote.add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
+        if args.disk is not None:
+            cli_disk.add_disk_link(profile, args.disk, quick=args.quick, progress=not args.no_progress)
         return profile
 
     profile = measure()
@@ -72,6 +75,7 @@ def calibrate(args: argparse.Namespace) -> int:
         if peak:
             print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
     cli_remote.print_remote_link(profile)
+    cli_disk.print_disk_link(profile)
     prefill = profile.prefill
     floor = (
         f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"

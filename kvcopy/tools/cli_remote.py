@@ -18,7 +18,8 @@ LOOPBACK_ARG = ""
 _NIXL_LOG_LEVEL = "WARN"
 
 
-def _need_nixl(option: str) -> None:
+def need_nixl(option: str) -> None:
+    """CliError for ``option`` unless NIXL imports (its log level set to the CLI's first)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", _NIXL_LOG_LEVEL)
     try:
         import nixl_cu13  # noqa: F401
@@ -30,7 +31,7 @@ def remote_descriptor(value: str | None) -> bytes | None:
     """Before any work: --remote's descriptor file read (None for the loopback path), and NIXL importable."""
     if value is None:
         return None
-    _need_nixl("--remote")
+    need_nixl("--remote")
     if value == LOOPBACK_ARG:
         return None
     from ..remote.link import check_calibration_descriptor
@@ -76,7 +77,7 @@ def print_remote_link(profile: object) -> None:
 def peer(args: argparse.Namespace) -> int:
     """Serves a calibration pool: writes its descriptor to --descriptor, then waits (Ctrl-C, or --seconds)."""
     check_folder("--descriptor", args.descriptor, make=True)
-    _need_nixl("kvcopy peer")
+    need_nixl("kvcopy peer")
     from ..remote.link import serve_calibration_peer
 
     name = args.name or f"kvcopy-peer-{os.uname().nodename}-{os.getpid()}"

@@ -1,0 +1,125 @@
+"""Calibrating the disk: alpha and beta of a DiskKVStore's writes and reads, per range size, cold.
+
+Like the network link (kvcopy/remote/link.py): a calibration pool of CALIBRATION_UNIT_BYTES blocks, page-first,
+one uint8 plane, so a run of k adjacent ids is one range of k units, which kvcopy's range planner makes one
+NIXL descriptor. A shape is (range bytes, ranges per call); each timed put writes that many ranges from
+random, different places of the pool as new blocks (the store's own slot choice, its checksums, syncs and
+index commit included), and each timed get reads them back (O_DIRECT, or after dropping the file's pages:
+cold). The fits land in a Profile as directions DISK_WRITE ("h2f") and DISK_READ ("f2h"), method DISK_METHOD,
+keyed by range bytes; ``hardware["disk"]`` says where and how (filesystem, O_DIRECT, NIXL queue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from .._progress import progress_bar
+from ..policy.calibrator import fit_links
+from ..policy.timing import measure
+from ..profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
+from ..remote.link import CALIBRATION_UNIT_BYTES, calibration_pool
+from .disk import DiskKVStore
+
+__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "DiskSweep", "add_disk_link", "measure_disk"]
+
+# Where the disk's fits go in a Profile: host to file (a put), file to host (a get), through NIXL's POSIX backend.
+DISK_WRITE, DISK_READ, DISK_METHOD = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION, "nixl_posix"
+
+
+@dataclass(frozen=True)
+class DiskSweep:
+    """Range sizes x ranges per call, capped in bytes per call."""
+
+    range_nbytes: tuple[int, ...]
+    ranges_per_call: tuple[int, ...]
+    max_call_bytes: int
+    repeats: int
+
+
+# 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 64 per call.
+QUICK_SWEEP = DiskSweep((16384, 262144, 2 << 20), (1, 8, 64), 32 << 20, 3)
+FULL_SWEEP = DiskSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 5)
+
+
+class _Key:
+    """A CacheKey stand-in: the calibration store holds no model's blocks."""
+
+    context_hash = hashlib.sha256(b"kvcopy disk calibration").hexdigest()
+
+
+def _filesystem(path: str) -> str:
+    out = subprocess.run(["df", "--output=fstype,source", path], capture_output=True, text=True).stdout.split()
+    return " ".join(out[2:4]) if len(out) >= 4 else "unknown"
+
+
+def measure_disk(directory: str, sweep: DiskSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
+    """Times puts and gets of a calibration store made in a temporary folder inside ``directory`` (removed
+    after): ``{"points": {direction: rows}, "direct": bool, "queue": str, "filesystem": str}``, each row (total
+    bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
+    os.makedirs(directory, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="kvcopy-calibrate-disk-", dir=directory)
+    shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_call if s * c <= sweep.max_call_bytes]
+    pool = calibration_pool(2 * sweep.max_call_bytes)
+    calls = 2 + sweep.repeats  # measure's warm-up and timed calls
+    slots = (calls * sweep.max_call_bytes) // CALIBRATION_UNIT_BYTES
+    points: dict[str, list[list[float]]] = {DISK_WRITE: [], DISK_READ: []}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        store = DiskKVStore.create(os.path.join(folder, "store"), pool, slots, cache_key=_Key())
+        bar = progress_bar(len(shapes), progress, "calibrating the disk", "shape")
+        with store:
+            for number, (size, count) in enumerate(shapes):
+                units = size // CALIBRATION_UNIT_BYTES
+                starts = [
+                    torch.randperm(pool.num_blocks // units, generator=generator)[:count] * units for _ in range(calls)
+                ]
+                ids = [(s[:, None] + torch.arange(units)).reshape(-1) for s in starts]
+                hashes = [
+                    [hashlib.sha256(f"{number}:{i}:{j}".encode()).hexdigest() for j in range(len(ids[i]))]
+                    for i in range(calls)
+                ]
+                written, read, descriptors = iter(range(calls)), iter(range(calls)), {DISK_WRITE: [], DISK_READ: []}
+
+                def put() -> None:
+                    i = next(written)
+                    transfer = store.put(hashes[i], pool, ids[i])
+                    descriptors[DISK_WRITE].append(transfer.num_descriptors)
+                    transfer.wait()
+
+                def get() -> None:
+                    i = next(read)
+                    if not store.direct:
+                        os.posix_fadvise(store._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    transfer = store.get(store.match(hashes[i]), pool, ids[i])
+                    descriptors[DISK_READ].append(transfer.num_descriptors)
+                    transfer.wait()
+
+                for direction, call in ((DISK_WRITE, put), (DISK_READ, get)):
+                    timing = measure(call, warmup=2, repeats=sweep.repeats)
+                    mean = sum(descriptors[direction]) / len(descriptors[direction])
+                    points[direction].append([size * count, mean, size, timing.median, timing.p20, timing.p80])
+                bar.update()
+            bar.close()
+            return {"points": points, "direct": store.direct, "queue": store.queue, "filesystem": _filesystem(folder)}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def add_disk_link(profile: Profile, directory: str, *, quick: bool = True, progress: bool = True) -> Profile:
+    """Measures the disk under ``directory`` and adds it to ``profile``: ``links["h2f"]`` and ``links["f2h"]``
+    (method "nixl_posix", fits per range size) and ``hardware["disk"]``."""
+    measured = measure_disk(directory, QUICK_SWEEP if quick else FULL_SWEEP, progress=progress)
+    fits = fit_links({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
+    profile.links.update(fits)
+    profile.hardware["disk"] = (
+        f"{os.path.abspath(directory)} ({measured['filesystem']}; "
+        f"{'O_DIRECT' if measured['direct'] else 'page cache dropped before reads'}; NIXL POSIX {measured['queue']})"
+    )
+    return profile
