@@ -437,6 +437,7 @@ BAD_VALUES = {
     "plan --from-peer": ("plan", "--model", "llama-3.1-8b", "--from-peer"),  # a profile without a network link
     "calibrate --remote": ("calibrate", "--remote", "no-such-peer.desc"),
     "calibrate --disk": ("calibrate", "--disk", "/dev/null"),  # a file, not a folder
+    "plan --from-disk": ("plan", "--model", "llama-3.1-8b", "--from-disk"),  # a profile without a disk link
     "peer --seconds": ("peer", "--descriptor", "peer.desc", "--seconds", "0"),
 }
 

@@ -12,14 +12,16 @@ resumed request always computes at least the token it continues from):
   t_extend(P, n)`` at the best x. On sliding-window layers only the last W
   tokens are cached, so computing tokens before them saves no load;
 - recompute: ``t_prefill(P + n)``;
-- fetch (a prefix held by a peer, ``from_peer=True``): ``t_fetch(P) + t_extend(P, n)``: read the blocks
-  over the network into the host pool and reload them, the two pipelined in chunks (kvcopy.policy.pipeline);
+- fetch (a prefix held by a peer, ``from_peer=True``, or in the disk store, ``from_disk=True``):
+  ``t_fetch(P) + t_extend(P, n)``: read the blocks over the network (from the disk) into the host pool and
+  reload them, the two pipelined in chunks (kvcopy.policy.pipeline);
   split works the same with the fetch in place of the load. Layer-wise reload is not offered for a peer's
   prefix: its page-first blocks hold every layer, so no layer arrives before the others.
 
 ``t_load(bytes) = min over the load options of alpha + bytes / (beta · (1 - decode_share))``:
 the best measured copy method at that size. ``t_fetch`` reads at ``fetch_alpha_s + bytes / fetch_bytes_per_s``
-(the network link, ``kvcopy calibrate --remote``). ``decode_share`` is the fraction
+(the network link, ``kvcopy calibrate --remote``; from the disk: ``disk_alpha_s + bytes / disk_bytes_per_s``,
+``kvcopy calibrate --disk``). ``decode_share`` is the fraction
 of the link (or the SMs) that running decode needs; a load gets the rest.
 
 Prefill, per forward of n new tokens after P cached ones, is a roofline:
@@ -33,13 +35,14 @@ FLOPs (ModelSpec.prefill_flops, ModelSpec.weight_bytes). Without
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..profile import REMOTE_DIRECTION
+from ..profile import DISK_READ_DIRECTION, REMOTE_DIRECTION
 from .decision import ACTIONS, Action, Decision
 from .pipeline import pipelined_seconds
-from .scan import scan_grid
+from .scan import first_winning
+from .split import best_split
 from .timing import seconds_text
 
 if TYPE_CHECKING:
@@ -94,6 +97,8 @@ class Planner:
         fetch_alpha_s: float | None = None,
         fetch_bytes_per_s: float | None = None,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        disk_alpha_s: float | None = None,
+        disk_bytes_per_s: float | None = None,
     ) -> None:
         if (prefill_tokens_per_s is None) == (prefill_flops_per_s is None):
             raise ValueError("prefill_tokens_per_s / prefill_flops_per_s: expected exactly one of them")
@@ -105,16 +110,22 @@ class Planner:
             ("prefill_flops_per_s", prefill_flops_per_s),
             ("weight_bytes_per_s", weight_bytes_per_s),
             ("fetch_bytes_per_s", fetch_bytes_per_s),
+            ("disk_bytes_per_s", disk_bytes_per_s),
         ):
             _positive_rate(name, value)
-        if (fetch_alpha_s is None) != (fetch_bytes_per_s is None):
-            raise ValueError("fetch_alpha_s / fetch_bytes_per_s: expected both (a network link) or neither")
+        for what, alpha, beta in (
+            ("fetch", fetch_alpha_s, fetch_bytes_per_s),
+            ("disk", disk_alpha_s, disk_bytes_per_s),
+        ):
+            if (alpha is None) != (beta is None):
+                raise ValueError(f"{what}_alpha_s / {what}_bytes_per_s: expected both (a link) or neither")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens: expected an int >= 1, got {block_tokens!r}")
         for name, value in (
             ("load_alpha_s", load_alpha_s),
             ("prefill_alpha_s", prefill_alpha_s),
             ("fetch_alpha_s", fetch_alpha_s or 0.0),
+            ("disk_alpha_s", disk_alpha_s or 0.0),
         ):
             if not value >= 0:
                 raise ValueError(f"{name}: expected seconds >= 0, got {value}")
@@ -143,6 +154,8 @@ class Planner:
         self.fetch_alpha_s = None if fetch_alpha_s is None else float(fetch_alpha_s)
         self.fetch_bytes_per_s = None if fetch_bytes_per_s is None else float(fetch_bytes_per_s)
         self.block_tokens = block_tokens
+        self.disk_alpha_s = None if disk_alpha_s is None else float(disk_alpha_s)
+        self.disk_bytes_per_s = None if disk_bytes_per_s is None else float(disk_bytes_per_s)
 
     @classmethod
     def from_profile(
@@ -185,8 +198,14 @@ class Planner:
             note = f"one of {spec.tp} tensor-parallel ranks"
         margin = min(0.5, max((fit.max_abs_residual for fit in fits), default=0.0))
         block = spec.block_nbytes(block_tokens)
-        remote = [mp.link_at(block) for mp in profile.links.get(REMOTE_DIRECTION, {}).values()]
-        fetch = min(remote, key=lambda fit: fit.predict(block), default=None)
+        fetch, disk = (
+            min(
+                (mp.link_at(block) for mp in profile.links.get(link, {}).values()),
+                key=lambda fit: fit.predict(block),
+                default=None,
+            )
+            for link in (REMOTE_DIRECTION, DISK_READ_DIRECTION)
+        )
         return cls(
             spec,
             load_alpha_s=fits[0].alpha_s,
@@ -202,6 +221,8 @@ class Planner:
             fetch_alpha_s=None if fetch is None else fetch.alpha_s,
             fetch_bytes_per_s=None if fetch is None else fetch.beta_bytes_per_s,
             block_tokens=block_tokens,
+            disk_alpha_s=None if disk is None else disk.alpha_s,
+            disk_bytes_per_s=None if disk is None else disk.beta_bytes_per_s,
         )
 
     # ------------------------------------------------------------------ costs
@@ -211,15 +232,24 @@ class Planner:
         share = 1.0 - self.decode_share
         return min(alpha + nbytes / (beta * share) for alpha, beta in self.load_options)
 
-    def t_fetch_nbytes(self, nbytes: float) -> tuple[float, int]:
-        """(seconds, chunks) to bring ``nbytes`` of a peer's KV here: the network read and the local reload,
-        pipelined at the best chunk count (whole blocks per chunk). ValueError without a network link."""
-        alpha, beta = self._fetch_link()
+    def t_fetch_nbytes(self, nbytes: float, *, from_disk: bool = False) -> tuple[float, int]:
+        """(seconds, chunks) to bring ``nbytes`` of a peer's KV (or, ``from_disk``, of the disk's) here: the read
+        into the host pool and the local reload, pipelined at the best chunk count (whole blocks per chunk).
+        ValueError without that link."""
+        alpha, beta = self._fetch_link(from_disk)
         blocks = math.ceil(nbytes / self.spec.block_nbytes(self.block_tokens))
         return pipelined_seconds(nbytes, blocks, lambda b: alpha + b / beta, self.t_load_nbytes)
 
-    def _fetch_link(self) -> tuple[float, float]:
-        """(alpha, beta) of the network link; ValueError naming ``from_peer`` when the planner has none."""
+    def _fetch_link(self, from_disk: bool = False) -> tuple[float, float]:
+        """(alpha, beta) of the network link (the disk's reads, ``from_disk``); ValueError naming ``from_peer``
+        (``from_disk``) when the planner has none."""
+        if from_disk:
+            if self.disk_alpha_s is None or self.disk_bytes_per_s is None:
+                raise ValueError(
+                    "from_disk: this planner has no disk link (disk_alpha_s / disk_bytes_per_s, or a profile from "
+                    "`kvcopy calibrate --disk PATH`)"
+                )
+            return self.disk_alpha_s, self.disk_bytes_per_s
         if self.fetch_alpha_s is None or self.fetch_bytes_per_s is None:
             raise ValueError(
                 "from_peer: this planner has no network link to a peer (fetch_alpha_s / fetch_bytes_per_s, or "
@@ -243,57 +273,26 @@ class Planner:
         memory = self.spec.weight_bytes(tokens, cached_tokens) / self.weight_bytes_per_s
         return self.prefill_alpha_s + max(compute, memory)
 
-    def _cached_bytes_after(self, prefix: int, computed: int) -> int:
-        """KV bytes of a prefix of ``prefix`` tokens that computing its first ``computed`` does not produce.
-
-        Full layers: the tokens after the computed ones. Sliding layers keep only the last W
-        tokens of the prefix, so computed tokens before those save nothing there.
-        """
-        spec = self.spec
-        per_layer = spec.kv_bytes_per_token() // spec.num_layers
-        sliding = spec.num_sliding_layers
-        full = (spec.num_layers - sliding) * (prefix - computed)
-        if sliding:
-            window = min(prefix, spec.sliding_window)
-            full += sliding * (window - max(0, computed - (prefix - window)))
-        return full * per_layer
-
-    def _t_split(self, prefix: int, computed: int, load: Callable[[float], float]) -> float:
-        """Compute the first ``computed`` tokens while the rest of the prefix loads (in ``load`` seconds)."""
-        return max(self.t_prefill(computed), load(self._cached_bytes_after(prefix, computed)))
-
-    def _best_split(self, prefix: int, load: Callable[[float], float]) -> tuple[int, float] | None:
-        """The x in [1, prefix - 1] minimising the split time.
-
-        Computing x tokens takes longer as x grows and loading the rest no
-        longer, so the best x is where the two cross: the first x at which
-        computing is no faster, or the one before it.
-        """
-        if prefix < 2:
-            return None
-        lo, hi = 1, prefix - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.t_prefill(mid) >= load(self._cached_bytes_after(prefix, mid)):
-                hi = mid
-            else:
-                lo = mid + 1
-        best = min({max(1, lo - 1), lo}, key=lambda x: self._t_split(prefix, x, load))
-        return best, self._t_split(prefix, best, load)
-
     # ------------------------------------------------------------------ decisions
 
     def decide(
-        self, prefix_tokens: int, new_tokens: int = 1, *, load_nbytes: int | None = None, from_peer: bool = False
+        self,
+        prefix_tokens: int,
+        new_tokens: int = 1,
+        *,
+        load_nbytes: int | None = None,
+        from_peer: bool = False,
+        from_disk: bool = False,
     ) -> Decision:
-        """Reload, layer-wise reload, split or recompute (fetch, split or recompute with ``from_peer``) for a
-        cached prefix of ``prefix_tokens`` and ``new_tokens`` (>= 1) to compute after it.
+        """Reload, layer-wise reload, split or recompute (fetch, split or recompute with ``from_peer`` or
+        ``from_disk``) for a cached prefix of ``prefix_tokens`` and ``new_tokens`` (>= 1) to compute after it.
 
         ``load_nbytes``: the bytes a reload would move, when the engine knows them (whole
         blocks, a sliding window's ring); default ``spec.kv_bytes(prefix_tokens)``.
         ``from_peer``: the prefix is held by another node: fetch (network read and reload,
         pipelined), split (compute the front while the rest is fetched) or recompute. ValueError
-        when the planner has no network link.
+        when the planner has no network link. ``from_disk``: the prefix is in the disk store (kvcopy.storage):
+        the same three, the fetch reading the disk into the host pool (action "fetch"). Not both.
         """
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
@@ -306,24 +305,29 @@ class Planner:
             isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int) or load_nbytes < 0
         ):
             raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
-        if from_peer:
-            self._fetch_link()  # the error, before any work, when there is no network link
+        if from_peer and from_disk:
+            raise ValueError("from_peer / from_disk: the prefix is on a peer or on the disk, not both")
+        elsewhere = from_peer or from_disk
+        if elsewhere:
+            self._fetch_link(from_disk)  # the error, before any work, when there is no such link
         prefix = prefix_tokens
         extend = self.t_prefill(new_tokens, prefix)
         t_recompute = self.t_prefill(prefix + new_tokens)
-        keep: Action = "fetch" if from_peer else "reload"
+        keep: Action = "fetch" if elsewhere else "reload"
         if prefix == 0:
             note = self._note("no cached prefix: compute")
-            t_reload, t_fetch = (None, extend) if from_peer else (extend, None)
+            t_reload, t_fetch = (None, extend) if elsewhere else (extend, None)
             return Decision("recompute", 0, new_tokens, t_reload, t_recompute, None, 0, note, None, t_fetch)
 
         def load(nbytes: float) -> float:
-            return self.t_fetch_nbytes(nbytes)[0] if from_peer else self.t_load_nbytes(nbytes)
+            return self.t_fetch_nbytes(nbytes, from_disk=from_disk)[0] if elsewhere else self.t_load_nbytes(nbytes)
 
         nbytes = self.spec.kv_bytes(prefix) if load_nbytes is None else load_nbytes
-        t_load, chunks = self.t_fetch_nbytes(nbytes) if from_peer else (self.t_load_nbytes(nbytes), 0)
-        t_layerwise = max(t_load, extend) + t_load / self.spec.num_layers if self.layerwise and not from_peer else None
-        split = self._best_split(prefix, load)
+        t_load, chunks = (
+            self.t_fetch_nbytes(nbytes, from_disk=from_disk) if elsewhere else (self.t_load_nbytes(nbytes), 0)
+        )
+        t_layerwise = max(t_load, extend) + t_load / self.spec.num_layers if self.layerwise and not elsewhere else None
+        split = best_split(self, prefix, load)
         t_split = split[1] + extend if split else None
         options: dict[Action, float] = {keep: t_load + extend, "recompute": t_recompute}
         if t_layerwise is not None:
@@ -336,13 +340,13 @@ class Planner:
             action,
             prefix,
             new_tokens,
-            None if from_peer else options["reload"],
+            None if elsewhere else options["reload"],
             t_recompute,
             t_split,
             split[0] if split else 0,
-            self._explain(action, prefix, options, split, chunks),
+            self._explain(action, prefix, options, split, chunks, "the disk" if from_disk else "the peer"),
             t_layerwise,
-            options["fetch"] if from_peer else None,
+            options["fetch"] if elsewhere else None,
             chunks,
         )
 
@@ -350,22 +354,29 @@ class Planner:
         return f"{text} ({self.note})" if self.note else text
 
     def _explain(
-        self, action: Action, prefix: int, options: dict[Action, float], split: tuple[int, float] | None, chunks: int
+        self,
+        action: Action,
+        prefix: int,
+        options: dict[Action, float],
+        split: tuple[int, float] | None,
+        chunks: int,
+        source: str,
     ) -> str:
         rest = "the rest is fetched" if "fetch" in options else "the rest loads"
         what = {
             "split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while {rest})",
             "layerwise": "layer-wise reload",
-            "fetch": f"fetch from the peer (network read and reload, pipelined in {chunks} chunk(s))",
+            "fetch": f"fetch from {source} ({'disk' if source == 'the disk' else 'network'} read and reload, "
+            f"pipelined in {chunks} chunk(s))",
         }.get(action, action)
         others = ", ".join(f"{name} {seconds_text(t)}" for name, t in options.items() if name != action)
         return self._note(f"{what}: {seconds_text(options[action])} vs {others} for {prefix} cached tokens")
 
-    def _reload_wins(self, prefix: int, new_tokens: int, from_peer: bool) -> bool:
-        return self.decide(prefix, new_tokens, from_peer=from_peer).action != "recompute"
+    def _reload_wins(self, prefix: int, new_tokens: int, from_peer: bool, from_disk: bool = False) -> bool:
+        return self.decide(prefix, new_tokens, from_peer=from_peer, from_disk=from_disk).action != "recompute"
 
     def threshold_tokens(
-        self, new_tokens: int = 1, *, max_tokens: int | None = None, from_peer: bool = False
+        self, new_tokens: int = 1, *, max_tokens: int | None = None, from_peer: bool = False, from_disk: bool = False
     ) -> int | None:
         """The smallest prefix P from which keeping the cache always pays: for every P' from P up to
         ``max_tokens`` (default: the model's context length, else DEFAULT_CONTEXT_TOKENS), ``decide``
@@ -375,18 +386,7 @@ class Planner:
         Evaluated on every length up to 4096 and on a geometric grid above (64 steps per
         doubling), then bisected between the last losing and the first winning length of the grid:
         exact unless the sign changes twice within one grid step. ``from_peer``: the threshold for
-        fetching a prefix from a peer (see :meth:`decide`).
+        fetching a prefix from a peer, ``from_disk``: from the disk store (see :meth:`decide`).
         """
         limit = max_tokens or getattr(self.spec, "context_length", None) or DEFAULT_CONTEXT_TOKENS
-        if not self._reload_wins(limit, new_tokens, from_peer):
-            return None
-        grid = scan_grid(limit)
-        last_loss = next((p for p in reversed(grid) if not self._reload_wins(p, new_tokens, from_peer)), None)
-        if last_loss is None:
-            return 1
-        hi = grid[grid.index(last_loss) + 1]
-        lo = last_loss  # loses at lo, wins at hi (and at every grid point above)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self._reload_wins(mid, new_tokens, from_peer) else (mid, hi)
-        return hi
+        return first_winning(lambda p: self._reload_wins(p, new_tokens, from_peer, from_disk), limit)

@@ -95,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the prefix is held by another node: fetch it over the network link the profile measured "
         "(kvcopy calibrate --remote), or recompute",
     )
+    plan.add_argument(
+        "--from-disk",
+        action="store_true",
+        help="the prefix is in a disk store (kvcopy.storage): read it into the host pool and reload it, "
+        "pipelined, at the disk reads the profile measured (kvcopy calibrate --disk), or recompute",
+    )
     plan.add_argument("--decode-share", type=fraction, default=0.0, help="fraction of the link decode needs")
     plan.add_argument("--plot", help="draw reload / recompute / split time against prefix length to this PNG")
     plan.set_defaults(run=cli_commands.plan)

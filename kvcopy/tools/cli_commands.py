@@ -135,23 +135,34 @@ def plan(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise CliError(f"--tp: {err}" if str(err).startswith("tp:") else str(err)) from None
+    if args.from_peer and args.from_disk:
+        raise CliError("--from-disk: a prefix is on a peer (--from-peer) or on the disk, not both")
     if args.from_peer and planner.fetch_bytes_per_s is None:
         raise CliError(
             "--from-peer: the profile has no network link to a peer; measure one with `kvcopy calibrate --remote`"
         )
-    decision = planner.decide(args.prefix, args.new, from_peer=args.from_peer)
-    threshold = planner.threshold_tokens(args.new, from_peer=args.from_peer)
-    where = f"tokens held by a peer ({profile.hardware.get('remote_link')})" if args.from_peer else "cached tokens"
+    if args.from_disk and planner.disk_bytes_per_s is None:
+        raise CliError("--from-disk: the profile has no disk link; measure one with `kvcopy calibrate --disk PATH`")
+    source = {"from_peer": args.from_peer, "from_disk": args.from_disk}
+    decision = planner.decide(args.prefix, args.new, **source)
+    threshold = planner.threshold_tokens(args.new, **source)
+    where = "cached tokens"
+    if args.from_peer:
+        where = f"tokens held by a peer ({profile.hardware.get('remote_link')})"
+    elif args.from_disk:
+        where = f"tokens in a disk store ({profile.hardware.get('disk')})"
     print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} {where}, {args.new} new")
     print(f"decision: {decision.action} ({decision.explanation})")
-    arrives = "is fetched" if args.from_peer else "loads"
+    elsewhere = args.from_peer or args.from_disk
+    arrives = "is fetched" if elsewhere else "loads"
     options = [
         ("reload", decision.t_reload, "load the prefix, then compute the new tokens"),
         ("layer-wise reload", decision.t_layerwise, "each layer's blocks load while earlier layers compute"),
         (
             "fetch",
             decision.t_fetch,
-            f"read it from the peer and reload it ({decision.fetch_chunks} pipelined chunks), then compute",
+            f"read it from the {'disk' if args.from_disk else 'peer'} and reload it ({decision.fetch_chunks} "
+            "pipelined chunks), then compute",
         ),
         ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest {arrives}"),
         ("recompute", decision.t_recompute, "prefill the prefix and the new tokens"),
@@ -160,7 +171,7 @@ def plan(args: argparse.Namespace) -> int:
         if seconds is not None:
             mark = "*" if name.startswith(decision.action.replace("layerwise", "layer-wise")) else " "
             print(f"  {mark} {name:<18} {seconds_text(seconds):>10}  {what}")
-    kept = "fetch" if args.from_peer else "keep"
+    kept = "fetch" if elsewhere else "keep"
     keep = "recompute wins at the longest prefix" if threshold is None else f"{kept} from {threshold} tokens"
     print(f"threshold: {keep}")
     if args.plot:
@@ -172,7 +183,7 @@ def plan(args: argparse.Namespace) -> int:
             max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
             new_tokens=args.new,
             prefix=args.prefix,
-            from_peer=args.from_peer,
+            **source,
         )
         print(f"plot saved to {args.plot}")
     return 0

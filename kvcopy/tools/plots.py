@@ -161,11 +161,12 @@ def plot_plan(
     new_tokens: int = 1,
     prefix: int | None = None,
     from_peer: bool = False,
+    from_disk: bool = False,
 ) -> None:
     """Reload, layer-wise reload, split and recompute time against prefix length, for ``new_tokens`` new
-    tokens, and fetching from a peer when the planner has a network link; the small-prefix threshold and
-    (when given) the requested ``prefix`` and its decision marked, for a prefix held by a peer when
-    ``from_peer``."""
+    tokens, and fetching from a peer when the planner has a network link (from the disk, ``from_disk``); the
+    small-prefix threshold and (when given) the requested ``prefix`` and its decision marked, for a prefix
+    held by a peer when ``from_peer`` (in the disk store when ``from_disk``)."""
     plt = _pyplot()
     lengths = np.unique(np.geomspace(1, max_tokens, 200).astype(int))
     decisions = [planner.decide(int(n), new_tokens) for n in lengths]
@@ -176,15 +177,18 @@ def plot_plan(
     split = [d.t_split if d.t_split is not None else np.nan for d in decisions]
     ax.plot(lengths, split, "--", label=_PLAN_CURVES["split"])
     ax.plot(lengths, [d.t_recompute for d in decisions], label=_PLAN_CURVES["recompute"])
-    if planner.fetch_bytes_per_s is not None:
-        fetched = [planner.decide(int(n), new_tokens, from_peer=True).t_fetch for n in lengths]
-        ax.plot(lengths, fetched, ":", lw=2, label=_PLAN_CURVES["fetch"])
-    threshold = planner.threshold_tokens(new_tokens, from_peer=from_peer)
+    source = {"from_peer": from_peer, "from_disk": from_disk}
+    if from_disk or planner.fetch_bytes_per_s is not None:
+        remote = {"from_disk": True} if from_disk else {"from_peer": True}
+        fetched = [planner.decide(int(n), new_tokens, **remote).t_fetch for n in lengths]
+        label = "read from the disk and reload (pipelined)" if from_disk else _PLAN_CURVES["fetch"]
+        ax.plot(lengths, fetched, ":", lw=2, label=label)
+    threshold = planner.threshold_tokens(new_tokens, **source)
     if threshold is not None and threshold <= max_tokens:
-        what = "fetching from the peer" if from_peer else "keeping the cache"
+        what = "fetching from the peer" if from_peer else "reading from the disk" if from_disk else "keeping the cache"
         ax.axvline(threshold, color="gray", ls=":", label=f"threshold: {what} pays from {threshold} tokens")
     if prefix:
-        chosen = planner.decide(prefix, new_tokens, from_peer=from_peer)
+        chosen = planner.decide(prefix, new_tokens, **source)
         ax.axvline(prefix, color="black", lw=0.8)
         seconds = {
             "reload": chosen.t_reload,
@@ -193,7 +197,7 @@ def plot_plan(
             "layerwise": chosen.t_layerwise,
             "fetch": chosen.t_fetch,
         }[chosen.action]
-        where = "on a peer" if from_peer else "cached"
+        where = "on a peer" if from_peer else "on disk" if from_disk else "cached"
         ax.plot(
             [prefix], [seconds], "k*", ms=12, label=f"requested: {prefix} {where} + {new_tokens} new -> {chosen.action}"
         )
