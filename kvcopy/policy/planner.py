@@ -75,7 +75,8 @@ class Planner:
     when it beats every other option by more than this fraction (the
     profile's prediction error). ``note``: said in every explanation (e.g.
     what the prefill was calibrated on). ``fetch_alpha_s`` / ``fetch_bytes_per_s``: the network link to
-    a peer holding the prefix (both or neither), for ``decide(..., from_peer=True)``; ``block_tokens``:
+    a peer holding the prefix (both or neither), for ``decide(..., from_peer=True)``; ``disk_alpha_s`` /
+    ``disk_bytes_per_s``: the disk store's reads, for ``decide(..., from_disk=True)``; ``block_tokens``:
     tokens per block, the smallest piece a fetch is pipelined in.
     """
 

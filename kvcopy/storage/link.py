@@ -68,7 +68,8 @@ def measure_disk(directory: str, sweep: DiskSweep = QUICK_SWEEP, *, progress: bo
     shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_call if s * c <= sweep.max_call_bytes]
     pool = calibration_pool(2 * sweep.max_call_bytes)
     calls = 2 + sweep.repeats  # measure's warm-up and timed calls
-    slots = (calls * sweep.max_call_bytes) // CALIBRATION_UNIT_BYTES
+    # room for every put of the sweep: no put evicts (an eviction adds a sync, which would bend the line)
+    slots = calls * sum(size * count for size, count in shapes) // CALIBRATION_UNIT_BYTES
     points: dict[str, list[list[float]]] = {DISK_WRITE: [], DISK_READ: []}
     generator = torch.Generator().manual_seed(0)
     try:
