@@ -153,6 +153,8 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
         assert store.match(hashes(2)) == []
     with pytest.raises(TypeError, match="cache_key: expected a CacheKey"):
         DiskKVStore.create(tmp_path / "other", pool, 4, cache_key="k")
+    with pytest.raises(ValueError, match="backend: expected one of \\('auto', 'posix'\\)"):
+        DiskKVStore.create(tmp_path / "other", pool, 4, cache_key=key(), backend="gds")
     assert not (tmp_path / "other").exists()
 
 

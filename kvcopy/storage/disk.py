@@ -30,7 +30,9 @@ from ..remote.registration import registration_of
 from ._commit_log import CommitLog, Entry
 from ._disk_file import INDEX, create_files, file_agent, layout_of, open_data, read_header
 
-__all__ = ["CorruptBlockError", "DiskKVStore", "DiskTransfer"]
+__all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
+
+BACKENDS = ("auto", "posix")  # NIXL's POSIX backend; "gds" (GPUDirect Storage) is still to come
 
 
 class CorruptBlockError(ValueError):
@@ -86,16 +88,26 @@ class DiskKVStore:
     """A directory of ``num_blocks`` page-first KV blocks for one CacheKey context: see :meth:`create` and
     :meth:`open`. A context manager; not thread-safe (use it from one thread, like a KVPeer)."""
 
-    def __init__(self, path: str, like: PagedKV, header: dict, cache_key: object, backend: str) -> None:
+    def __init__(self, path: str, header: dict, backend: str) -> None:
+        """Use :meth:`create` or :meth:`open`; ``header``: the store's checked header.json."""
         self.path = path
         self.num_blocks = int(header["num_blocks"])
         self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
         self._block_nbytes = int(header["nbytes_per_block"])
         self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks)
-        self._fd, self.direct = open_data(path, self._block_nbytes)
-        self._agent, self.queue = file_agent(f"kvcopy-disk-{uuid.uuid4().hex[:12]}", backend)
-        size = self.num_blocks * self._block_nbytes
-        self._file = self._agent.register_memory([(0, size, self._fd, "")], "FILE")
+        try:
+            self._fd, self.direct = open_data(path, self._block_nbytes)
+        except BaseException:
+            self._index.close()
+            raise
+        try:
+            self._agent, self.queue = file_agent(f"kvcopy-disk-{uuid.uuid4().hex[:12]}", backend)
+            size = self.num_blocks * self._block_nbytes
+            self._file = self._agent.register_memory([(0, size, self._fd, "")], "FILE")
+        except BaseException:  # no NIXL backend here: nothing stays open
+            os.close(self._fd)
+            self._index.close()
+            raise
         # the file as a plane table: one page-first plane per pool plane, at its offset inside a block
         offsets = np.cumsum([0] + [n for n, _ in self._layout["planes"]])[:-1]
         self._table = torch.tensor(
@@ -137,6 +149,10 @@ class DiskKVStore:
         ``like``, its space reserved now: OSError when it does not fit, and nothing is left behind."""
         paged = cls._paged(like)
         context_hash = cls._check_key(cache_key)
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"backend: expected one of {BACKENDS} (GPUDirect Storage is not built yet), got {backend!r}"
+            )
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         path = os.fspath(path)
@@ -162,7 +178,7 @@ class DiskKVStore:
         for key in ("layout", "planes", "nbytes_per_block"):
             if header[key] != mine[key]:
                 raise ValueError(f"like: {path} holds blocks with {key} {header[key]}, like has {mine[key]}")
-        return cls(path, paged, header, cache_key, backend)
+        return cls(path, header, backend)
 
     # ------------------------------------------------------------------ the pool side
 
