@@ -130,8 +130,9 @@ class KVCopyOffloadingConnector(OffloadingConnector):
             meta = self.connector_worker._connector_worker_meta
             while worker.copies:
                 meta.copies.append(worker.copies.popleft())
-            if not meta.completed_jobs:  # vLLM sends no metadata without a completed job
-                return super().build_connector_worker_meta() or meta
+            if not meta.completed_jobs:  # vLLM's own sends nothing without a completed job: send the copies
+                self.connector_worker._connector_worker_meta = OffloadingWorkerMetadata()
+                return meta
         return super().build_connector_worker_meta()
 
     # ------------------------------------------------------------------ scheduler side
