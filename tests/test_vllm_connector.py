@@ -135,3 +135,17 @@ def test_a_failed_store_never_reads_as_stored(tmp_path):
 def test_another_spec_is_refused(tmp_path):
     with pytest.raises(ValueError, match="spec_name: KVCopyOffloadingConnector runs KVCopyOffloadingSpec"):
         make_rig(tmp_path, connector="KVCopyOffloadingConnector", extra={"spec_name": "CPUOffloadingSpec"})
+
+
+def test_copies_reported_without_a_completed_job_are_sent_once(tmp_path):
+    from kvcopy.integrations.vllm.worker import CopyObservation
+
+    rig = connector_rig(tmp_path)
+    try:
+        copy = CopyObservation("h2h", "cpu", 4096, 1, 1e-3)
+        rig.kv_worker.copies.append(copy)  # finished (observed) before any job was reported complete
+        sent = rig.worker.build_connector_worker_meta()
+        assert sent.copies == [copy] and not sent.completed_jobs
+        assert rig.worker.build_connector_worker_meta() is None  # not again
+    finally:
+        rig.close()
