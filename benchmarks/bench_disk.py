@@ -25,7 +25,6 @@ import hashlib
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -34,6 +33,7 @@ import torch
 import kvcopy
 from kvcopy.policy.machine import machine_identity
 from kvcopy.storage import DiskKVStore, _disk_file
+from kvcopy.storage._disk_file import filesystem_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
@@ -53,11 +53,6 @@ COLUMNS = (
 
 def _hashes(n: int, salt: int) -> list[str]:
     return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
-
-
-def _filesystem(path: str) -> str:
-    out = subprocess.run(["df", "--output=fstype,source", path], capture_output=True, text=True).stdout.split()
-    return " ".join(out[2:4]) if len(out) >= 4 else "unknown"
 
 
 def _timed(calls: int, body) -> float:
@@ -179,7 +174,7 @@ def main() -> int:
     directory = args.dir or tempfile.mkdtemp(prefix="kvcopy-bench-disk-", dir=os.getcwd())
     os.makedirs(directory, exist_ok=True)
     identity = machine_identity(torch.device("cpu"))
-    filesystem = _filesystem(directory)
+    filesystem = filesystem_of(directory)
     rows = []
     for kib in (int(s) for s in args.sizes.split(",")):
         rows += _measure(directory, kib * 1024, args.blocks, args.repeats, None)
@@ -213,9 +208,7 @@ def main() -> int:
             writer = csv.DictWriter(f, fieldnames=[*IDENTITY_COLUMNS, "filesystem", *COLUMNS, "direct"])
             writer.writeheader()
             for r in rows:
-                writer.writerow(
-                    {**{k: identity.get(k, "") for k in IDENTITY_COLUMNS}, "filesystem": _filesystem(directory), **r}
-                )
+                writer.writerow({**{k: identity.get(k, "") for k in IDENTITY_COLUMNS}, "filesystem": filesystem, **r})
     return 0
 
 

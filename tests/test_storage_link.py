@@ -8,9 +8,10 @@ import pytest
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 
 from kvcopy.profile import Profile  # noqa: E402
+from kvcopy.remote.link import LinkSweep  # noqa: E402
 from kvcopy.storage import link  # noqa: E402
 
-SMALL = link.DiskSweep((16384, 65536), (1, 4), 1 << 20, 2)
+SMALL = LinkSweep((16384, 65536), (1, 4), 1 << 20, 2)
 
 
 def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):

@@ -52,7 +52,15 @@ from .cachekey_fields import (
     weights_fingerprint,
 )
 
-__all__ = ["BlockIndex", "CacheKey", "FORMAT_VERSION", "SupportsIdentity", "TokenIds", "weights_fingerprint"]
+__all__ = [
+    "BlockIndex",
+    "CacheKey",
+    "FORMAT_VERSION",
+    "SupportsIdentity",
+    "TokenIds",
+    "context_hash_of",
+    "weights_fingerprint",
+]
 
 
 class CacheKey:
@@ -369,3 +377,12 @@ class CacheKey:
             f"CacheKey({self._context_hash[:REPR_HASH_CHARS]}, weights_id={self._weights_id!r}, "
             f"kv_dtype={self._kv_dtype!r}, block_tokens={self._block_tokens})"
         )
+
+
+def context_hash_of(cache_key: object) -> str:
+    """``cache_key``'s context hash, what a pool shared with a peer or kept on disk is labelled with; TypeError
+    naming ``cache_key`` for anything but a CacheKey (or an object that has one)."""
+    context_hash = getattr(cache_key, "context_hash", None)
+    if not isinstance(context_hash, str):
+        raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
+    return context_hash

@@ -42,6 +42,7 @@ __all__ = [
     "check_calibration_descriptor",
     "loopback_peer",
     "measure_link",
+    "run_ids",
     "serve_calibration_peer",
 ]
 
@@ -63,8 +64,8 @@ PEER_START_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class LinkSweep:
-    """Range sizes x ranges per read, capped in bytes per read; each side's pool holds twice the cap so
-    that successive reads fetch different bytes."""
+    """Range sizes x ranges per read (for the disk, kvcopy.storage.link: per put and get), capped in bytes per
+    read; each side's pool holds twice the cap so that successive reads fetch different bytes."""
 
     range_nbytes: tuple[int, ...]
     ranges_per_read: tuple[int, ...]
@@ -91,17 +92,18 @@ def calibration_pool(nbytes: int) -> HostKVPool:
     return pool
 
 
+def run_ids(pool_blocks: int, units: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Ids of ``count`` runs of ``units`` adjacent blocks each, at random distinct places of a pool of
+    ``pool_blocks`` (the disk calibration, kvcopy.storage.link, draws its puts the same way)."""
+    starts = torch.randperm(pool_blocks // units, generator=generator)[:count] * units
+    return (starts[:, None] + torch.arange(units)).reshape(-1)
+
+
 def _range_ids(
     pool_blocks: int, units: int, count: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids of ``count`` ranges of ``units`` adjacent blocks each, at random distinct slots of each pool."""
-    slots = pool_blocks // units
-
-    def side() -> torch.Tensor:
-        starts = torch.randperm(slots, generator=generator)[:count] * units
-        return (starts[:, None] + torch.arange(units)).reshape(-1)
-
-    return side(), side()
+    return run_ids(pool_blocks, units, count, generator), run_ids(pool_blocks, units, count, generator)
 
 
 def measure_link(

@@ -12,6 +12,7 @@ import torch
 from .._ids import BlockIds, as_ids, check_host_pair
 from ..host import HostKVPool
 from ..layout import PagedKV
+from ..policy.cachekey import context_hash_of
 from ..ranges import plan_table_ranges
 from .descriptor import PoolLayout, decode, encode
 from .registration import registration_of
@@ -168,9 +169,7 @@ class KVPeer:
         registration = registration_of(pool)
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty agent name, got {name!r}")
-        context_hash = getattr(cache_key, "context_hash", None) if cache_key is not None else None
-        if cache_key is not None and not isinstance(context_hash, str):
-            raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
+        context_hash = None if cache_key is None else context_hash_of(cache_key)
         nixl_agent, nixl_agent_config = nixl_module()
         self.pool, self.name, self.backends = pool, name, tuple(backends)
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))

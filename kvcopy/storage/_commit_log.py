@@ -192,6 +192,10 @@ class CommitLog:
     def get(self, block_hash: str) -> Entry | None:
         return self._by_hash.get(block_hash)
 
+    def entry_at(self, slot: int) -> Entry | None:
+        """What ``slot`` holds, or None."""
+        return self._by_slot.get(slot)
+
     def touch(self, slots: Iterable[int]) -> None:
         """Marks ``slots`` most recently used (in memory: after a reopen the order is the commit order)."""
         for slot in slots:

@@ -14,12 +14,22 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 from typing import Any
 
 from ..layout import PLANE_BLOCK_BYTES, PagedKV
 from ..policy.kv_dtypes import torch_name
 
-__all__ = ["DIRECT_ALIGNMENT", "FORMAT", "POSIX_QUEUES", "create_files", "file_agent", "layout_of", "read_header"]
+__all__ = [
+    "DIRECT_ALIGNMENT",
+    "FORMAT",
+    "POSIX_QUEUES",
+    "create_files",
+    "file_agent",
+    "filesystem_of",
+    "layout_of",
+    "read_header",
+]
 
 FORMAT = 1  # header.json's "format": bumped when the files change meaning
 # O_DIRECT needs offsets, lengths and addresses aligned to the device's logical block: 4096 covers the disks
@@ -74,6 +84,12 @@ def read_header(path: str) -> dict[str, Any]:
     if header.get("format") != FORMAT:
         raise ValueError(f"path: {path} is a disk store of format {header.get('format')}, this kvcopy reads {FORMAT}")
     return header
+
+
+def filesystem_of(path: str) -> str:
+    """The filesystem type and device under ``path`` (from ``df``), as results name it; "unknown" without."""
+    out = subprocess.run(["df", "--output=fstype,source", path], capture_output=True, text=True).stdout.split()
+    return " ".join(out[2:4]) if len(out) >= 4 else "unknown"
 
 
 def open_data(path: str, nbytes_per_block: int) -> tuple[int, bool]:

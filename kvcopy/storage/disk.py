@@ -24,6 +24,7 @@ import torch
 from .._ids import BlockIds, as_ids, check_side
 from ..host import HostKVPool
 from ..layout import PagedKV
+from ..policy.cachekey import context_hash_of
 from ..ranges import plan_table_ranges
 from ..remote.peer import RemoteTransfer, _Blocks
 from ..remote.registration import registration_of
@@ -121,13 +122,6 @@ class DiskKVStore:
     # ------------------------------------------------------------------ making and opening
 
     @staticmethod
-    def _check_key(cache_key: object) -> str:
-        context_hash = getattr(cache_key, "context_hash", None)
-        if not isinstance(context_hash, str):
-            raise TypeError(f"cache_key: expected a CacheKey, got {type(cache_key).__name__}")
-        return context_hash
-
-    @staticmethod
     def _paged(like: object) -> PagedKV:
         if isinstance(like, HostKVPool):
             return like.paged
@@ -148,7 +142,7 @@ class DiskKVStore:
         """A new store at ``path`` (a directory that must not exist) of ``num_blocks`` blocks laid out like
         ``like``, its space reserved now: OSError when it does not fit, and nothing is left behind."""
         paged = cls._paged(like)
-        context_hash = cls._check_key(cache_key)
+        context_hash = context_hash_of(cache_key)
         if backend not in BACKENDS:
             raise ValueError(
                 f"backend: expected one of {BACKENDS} (GPUDirect Storage is not built yet), got {backend!r}"
@@ -166,7 +160,7 @@ class DiskKVStore:
         """The store at ``path``, as its last process left it (killed or not). ValueError when it holds another
         CacheKey context or another block layout than ``like``'s, naming what differs."""
         paged = cls._paged(like)
-        context_hash = cls._check_key(cache_key)
+        context_hash = context_hash_of(cache_key)
         path = os.fspath(path)
         header = read_header(path)
         if header["context_hash"] != context_hash:
@@ -185,8 +179,10 @@ class DiskKVStore:
     def _pool(self, pool: object, pool_ids: BlockIds, count: int) -> tuple[HostKVPool, torch.Tensor]:
         if not isinstance(pool, HostKVPool):
             raise TypeError(f"pool: expected a HostKVPool, got {type(pool).__name__}")
-        if layout_of(pool.paged) != self._layout or pool.layout != "page_first":
-            raise ValueError(f"pool: expected a page_first pool laid out {self._layout}, got {layout_of(pool.paged)}")
+        if id(pool) not in self._pools:  # checked and registered once: a pool's layout never changes
+            layout = layout_of(pool.paged)
+            if layout != self._layout or pool.layout != "page_first":
+                raise ValueError(f"pool: expected a page_first pool laid out {self._layout}, got {layout}")
         ids = as_ids(pool_ids, "pool_ids", pool.num_blocks)
         if ids.numel() != count:
             raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
@@ -252,9 +248,11 @@ class DiskKVStore:
         if len(hashes) > self.num_blocks:
             raise ValueError(f"block_hashes: {len(hashes)} blocks do not fit a store of {self.num_blocks}")
         index = self._index
-        new = [(h, i) for h, i in zip(hashes, ids.tolist()) if index.get(h) is None]
-        index.touch(index.get(h).slot for h in hashes if index.get(h) is not None)  # type: ignore[union-attr]
-        kept = {index.get(h).slot for h in hashes if index.get(h) is not None}  # type: ignore[union-attr]
+        found = [index.get(h) for h in hashes]
+        new = [(h, i) for h, i, entry in zip(hashes, ids.tolist(), found) if entry is None]
+        stored = [entry.slot for entry in found if entry is not None]
+        index.touch(stored)  # in the order given, as used again
+        kept = set(stored)
         occupied, busy = index.occupied, set(self._busy)
         free = [s for s in range(self.num_blocks) if s not in occupied and s not in busy][: len(new)]
         slots = free + index.least_recent(len(new) - len(free), keep=kept | busy)
@@ -263,7 +261,7 @@ class DiskKVStore:
                 f"block_hashes: {len(new)} new blocks, but only {len(slots)} slots are neither in use by an "
                 "unfinished put or get nor kept by this one"
             )
-        index.free(s for s in slots if s in index.occupied)  # durably forgotten before they are overwritten
+        index.free(s for s in slots if s in occupied)  # durably forgotten before they are overwritten
         new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
         crcs: list[int] = []
 
@@ -293,7 +291,7 @@ class DiskKVStore:
         self._check_open()
         slot_ids = as_ids(slots, "slots", self.num_blocks)
         check_side(slot_ids, "slots", self.num_blocks, unique=False)
-        entries = {e.slot: e for e in (self._index._by_slot.get(s) for s in slot_ids.tolist()) if e is not None}
+        entries = {e.slot: e for e in (self._index.entry_at(s) for s in slot_ids.tolist()) if e is not None}
         empty = [s for s in slot_ids.tolist() if s not in entries]
         if empty:
             raise ValueError(f"slots: {empty} hold no committed block")

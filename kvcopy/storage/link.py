@@ -1,12 +1,13 @@
 """Calibrating the disk: alpha and beta of a DiskKVStore's writes and reads, per range size, cold.
 
-Like the network link (kvcopy/remote/link.py): a calibration pool of CALIBRATION_UNIT_BYTES blocks, page-first,
-one uint8 plane, so a run of k adjacent ids is one range of k units, which kvcopy's range planner makes one
-NIXL descriptor. A shape is (range bytes, ranges per call); each timed put writes that many ranges from
-random, different places of the pool as new blocks (the store's own slot choice, its checksums, syncs and
-index commit included), and each timed get reads them back (O_DIRECT, or after dropping the file's pages:
-cold). The fits land in a Profile as directions DISK_WRITE ("h2f") and DISK_READ ("f2h"), method DISK_METHOD,
-keyed by range bytes; ``hardware["disk"]`` says where and how (filesystem, O_DIRECT, NIXL queue).
+Like the network link (kvcopy/remote/link.py), with its LinkSweep and its calibration pool of
+CALIBRATION_UNIT_BYTES blocks, page-first, one uint8 plane, so a run of k adjacent ids is one range of k
+units, which kvcopy's range planner makes one NIXL descriptor. A shape is (range bytes, ranges per call);
+each timed put writes that many ranges from random, different places of the pool as new blocks (the
+store's own slot choice, its checksums, syncs and index commit included), and each timed get reads them
+back (O_DIRECT, or after dropping the file's pages: cold). The fits land in a Profile as directions
+DISK_WRITE ("h2f") and DISK_READ ("f2h"), method DISK_METHOD, keyed by range bytes; ``hardware["disk"]``
+says where and how (filesystem, O_DIRECT, NIXL queue).
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 import tempfile
-from dataclasses import dataclass
 
 import torch
 
@@ -24,28 +23,19 @@ from .._progress import progress_bar
 from ..policy.calibrator import fit_links
 from ..policy.timing import measure
 from ..profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
-from ..remote.link import CALIBRATION_UNIT_BYTES, calibration_pool
+from ..remote.link import CALIBRATION_UNIT_BYTES, LinkSweep, calibration_pool, run_ids
+from ._disk_file import filesystem_of
 from .disk import DiskKVStore
 
-__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "DiskSweep", "add_disk_link", "measure_disk"]
+__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_link", "measure_disk"]
 
 # Where the disk's fits go in a Profile: host to file (a put), file to host (a get), through NIXL's POSIX backend.
 DISK_WRITE, DISK_READ, DISK_METHOD = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION, "nixl_posix"
 
 
-@dataclass(frozen=True)
-class DiskSweep:
-    """Range sizes x ranges per call, capped in bytes per call."""
-
-    range_nbytes: tuple[int, ...]
-    ranges_per_call: tuple[int, ...]
-    max_call_bytes: int
-    repeats: int
-
-
 # 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 64 per call.
-QUICK_SWEEP = DiskSweep((16384, 262144, 2 << 20), (1, 8, 64), 32 << 20, 3)
-FULL_SWEEP = DiskSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 5)
+QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 64), 32 << 20, 3)
+FULL_SWEEP = LinkSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 5)
 
 
 class _Key:
@@ -54,19 +44,14 @@ class _Key:
     context_hash = hashlib.sha256(b"kvcopy disk calibration").hexdigest()
 
 
-def _filesystem(path: str) -> str:
-    out = subprocess.run(["df", "--output=fstype,source", path], capture_output=True, text=True).stdout.split()
-    return " ".join(out[2:4]) if len(out) >= 4 else "unknown"
-
-
-def measure_disk(directory: str, sweep: DiskSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
+def measure_disk(directory: str, sweep: LinkSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
     """Times puts and gets of a calibration store made in a temporary folder inside ``directory`` (removed
     after): ``{"points": {direction: rows}, "direct": bool, "queue": str, "filesystem": str}``, each row (total
     bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
     os.makedirs(directory, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="kvcopy-calibrate-disk-", dir=directory)
-    shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_call if s * c <= sweep.max_call_bytes]
-    pool = calibration_pool(2 * sweep.max_call_bytes)
+    shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_read if s * c <= sweep.max_read_bytes]
+    pool = calibration_pool(sweep.pool_nbytes)
     calls = 2 + sweep.repeats  # measure's warm-up and timed calls
     # room for every put of the sweep: no put evicts (an eviction adds a sync, which would bend the line)
     slots = calls * sum(size * count for size, count in shapes) // CALIBRATION_UNIT_BYTES
@@ -78,10 +63,7 @@ def measure_disk(directory: str, sweep: DiskSweep = QUICK_SWEEP, *, progress: bo
         with store:
             for number, (size, count) in enumerate(shapes):
                 units = size // CALIBRATION_UNIT_BYTES
-                starts = [
-                    torch.randperm(pool.num_blocks // units, generator=generator)[:count] * units for _ in range(calls)
-                ]
-                ids = [(s[:, None] + torch.arange(units)).reshape(-1) for s in starts]
+                ids = [run_ids(pool.num_blocks, units, count, generator) for _ in range(calls)]
                 hashes = [
                     [hashlib.sha256(f"{number}:{i}:{j}".encode()).hexdigest() for j in range(len(ids[i]))]
                     for i in range(calls)
@@ -108,7 +90,7 @@ def measure_disk(directory: str, sweep: DiskSweep = QUICK_SWEEP, *, progress: bo
                     points[direction].append([size * count, mean, size, timing.median, timing.p20, timing.p80])
                 bar.update()
             bar.close()
-            return {"points": points, "direct": store.direct, "queue": store.queue, "filesystem": _filesystem(folder)}
+            return {"points": points, "direct": store.direct, "queue": store.queue, "filesystem": filesystem_of(folder)}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
