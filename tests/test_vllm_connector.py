@@ -9,7 +9,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 from kvcopy.integrations.vllm import KVCopyOffloadingConnector  # noqa: E402
 
-from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, before_copies, make_rig, write_profile  # noqa: E402
 
 PROMPT = [(3 * i + 2) % 250 for i in range(120)]
 TOKENS = PROMPT + [4, 5, 6]
@@ -36,15 +36,10 @@ def store_reset_and_rerun(rig) -> list[int]:
 
 
 def fail_copies(rig, direction: str) -> None:
-    engine = rig.kv_worker.engine
-    copy = engine._copy
+    def fail() -> None:
+        raise RuntimeError(f"injected {direction} failure")
 
-    def broken(method, src, src_ids, dst, dst_ids, layer):
-        if (src is engine.kv) == (direction == "offload"):
-            raise RuntimeError(f"injected {direction} failure")
-        copy(method, src, src_ids, dst, dst_ids, layer)
-
-    engine._copy = broken
+    before_copies(rig.kv_worker, direction, fail)
 
 
 def test_the_engines_transfers_and_steps_feed_the_planners_profile(tmp_path):

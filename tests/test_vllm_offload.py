@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker  # noqa: E402
 
-from vllm_helpers import BLOCK_TOKENS, kv_value, make_rig  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, before_copies, kv_value, make_rig  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 250 for i in range(150)]
 
@@ -126,16 +126,12 @@ def test_two_kv_cache_groups_full_and_sliding_window(tmp_path):
 
 def slow_copies(worker: KVCopyOffloadingWorker, direction: str, seconds: float, started: threading.Event):
     """Makes the worker's engine sleep before each copy of ``direction`` ("offload" or "reload")."""
-    engine = worker.engine
-    copy = engine._copy
 
-    def slowed(method, src, src_ids, dst, dst_ids, layer):
-        if (src is engine.kv) == (direction == "offload"):
-            started.set()
-            time.sleep(seconds)
-        copy(method, src, src_ids, dst, dst_ids, layer)
+    def sleep() -> None:
+        started.set()
+        time.sleep(seconds)
 
-    engine._copy = slowed
+    before_copies(worker, direction, sleep)
 
 
 def test_a_load_of_chunks_a_slow_store_still_writes_reads_what_it_stored(tmp_path):

@@ -99,6 +99,20 @@ def write_profile(path, model: str, *, load_alpha_s: float, load_bytes_per_s: fl
     return str(path)
 
 
+def before_copies(worker, direction: str, hook) -> None:
+    """Makes kvcopy's worker engine call ``hook()`` before each copy of ``direction`` ("offload", a store, or
+    "reload", a load): a delay or a failure injected into the copy itself."""
+    engine = worker.engine
+    copy = engine._copy
+
+    def hooked(method, src, src_ids, dst, dst_ids, layer):
+        if (src is engine.kv) == (direction == "offload"):
+            hook()
+        copy(method, src, src_ids, dst, dst_ids, layer)
+
+    engine._copy = hooked
+
+
 def kv_value(tokens: Sequence[int], position: int, layer: int) -> float:
     """The KV a forward writes for the token at ``position`` of a request with ``tokens``: a function of its
     prefix (as attention's KV is), exact in fp32."""
