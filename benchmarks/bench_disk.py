@@ -1,17 +1,22 @@
 """KV blocks to and from a local disk: kvcopy's DiskKVStore against what a caller would otherwise write.
 
 A page-first HostKVPool of PLANES planes and a DiskKVStore laid out like it, in a directory on the disk under
-test. For each plane-block size, one call puts (writes) or gets (reads) BLOCKS blocks at random pool ids:
+test, its data file written through once before anything is timed (a store in service, whose slots have all
+been used: a fresh store's first writes also convert fallocate's unwritten extents, which every later write of
+that slot does not pay). For each plane-block size, one call puts (writes) or gets (reads) BLOCKS blocks at
+random pool ids:
 - ``kvcopy``: DiskKVStore.put / get: one NIXL POSIX transfer whose descriptors kvcopy's range planner merged
-  (adjacent slots and pool ids), with what makes it safe: the CRC-32 of every block, the data's fsync and the
-  index commit for a put, the CRC check for a get;
-- ``per-block pwrite/pread``: os.pwrite / os.pread of each block at its slot, on the same file descriptor
-  (O_DIRECT where the store uses it), then one fsync for writes;
+  (adjacent slots and pool ids), with what makes it safe: the XXH3 checksum of every block, the data's fsync
+  and the index commit for a put, the checksum check for a get;
+- ``per-block pwrite/pread``: os.pwrite / os.pread of each block at its slot, on the data file opened as the
+  store opens it (O_DIRECT where it can), then one fsync for writes;
 - ``contiguous (limit)``: one os.pwrite / os.pread of the same bytes as a single range (fsync for writes).
-Reads are cold: through O_DIRECT when the block size allows (the store says whether it could), else after
-dropping the file's pages (posix_fadvise DONTNEED). ``--queues`` also runs kvcopy's put and get under each
-NIXL POSIX queue (io_uring, Linux AIO, POSIX AIO) the machine accepts. Each row: the median of REPEATS calls,
-GB/s and the ratio to the limit, with the machine's identity and the filesystem.
+Op ``read`` reads a put's blocks back in the order it wrote them (a prefix resumed: the store gave it adjacent
+slots); ``read-random`` reads the same blocks in a random order (each still into its own pool block), which on
+a disk is a random read per block. Reads are cold: through O_DIRECT when the block size allows (the store
+says whether it could), else after dropping the file's pages. ``--queues`` also runs kvcopy's put and get
+under each NIXL POSIX queue (io_uring, Linux AIO, POSIX AIO) the machine accepts. Each row: the median of
+REPEATS calls, GB/s and the ratio to the limit, with the machine's identity and the filesystem.
 
     .venv/bin/python benchmarks/bench_disk.py --dir /path/on/the/disk [--sizes 2,8,32,128] [--blocks 64]
                                               [--repeats 5] [--queues] [--csv out.csv]
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import mmap
 import os
 import shutil
 import statistics
@@ -37,6 +43,8 @@ from kvcopy.storage._disk_file import filesystem_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
+READS = ("read", "read-random")  # a put's blocks read back in its order, and in a random one
+WRITE_THROUGH_BYTES = 16 << 20  # the untimed write-through of the data file, in chunks of this size
 COLUMNS = (
     "op",
     "method",
@@ -53,6 +61,14 @@ COLUMNS = (
 
 def _hashes(n: int, salt: int) -> list[str]:
     return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def _write_through(fd: int, nbytes: int) -> None:
+    """Writes every byte of the data file once (zeros, synced), as a store in service has."""
+    chunk = memoryview(mmap.mmap(-1, WRITE_THROUGH_BYTES))  # zeros, page-aligned (as O_DIRECT wants)
+    for offset in range(0, nbytes, WRITE_THROUGH_BYTES):
+        os.pwrite(fd, chunk[: min(WRITE_THROUGH_BYTES, nbytes - offset)], offset)
+    os.fsync(fd)
 
 
 def _timed(calls: int, body) -> float:
@@ -78,6 +94,8 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue:
         store = DiskKVStore.create(path, pool, blocks * (repeats + 1), cache_key=key)
     finally:
         _disk_file.POSIX_QUEUES = saved
+    fd, direct = _disk_file.open_data(path, pool.nbytes_per_block)  # the store's data file, opened as it does
+    _write_through(fd, blocks * (repeats + 1) * pool.nbytes_per_block)
     gen = torch.Generator().manual_seed(plane_bytes)
     block = pool.nbytes_per_block
     nbytes = blocks * block
@@ -91,44 +109,59 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue:
             descriptors["write"] = transfer.num_descriptors
             transfer.wait()
 
-        def get(i: int) -> None:
-            slots = store.match(_hashes(blocks, salt=i))
-            order = torch.randperm(len(slots), generator=gen).tolist()  # random slots, random pool ids
-            if not store.direct:
-                os.posix_fadvise(store._fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            transfer = store.get([slots[j] for j in order], pool, ids[i][order])  # each block back in its place
-            descriptors["read"] = transfer.num_descriptors
-            transfer.wait()
+        slots: list[list[int]] = []  # per put, the slots it filled
+        shuffles = [torch.randperm(blocks, generator=gen).tolist() for _ in range(repeats)]
+
+        def order(op: str, i: int) -> tuple[list[int], list[int]]:
+            """(store slots, pool ids) of get ``i``: in the order put ``i`` wrote them, or shuffled alike."""
+            mine, pool_ids = slots[i], ids[i].tolist()
+            if op == "read":
+                return mine, pool_ids
+            return [mine[j] for j in shuffles[i]], [pool_ids[j] for j in shuffles[i]]
+
+        def get(op: str):
+            def body(i: int) -> None:
+                store.drop_page_cache()
+                store_slots, pool_ids = order(op, i)
+                transfer = store.get(store_slots, pool, pool_ids)  # each block back into its own pool block
+                descriptors[op] = transfer.num_descriptors
+                transfer.wait()
+
+            return body
 
         expected = pool.buffer.clone()
-        measured = {("write", "kvcopy"): _timed(repeats, put), ("read", "kvcopy"): _timed(repeats, get)}
-        for i in range(repeats):  # untimed: what each get brings back is what its put wrote, bitwise
-            for pool_id in ids[i].tolist():
-                pool.block_bytes(pool_id).zero_()
-            get(i)
-            if not torch.equal(pool.buffer, expected):
-                raise SystemExit(f"bench_disk: a get of {plane_bytes}-byte plane-blocks read back different bytes")
+        measured = {("write", "kvcopy"): _timed(repeats, put)}
+        slots[:] = [store.match(_hashes(blocks, salt=i)) for i in range(repeats)]
+        for op in READS:
+            measured[(op, "kvcopy")] = _timed(repeats, get(op))
+            for i in range(repeats):  # untimed: what each get brings back is what its put wrote, bitwise
+                for pool_id in ids[i].tolist():
+                    pool.block_bytes(pool_id).zero_()
+                get(op)(i)
+                if not torch.equal(pool.buffer, expected):
+                    raise SystemExit(f"bench_disk: a get of {plane_bytes}-byte plane-blocks read back other bytes")
         if queue is None:
-            fd, view = store._fd, pool.buffer.numpy()
+            view = pool.buffer.numpy()
 
-            def per_block(write: bool):
+            def per_block(op: str):
                 def body(i: int) -> None:
-                    if not write and not store.direct:
+                    if op != "write" and not direct:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    for slot, pool_id in enumerate(ids[i].tolist()):
+                    for slot, pool_id in zip(*order("read" if op == "write" else op, i)):
                         chunk = view[pool_id * block : (pool_id + 1) * block]
-                        if write:
+                        if op == "write":
                             os.pwrite(fd, chunk, slot * block)
                         else:
                             os.preadv(fd, [chunk], slot * block)
-                    if write:
+                    if op == "write":
                         os.fsync(fd)
 
                 return body
 
-            def contiguous(write: bool):
+            def contiguous(op: str):
                 def body(i: int) -> None:
-                    if not write and not store.direct:
+                    write = op == "write"
+                    if not write and not direct:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     if write:
                         os.pwrite(fd, view[:nbytes], 0)
@@ -138,11 +171,12 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue:
 
                 return body
 
-            for op, write in (("write", True), ("read", False)):
-                measured[(op, "per-block pwrite/pread")] = _timed(repeats, per_block(write))
-                measured[(op, "contiguous (limit)")] = _timed(repeats, contiguous(write))
+            for op in ("write", *READS):
+                measured[(op, "per-block pwrite/pread")] = _timed(repeats, per_block(op))
+                measured[(op, "contiguous (limit)")] = _timed(repeats, contiguous(op))
                 descriptors[(op, "per-block pwrite/pread")] = blocks
                 descriptors[(op, "contiguous (limit)")] = 1
+    os.close(fd)
     shutil.rmtree(path, ignore_errors=True)
     for (op, method), seconds in measured.items():
         rows.append(
@@ -196,11 +230,11 @@ def main() -> int:
         f"{args.blocks} random page-first blocks of {PLANES} planes per call, on {filesystem}, "
         f"{'O_DIRECT (cold)' if direct else 'page cache dropped before reads'}, median of {args.repeats}"
     )
-    header = f"{'op':<5} {'KiB/plane-block':>15} {'method':<24} {'queue':<16} {'descr.':>6} {'ms':>9} {'GB/s':>7}"
+    header = f"{'op':<11} {'KiB/plane-block':>15} {'method':<24} {'queue':<16} {'descr.':>6} {'ms':>9} {'GB/s':>7}"
     print(f"{header} {'x limit':>8}")
     for r in sorted(rows, key=lambda r: (r["op"], r["plane_block_bytes"], r["method"], r["queue"])):
         print(
-            f"{r['op']:<5} {r['plane_block_bytes'] // 1024:>15} {r['method']:<24} {r['queue']:<16} "
+            f"{r['op']:<11} {r['plane_block_bytes'] // 1024:>15} {r['method']:<24} {r['queue']:<16} "
             f"{r['descriptors']:>6} {r['median_s'] * 1e3:>9.2f} {r['gbps']:>7.2f} {r['x_limit']:>8.2f}"
         )
     if args.csv:

@@ -21,7 +21,7 @@ def h(i: int) -> str:
 
 
 def state(log: CommitLog) -> dict[int, tuple[str, int]]:
-    return {slot: (log.get(e.block_hash).block_hash, e.crc) for slot, e in log._by_slot.items()}
+    return {slot: (log.get(e.block_hash).block_hash, e.checksum) for slot, e in log._by_slot.items()}
 
 
 def test_commits_and_frees_survive_a_reopen(tmp_path):
@@ -136,6 +136,6 @@ def test_a_writer_killed_mid_append_leaves_every_reported_commit(tmp_path, delay
     # the latest reported commit of every slot but the one the child was reusing (its FREE may be durable)
     for i in range(max(0, last - 62), last + 1):
         entry = log.get(h(i))
-        assert entry is not None and entry.slot == i % 64 and entry.crc == i
+        assert entry is not None and entry.slot == i % 64 and entry.checksum == i
     for entry in log._by_slot.values():  # nothing it had not at least begun: one commit past the last reported
-        assert entry.crc <= last + 1
+        assert entry.checksum <= last + 1

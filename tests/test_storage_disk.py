@@ -119,6 +119,22 @@ def test_a_run_of_adjacent_blocks_is_one_descriptor(tmp_path):
         scattered.wait()
 
 
+def test_a_put_of_stored_hashes_and_a_get_of_nothing_move_nothing(tmp_path):
+    """An engine saving a prefix it saved before (a second run) or resuming with no hit: done at once."""
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+        store.put(hashes(3), pool, [0, 1, 2]).wait()
+        slots = store.match(hashes(3))
+        again = store.put(hashes(3), other, [0, 1, 2])  # the same hashes, other bytes: the stored blocks stay
+        assert again.done() and again.num_descriptors == 0 and again.nbytes == 0
+        again.wait()
+        nothing = store.get([], other, [])
+        assert nothing.done() and nothing.num_descriptors == 0
+        assert store.match(hashes(3)) == slots
+        store.get(slots, other, [3, 4, 5]).wait()
+        assert all(other.block_bytes(3 + i).equal(pool.block_bytes(i)) for i in range(3))
+
+
 def test_a_corrupt_block_is_named_never_returned(tmp_path):
     pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
     with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
@@ -129,7 +145,7 @@ def test_a_corrupt_block_is_named_never_returned(tmp_path):
             f.write(b"\x00" * 8)
             f.flush()
             os.fsync(f.fileno())
-        os.posix_fadvise(store._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        store.drop_page_cache()
         with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]") as caught:
             store.get(slots, other, [5, 6, 7]).wait()
         assert caught.value.slots == [slots[1]]

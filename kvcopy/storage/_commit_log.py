@@ -6,12 +6,13 @@ commit point (docs/decisions.md, "The disk store's commit scheme"):
 1. before a slot is reused, a FREE record for it is appended and synced, so
    after a crash the slot's old hash never points at bytes being overwritten;
 2. the data is written and synced;
-3. a COMMIT record (slot, hash, the data's CRC-32) is appended and synced.
+3. a COMMIT record (slot, hash, the data's 64-bit XXH3 checksum) is appended
+   and synced.
 
 Each record carries its own CRC-32; replay stops at the first record that is
 short or does not check (the tail a crash tore) and truncates the file
 there, so a later append starts on a record boundary. A COMMIT whose data is
-later found not to match its CRC (a lost write the disk acknowledged) is
+later found not to match its checksum (a lost write the disk acknowledged) is
 refused when read, never returned. The log is compacted into a fresh file
 (written, synced, renamed over the old one) once it holds more than
 COMPACT_FACTOR records per slot.
@@ -33,9 +34,9 @@ __all__ = ["COMMIT", "FREE", "CommitLog", "Entry"]
 
 MAGIC = b"KVCOPYLOG1\n\0\0\0\0\0"  # the file's first 16 bytes: format and version
 COMMIT, FREE = 1, 2
-# kind, sequence number, slot, block hash (the 32 bytes of a SHA-256 hex digest), data CRC-32; then the record's
-# own CRC-32 over those fields.
-_FIELDS = struct.Struct("<4sB3xQI32sI")
+# kind, sequence number, slot, block hash (the 32 bytes of a SHA-256 hex digest), the data's XXH3-64; then the
+# record's own CRC-32 over those fields (a record is 64 bytes: zlib's CRC is fast enough there).
+_FIELDS = struct.Struct("<4sB3xQI32sQ")
 _RECORD_MAGIC = b"KVR1"
 RECORD_BYTES = _FIELDS.size + 4
 # Compact when the log holds this many records per slot: a compaction rewrites at most one record per slot, so
@@ -45,11 +46,11 @@ COMPACT_FACTOR = 8
 
 @dataclass(frozen=True)
 class Entry:
-    """A committed block: its slot, its hash (hex) and the CRC-32 of its bytes."""
+    """A committed block: its slot, its hash (hex) and the XXH3-64 checksum of its bytes."""
 
     slot: int
     block_hash: str
-    crc: int
+    checksum: int
 
 
 def _hash_bytes(block_hash: str) -> bytes:
@@ -59,8 +60,8 @@ def _hash_bytes(block_hash: str) -> bytes:
     return raw
 
 
-def _record(kind: int, seq: int, slot: int, block_hash: bytes, crc: int) -> bytes:
-    body = _FIELDS.pack(_RECORD_MAGIC, kind, seq, slot, block_hash, crc)
+def _record(kind: int, seq: int, slot: int, block_hash: bytes, checksum: int) -> bytes:
+    body = _FIELDS.pack(_RECORD_MAGIC, kind, seq, slot, block_hash, checksum)
     return body + struct.pack("<I", zlib.crc32(body))
 
 
@@ -112,16 +113,16 @@ class CommitLog:
             (check,) = struct.unpack_from("<I", data, at + _FIELDS.size)
             if zlib.crc32(body) != check:
                 break
-            magic, kind, seq, slot, raw_hash, crc = _FIELDS.unpack(body)
+            magic, kind, seq, slot, raw_hash, checksum = _FIELDS.unpack(body)
             if magic != _RECORD_MAGIC or kind not in (COMMIT, FREE) or slot >= self.num_slots:
                 break
-            self._apply(kind, slot, raw_hash.hex(), crc)
+            self._apply(kind, slot, raw_hash.hex(), checksum)
             self._seq = max(self._seq, seq)
             self._records += 1
             at += RECORD_BYTES
         return at
 
-    def _apply(self, kind: int, slot: int, block_hash: str, crc: int) -> None:
+    def _apply(self, kind: int, slot: int, block_hash: str, checksum: int) -> None:
         old = self._by_slot.pop(slot, None)
         if old is not None and self._by_hash.get(old.block_hash) is old:
             del self._by_hash[old.block_hash]
@@ -129,7 +130,7 @@ class CommitLog:
             previous = self._by_hash.get(block_hash)
             if previous is not None:  # the same hash committed to another slot: the newer wins
                 self._by_slot.pop(previous.slot, None)
-            entry = Entry(slot, block_hash, crc)
+            entry = Entry(slot, block_hash, checksum)
             self._by_slot[slot] = entry
             self._by_hash[block_hash] = entry
 
@@ -137,9 +138,9 @@ class CommitLog:
 
     def _append(self, records: Iterable[tuple[int, int, bytes, int]]) -> None:
         payload = b""
-        for kind, slot, raw_hash, crc in records:
+        for kind, slot, raw_hash, checksum in records:
             self._seq += 1
-            payload += _record(kind, self._seq, slot, raw_hash, crc)
+            payload += _record(kind, self._seq, slot, raw_hash, checksum)
         if not payload:
             return
         os.write(self._fd, payload)
@@ -157,9 +158,9 @@ class CommitLog:
         """Records ``entries`` (their data already synced), durably; then compacts if the log has grown."""
         entries = list(entries)
         raw = [_hash_bytes(e.block_hash) for e in entries]
-        self._append((COMMIT, e.slot, h, e.crc) for e, h in zip(entries, raw))
+        self._append((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw))
         for entry in entries:
-            self._apply(COMMIT, entry.slot, entry.block_hash, entry.crc)
+            self._apply(COMMIT, entry.slot, entry.block_hash, entry.checksum)
         if self._records > COMPACT_FACTOR * max(self.num_slots, 1):
             self.compact()
 
@@ -170,7 +171,7 @@ class CommitLog:
         try:
             live = list(self._by_slot.values())
             payload = MAGIC + b"".join(
-                _record(COMMIT, i + 1, e.slot, _hash_bytes(e.block_hash), e.crc) for i, e in enumerate(live)
+                _record(COMMIT, i + 1, e.slot, _hash_bytes(e.block_hash), e.checksum) for i, e in enumerate(live)
             )
             os.write(fd, payload)
             os.fsync(fd)

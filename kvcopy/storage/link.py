@@ -78,8 +78,7 @@ def measure_disk(directory: str, sweep: LinkSweep = QUICK_SWEEP, *, progress: bo
 
                 def get() -> None:
                     i = next(read)
-                    if not store.direct:
-                        os.posix_fadvise(store._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    store.drop_page_cache()
                     transfer = store.get(store.match(hashes[i]), pool, ids[i])
                     descriptors[DISK_READ].append(transfer.num_descriptors)
                     transfer.wait()
