@@ -10,6 +10,7 @@ random pool ids:
   and the index commit for a put, the checksum check for a get;
 - ``per-block pwrite/pread``: os.pwrite / os.pread of each block at its slot, on the data file opened as the
   store opens it (O_DIRECT where it can), then one fsync for writes;
+- ``per-block, 8 threads``: the same calls from THREADS threads, so the disk sees several requests at once;
 - ``contiguous (limit)``: one os.pwrite / os.pread of the same bytes as a single range (fsync for writes).
 Op ``read`` reads a put's blocks back in the order it wrote them (a prefix resumed: the store gave it adjacent
 slots); ``read-random`` reads the same blocks in a random order (each still into its own pool block), which on
@@ -33,6 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +46,8 @@ from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
 READS = ("read", "read-random")  # a put's blocks read back in its order, and in a random one
+THREADS = 8  # the threaded per-block loop: as many requests in flight as a small io_uring queue would keep
+THREADED = f"per-block, {THREADS} threads"
 WRITE_THROUGH_BYTES = 16 << 20  # the untimed write-through of the data file, in chunks of this size
 COLUMNS = (
     "op",
@@ -143,16 +147,23 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue:
         if queue is None:
             view = pool.buffer.numpy()
 
-            def per_block(op: str):
+            def per_block(op: str, threads: ThreadPoolExecutor | None = None):
+                def one(slot: int, pool_id: int) -> None:
+                    chunk = view[pool_id * block : (pool_id + 1) * block]
+                    if op == "write":
+                        os.pwrite(fd, chunk, slot * block)
+                    else:
+                        os.preadv(fd, [chunk], slot * block)
+
                 def body(i: int) -> None:
                     if op != "write" and not direct:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    for slot, pool_id in zip(*order("read" if op == "write" else op, i)):
-                        chunk = view[pool_id * block : (pool_id + 1) * block]
-                        if op == "write":
-                            os.pwrite(fd, chunk, slot * block)
-                        else:
-                            os.preadv(fd, [chunk], slot * block)
+                    pairs = order("read" if op == "write" else op, i)
+                    if threads is None:
+                        for slot, pool_id in zip(*pairs):
+                            one(slot, pool_id)
+                    else:  # os.pread/pwrite release the GIL: the disk sees THREADS requests at once
+                        list(threads.map(one, *pairs))
                     if op == "write":
                         os.fsync(fd)
 
@@ -171,11 +182,13 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue:
 
                 return body
 
-            for op in ("write", *READS):
-                measured[(op, "per-block pwrite/pread")] = _timed(repeats, per_block(op))
-                measured[(op, "contiguous (limit)")] = _timed(repeats, contiguous(op))
-                descriptors[(op, "per-block pwrite/pread")] = blocks
-                descriptors[(op, "contiguous (limit)")] = 1
+            with ThreadPoolExecutor(THREADS) as threads:
+                for op in ("write", *READS):
+                    measured[(op, "per-block pwrite/pread")] = _timed(repeats, per_block(op))
+                    measured[(op, THREADED)] = _timed(repeats, per_block(op, threads))
+                    measured[(op, "contiguous (limit)")] = _timed(repeats, contiguous(op))
+                    descriptors[(op, "per-block pwrite/pread")] = descriptors[(op, THREADED)] = blocks
+                    descriptors[(op, "contiguous (limit)")] = 1
     os.close(fd)
     shutil.rmtree(path, ignore_errors=True)
     for (op, method), seconds in measured.items():

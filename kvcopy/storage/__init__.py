@@ -4,9 +4,10 @@
 a directory, committed to its index (kvcopy/storage/_commit_log.py) only
 after their data is on disk, so a crash never leaves a torn or foreign block
 that matches. :mod:`kvcopy.storage.link` measures its writes and reads into a
-Profile (``kvcopy calibrate --disk``). In progress (issue [disk]): the
-planner's "reload from disk" and an engine using it are still to come.
-NIXL is needed (``pip install 'kvcopy[nixl]'``).
+Profile (``kvcopy calibrate --disk``), for the Planner's
+``decide(..., from_disk=True)``. examples/disk_prefix_cache.py is an
+engine's prefix cache that survives a restart through it. NIXL is needed
+(``pip install 'kvcopy[nixl]'``).
 """
 
 from __future__ import annotations
