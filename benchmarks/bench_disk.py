@@ -16,8 +16,10 @@ Op ``read`` reads a put's blocks back in the order it wrote them (a prefix resum
 slots); ``read-random`` reads the same blocks in a random order (each still into its own pool block), which on
 a disk is a random read per block. Reads are cold: through O_DIRECT when the block size allows (the store
 says whether it could), else after dropping the file's pages. ``--queues`` also runs kvcopy's put and get
-under each NIXL POSIX queue (io_uring, Linux AIO, POSIX AIO) the machine accepts. Each row: the median of
-REPEATS calls, GB/s and the ratio to the limit, with the machine's identity and the filesystem.
+under each NIXL POSIX queue (io_uring, Linux AIO, POSIX AIO) the machine accepts, a store of its own each.
+Every method is timed in the same rounds, in turn (a cloud disk's speed drifts from minute to minute: timed
+one after the other, the later methods looked up to 1.6x slower). Each row: the median of REPEATS calls,
+GB/s and the ratio to the limit, with the machine's identity and the filesystem.
 
     .venv/bin/python benchmarks/bench_disk.py --dir /path/on/the/disk [--sizes 2,8,32,128] [--blocks 64]
                                               [--repeats 5] [--queues] [--csv out.csv]
@@ -75,137 +77,161 @@ def _write_through(fd: int, nbytes: int) -> None:
     os.fsync(fd)
 
 
-def _timed(calls: int, body) -> float:
-    times = []
+def _interleaved(calls: int, bodies: dict) -> dict:
+    """Median seconds of each body over ``calls`` rounds; each round runs every body once, in turn, so a disk
+    whose speed drifts (a cloud disk's burst credits) slows every method alike."""
+    times: dict = {key: [] for key in bodies}
     for i in range(calls):
-        started = time.perf_counter()
-        body(i)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for key, body in bodies.items():
+            started = time.perf_counter()
+            body(i)
+            times[key].append(time.perf_counter() - started)
+    return {key: statistics.median(samples) for key, samples in times.items()}
 
 
-def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queue: str | None) -> list[dict]:
-    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_bytes, dtype=torch.uint8)] * PLANES)
-    pool = kvcopy.HostKVPool(like, 2 * blocks, pin_memory=False)
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
+def _store(directory: str, pool: kvcopy.HostKVPool, num_blocks: int, queue: str | None) -> DiskKVStore:
+    """A store under NIXL POSIX's ``queue`` (None: the one "auto" picks), its data file written through once."""
     key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="bench", block_tokens=16)
-    path = os.path.join(directory, f"store-{plane_bytes}")
+    path = os.path.join(directory, f"store-{pool.nbytes_per_block}-{queue or 'auto'}")
     shutil.rmtree(path, ignore_errors=True)
     saved = _disk_file.POSIX_QUEUES
     if queue is not None:
-        _disk_file.POSIX_QUEUES = (queue,)  # this run's queue only
+        _disk_file.POSIX_QUEUES = (queue,)  # this store's queue only
     try:
-        store = DiskKVStore.create(path, pool, blocks * (repeats + 1), cache_key=key)
+        store = DiskKVStore.create(path, pool, num_blocks, cache_key=key)
     finally:
         _disk_file.POSIX_QUEUES = saved
-    fd, direct = _disk_file.open_data(path, pool.nbytes_per_block)  # the store's data file, opened as it does
-    _write_through(fd, blocks * (repeats + 1) * pool.nbytes_per_block)
+    fd, _ = _disk_file.open_data(path, pool.nbytes_per_block)
+    _write_through(fd, num_blocks * pool.nbytes_per_block)
+    os.close(fd)
+    return store
+
+
+def _stores(directory: str, pool: kvcopy.HostKVPool, num_blocks: int, queues: bool) -> dict[str, DiskKVStore]:
+    """By queue label: the "auto" store, and with ``queues`` one per NIXL POSIX queue this machine accepts."""
+    stores = {"auto": _store(directory, pool, num_blocks, None)}
+    for queue in _disk_file.POSIX_QUEUES if queues else ():
+        try:
+            stores[queue] = _store(directory, pool, num_blocks, queue)
+        except RuntimeError as err:  # this kernel or NIXL build refuses the queue
+            print(f"queue {queue}: not available here ({err})")
+    return stores
+
+
+def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues: bool) -> list[dict]:
+    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_bytes, dtype=torch.uint8)] * PLANES)
+    pool = kvcopy.HostKVPool(like, 2 * blocks, pin_memory=False)
+    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
+    stores = _stores(directory, pool, blocks * (repeats + 1), queues)
+    auto = stores["auto"]
+    fd, direct = _disk_file.open_data(auto.path, pool.nbytes_per_block)  # opened as the store opens it
     gen = torch.Generator().manual_seed(plane_bytes)
     block = pool.nbytes_per_block
     nbytes = blocks * block
-    rows = []
-    with store:
-        ids = [torch.randperm(2 * blocks, generator=gen)[:blocks] for _ in range(repeats)]
-        descriptors = {}
+    view = pool.buffer.numpy()
+    ids = [torch.randperm(2 * blocks, generator=gen)[:blocks] for _ in range(repeats)]
+    shuffles = [torch.randperm(blocks, generator=gen).tolist() for _ in range(repeats)]
+    slots: dict[str, list[list[int]]] = {label: [] for label in stores}  # per store and put, the slots it filled
+    descriptors: dict = {}
 
-        def put(i: int) -> None:
-            transfer = store.put(_hashes(blocks, salt=i), pool, ids[i])
-            descriptors["write"] = transfer.num_descriptors
-            transfer.wait()
+    def order(label: str, op: str, i: int) -> tuple[list[int], list[int]]:
+        """(store slots, pool ids) of get ``i``: in the order put ``i`` wrote them, or shuffled alike."""
+        mine, pool_ids = slots[label][i], ids[i].tolist()
+        if op in ("write", "read"):
+            return mine, pool_ids
+        return [mine[j] for j in shuffles[i]], [pool_ids[j] for j in shuffles[i]]
 
-        slots: list[list[int]] = []  # per put, the slots it filled
-        shuffles = [torch.randperm(blocks, generator=gen).tolist() for _ in range(repeats)]
+    def kvcopy_call(label: str, op: str):
+        store = stores[label]
 
-        def order(op: str, i: int) -> tuple[list[int], list[int]]:
-            """(store slots, pool ids) of get ``i``: in the order put ``i`` wrote them, or shuffled alike."""
-            mine, pool_ids = slots[i], ids[i].tolist()
-            if op == "read":
-                return mine, pool_ids
-            return [mine[j] for j in shuffles[i]], [pool_ids[j] for j in shuffles[i]]
-
-        def get(op: str):
-            def body(i: int) -> None:
-                store.drop_page_cache()
-                store_slots, pool_ids = order(op, i)
-                transfer = store.get(store_slots, pool, pool_ids)  # each block back into its own pool block
-                descriptors[op] = transfer.num_descriptors
+        def body(i: int) -> None:
+            if op == "write":
+                transfer = store.put(_hashes(blocks, salt=i), pool, ids[i])
                 transfer.wait()
+                slots[label].append(store.match(_hashes(blocks, salt=i)))
+            else:
+                store.drop_page_cache()
+                store_slots, pool_ids = order(label, op, i)
+                transfer = store.get(store_slots, pool, pool_ids)  # each block back into its own pool block
+                transfer.wait()
+            descriptors[(op, label)] = transfer.num_descriptors
 
-            return body
+        return body
 
-        expected = pool.buffer.clone()
-        measured = {("write", "kvcopy"): _timed(repeats, put)}
-        slots[:] = [store.match(_hashes(blocks, salt=i)) for i in range(repeats)]
+    def per_block(op: str, threads: ThreadPoolExecutor | None = None):
+        def one(slot: int, pool_id: int) -> None:
+            chunk = view[pool_id * block : (pool_id + 1) * block]
+            if op == "write":
+                os.pwrite(fd, chunk, slot * block)  # the bytes the store's put wrote there: it stays valid
+            else:
+                os.preadv(fd, [chunk], slot * block)
+
+        def body(i: int) -> None:
+            if op != "write" and not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            pairs = order("auto", op, i)
+            if threads is None:
+                for slot, pool_id in zip(*pairs):
+                    one(slot, pool_id)
+            else:  # os.pread/pwrite release the GIL: the disk sees THREADS requests at once
+                list(threads.map(one, *pairs))
+            if op == "write":
+                os.fsync(fd)
+
+        return body
+
+    spare = repeats * nbytes  # the store's last `blocks` slots, which no put fills (puts take free slots in order)
+
+    def contiguous(op: str):
+        def body(i: int) -> None:
+            if op == "write":
+                os.pwrite(fd, view[:nbytes], spare)
+                os.fsync(fd)
+                return
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.preadv(fd, [view[:nbytes]], spare)
+
+        return body
+
+    expected = pool.buffer.clone()
+    measured: dict = {}
+    with ThreadPoolExecutor(THREADS) as threads:
+        for op in ("write", *READS):  # the writes first: the reads read what they wrote
+            bodies = {("kvcopy", label): kvcopy_call(label, op) for label in stores}
+            bodies[("per-block pwrite/pread", "")] = per_block(op)
+            bodies[(THREADED, "")] = per_block(op, threads)
+            bodies[("contiguous (limit)", "")] = contiguous(op)
+            measured.update({(op, *key): seconds for key, seconds in _interleaved(repeats, bodies).items()})
+            descriptors[(op, "")] = blocks
+    for label in stores:
         for op in READS:
-            measured[(op, "kvcopy")] = _timed(repeats, get(op))
             for i in range(repeats):  # untimed: what each get brings back is what its put wrote, bitwise
                 for pool_id in ids[i].tolist():
                     pool.block_bytes(pool_id).zero_()
-                get(op)(i)
+                kvcopy_call(label, op)(i)
                 if not torch.equal(pool.buffer, expected):
                     raise SystemExit(f"bench_disk: a get of {plane_bytes}-byte plane-blocks read back other bytes")
-        if queue is None:
-            view = pool.buffer.numpy()
-
-            def per_block(op: str, threads: ThreadPoolExecutor | None = None):
-                def one(slot: int, pool_id: int) -> None:
-                    chunk = view[pool_id * block : (pool_id + 1) * block]
-                    if op == "write":
-                        os.pwrite(fd, chunk, slot * block)
-                    else:
-                        os.preadv(fd, [chunk], slot * block)
-
-                def body(i: int) -> None:
-                    if op != "write" and not direct:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    pairs = order("read" if op == "write" else op, i)
-                    if threads is None:
-                        for slot, pool_id in zip(*pairs):
-                            one(slot, pool_id)
-                    else:  # os.pread/pwrite release the GIL: the disk sees THREADS requests at once
-                        list(threads.map(one, *pairs))
-                    if op == "write":
-                        os.fsync(fd)
-
-                return body
-
-            def contiguous(op: str):
-                def body(i: int) -> None:
-                    write = op == "write"
-                    if not write and not direct:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    if write:
-                        os.pwrite(fd, view[:nbytes], 0)
-                        os.fsync(fd)
-                    else:
-                        os.preadv(fd, [view[:nbytes]], 0)
-
-                return body
-
-            with ThreadPoolExecutor(THREADS) as threads:
-                for op in ("write", *READS):
-                    measured[(op, "per-block pwrite/pread")] = _timed(repeats, per_block(op))
-                    measured[(op, THREADED)] = _timed(repeats, per_block(op, threads))
-                    measured[(op, "contiguous (limit)")] = _timed(repeats, contiguous(op))
-                    descriptors[(op, "per-block pwrite/pread")] = descriptors[(op, THREADED)] = blocks
-                    descriptors[(op, "contiguous (limit)")] = 1
     os.close(fd)
-    shutil.rmtree(path, ignore_errors=True)
-    for (op, method), seconds in measured.items():
+    rows = []
+    for (op, method, label), seconds in measured.items():
         rows.append(
             {
                 "op": op,
                 "method": method,
-                "queue": (store.queue if queue else f"auto: {store.queue}") if method == "kvcopy" else "",
+                "queue": ("" if method != "kvcopy" else f"auto: {auto.queue}" if label == "auto" else label),
                 "plane_block_bytes": plane_bytes,
                 "num_blocks": blocks,
                 "bytes": nbytes,
-                "descriptors": descriptors[op] if method == "kvcopy" else descriptors[(op, method)],
+                "descriptors": 1 if method.startswith("contiguous") else descriptors[(op, label)],
                 "median_s": seconds,
                 "gbps": nbytes / seconds / 1e9,
-                "direct": store.direct,
+                "direct": auto.direct,
             }
         )
+    for store in stores.values():
+        store.close()
+        shutil.rmtree(store.path, ignore_errors=True)
     return rows
 
 
@@ -224,13 +250,7 @@ def main() -> int:
     filesystem = filesystem_of(directory)
     rows = []
     for kib in (int(s) for s in args.sizes.split(",")):
-        rows += _measure(directory, kib * 1024, args.blocks, args.repeats, None)
-        if args.queues:
-            for queue in _disk_file.POSIX_QUEUES:
-                try:
-                    rows += [r for r in _measure(directory, kib * 1024, args.blocks, args.repeats, queue)]
-                except RuntimeError as err:  # this kernel or NIXL build refuses the queue
-                    print(f"queue {queue}: not available here ({err})")
+        rows += _measure(directory, kib * 1024, args.blocks, args.repeats, args.queues)
     if args.dir is None:
         shutil.rmtree(directory, ignore_errors=True)
     limits = {(r["op"], r["plane_block_bytes"]): r["median_s"] for r in rows if r["method"] == "contiguous (limit)"}

@@ -240,6 +240,10 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"profile: expected a path to a profile JSON file, got {type(path).__name__}")
+        if Path(path).is_dir():
+            raise ValueError(f"profile: {path} is a directory, expected a profile JSON file (kvcopy calibrate --out)")
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:

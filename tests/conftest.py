@@ -22,6 +22,15 @@ import pytest  # noqa: E402
 import kvcopy  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+
+# Bounds that only a hang reaches, never a slow machine (the suite must hold at a load average of 10 on 2
+# cores): ten times what the step they guard takes on the idle CI machine, rounded up. A held copy handed
+# over between threads, a transfer, a peer's reply: under a second idle, 25 s for a peer process to start
+# on a busy box.
+HANG_TIMEOUT_S = 300.0
+# A command a test runs: `kvcopy calibrate --quick` about 60 s idle, the device check's dry run and the
+# benchmarks some minutes, an example or a kernel compile under a minute.
+SUBPROCESS_TIMEOUT_S = 1800.0
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 gpu = pytest.mark.gpu
 

@@ -17,8 +17,10 @@ import pytest
 
 import kvcopy
 
+from conftest import HANG_TIMEOUT_S
+
 # A held call gives up after this long (the transfer then fails) rather than hang the suite.
-GATE_TIMEOUT_S = 30.0
+GATE_TIMEOUT_S = HANG_TIMEOUT_S
 
 
 def writes_into(region_owner) -> Callable:
@@ -83,14 +85,14 @@ class Gate:
             self._open = True
             self._cond.notify_all()
 
-    def wait_held(self, n: int = 1, timeout: float = 10.0) -> None:
+    def wait_held(self, n: int = 1, timeout: float = HANG_TIMEOUT_S) -> None:
         """Blocks until at least ``n`` calls are waiting at the gate."""
         with self._cond:
             assert self._cond.wait_for(lambda: self._waiting >= n, timeout), (
                 f"expected {n} calls held at the gate, {self._waiting} are"
             )
 
-    def wait_finished(self, n: int, timeout: float = 10.0) -> None:
+    def wait_finished(self, n: int, timeout: float = HANG_TIMEOUT_S) -> None:
         """Blocks until ``n`` calls have finished their copy."""
         with self._cond:
             assert self._cond.wait_for(lambda: self.finished >= n, timeout), (

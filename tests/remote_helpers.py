@@ -8,8 +8,10 @@ from contextlib import contextmanager
 
 import torch
 
-# Seconds a test waits for the remote process to answer (it imports torch and NIXL first).
-REPLY_TIMEOUT_S = 120
+from conftest import HANG_TIMEOUT_S
+
+# Seconds a test waits for the remote process to answer (it imports torch and NIXL first): only a hang.
+REPLY_TIMEOUT_S = HANG_TIMEOUT_S
 
 # Pool shapes, by name: (block shapes per plane, dtypes, planes per layer). fp8 K/V with float32 scale planes too.
 LAYOUTS = {

@@ -12,6 +12,7 @@ import torch
 
 import kvcopy
 
+from conftest import HANG_TIMEOUT_S
 from engine_helpers import run_threads
 
 NUM_BLOCKS = 16
@@ -283,7 +284,7 @@ def test_concurrent_double_free_is_caught_once(make):
             with lock:
                 results.append(outcome)
 
-        run_threads(lambda _: worker(), num_threads, timeout=30)
+        run_threads(lambda _: worker(), num_threads, timeout=HANG_TIMEOUT_S)
         assert sorted(results) == ["freed"] + ["refused"] * (num_threads - 1)
         assert a.num_free == NUM_BLOCKS
         assert np.array_equal(a.allocate(NUM_BLOCKS).numpy(), np.arange(NUM_BLOCKS))

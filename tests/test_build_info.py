@@ -13,6 +13,8 @@ import torch
 
 import kvcopy
 
+from conftest import SUBPROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {
     "kvcopy",
@@ -89,7 +91,7 @@ def _run_cli(*args):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUBPROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
 PLANE_BYTES = 40  # a PlaneCopy: two addresses, two strides, the block bytes
@@ -38,7 +40,7 @@ def ptx(tmp_path_factory) -> str:
         ],
         check=True,
         capture_output=True,
-        timeout=120,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     return out.read_text()
 

@@ -21,6 +21,7 @@ import kvcopy
 
 from conftest import (
     CPU_METHODS,
+    HANG_TIMEOUT_S,
     assert_same_bytes,
     byte_rows,
     dst_bytes,
@@ -301,7 +302,7 @@ def test_layer_signals_arrive_in_order(engines, monkeypatch):
         assert not t.done()
         gate.release(1)
         thread, out = waiters[layer]
-        thread.join(timeout=10)
+        thread.join(timeout=HANG_TIMEOUT_S)
         assert not thread.is_alive(), f"wait_layer({layer}) did not return after its layer was copied"
         assert "error" not in out, out.get("error")
         # This layer and all earlier ones are exact; later ones are untouched.
@@ -312,7 +313,7 @@ def test_layer_signals_arrive_in_order(engines, monkeypatch):
     t.wait()
     assert order == list(range(kv.num_layers))
     for thread, _ in waiters:
-        thread.join(timeout=10)
+        thread.join(timeout=HANG_TIMEOUT_S)
 
 
 def test_wait_layer_errors(engines):
@@ -435,7 +436,9 @@ def test_num_in_flight_counts_transfers_from_threads(engines, monkeypatch):
         with lock:
             transfers.extend(mine)
 
-    run_threads(worker, num_threads, timeout=30, interleave=True)  # interleave the submissions as much as possible
+    run_threads(
+        worker, num_threads, timeout=HANG_TIMEOUT_S, interleave=True
+    )  # interleave the submissions as much as possible
     assert len(transfers) == num_threads * per_thread
     assert not any(t.done() for t in transfers)
     # Fails when concurrent submissions drop each other's entry from the in-flight list (a lost update).
@@ -532,7 +535,7 @@ def test_close_waits_for_transfers_in_flight(engines, monkeypatch):
     closer.join(timeout=0.1)
     assert closer.is_alive(), "close() returned with transfers in flight"
     gate.open()
-    closer.join(timeout=10)
+    closer.join(timeout=HANG_TIMEOUT_S)
     assert not closer.is_alive() and "error" not in out
     assert all(t.done() for t in transfers)
     assert_same_bytes(dst_bytes(pool), expected_host)

@@ -17,7 +17,7 @@ import torch
 
 import kvcopy
 
-from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from conftest import HANG_TIMEOUT_S, assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 from engine_helpers import run_threads
 
 NUM_BLOCKS, HOST_BLOCKS = 12, 10
@@ -368,7 +368,9 @@ def test_transfers_submitted_from_threads_are_all_tracked(engines, monkeypatch):
             block = index * per_thread + j
             eng.offload([block], [block])  # distinct blocks: no conflicts among these
 
-    run_threads(worker, num_threads, timeout=30, interleave=True)  # interleave the submissions as much as possible
+    run_threads(
+        worker, num_threads, timeout=HANG_TIMEOUT_S, interleave=True
+    )  # interleave the submissions as much as possible
     missed = []
     for block in range(num_threads * per_thread):
         try:

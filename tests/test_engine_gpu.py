@@ -20,6 +20,7 @@ import torch
 import kvcopy
 
 from conftest import (
+    HANG_TIMEOUT_S,
     assert_same_bytes,
     byte_rows,
     dst_bytes,
@@ -510,7 +511,7 @@ def test_close_waits_for_transfers_from_threads(res):
         with lock:
             transfers.extend(mine)
 
-    run_threads(worker, num_threads, timeout=30, interleave=True)
+    run_threads(worker, num_threads, timeout=HANG_TIMEOUT_S, interleave=True)
     assert not errors, repr(errors[0])  # e.g. a race in the engine's shared state
     assert len(transfers) == num_threads * per_thread
     counted = eng.num_in_flight

@@ -22,7 +22,7 @@ import torch
 import kvcopy
 from kvcopy.transfer import ThreadSignal
 
-from conftest import CPU_METHODS, assert_same_bytes, dst_bytes, reference_copy
+from conftest import CPU_METHODS, HANG_TIMEOUT_S, assert_same_bytes, dst_bytes, reference_copy
 
 NUM_BLOCKS = 16
 HOST_BLOCKS = 16
@@ -38,7 +38,6 @@ MIN_FORCED_WAIT_S = 0.08
 # How long a worker "is preempted" between signalling a transfer done and reporting it.
 REPORT_DELAY_S = 0.2
 # Against hangs only: a held copy gives up, a test stops waiting for an observer.
-HANG_TIMEOUT_S = 30.0
 # queued + elapsed is turnaround up to float rounding of perf_counter differences.
 ROUNDING_S = 1e-9
 

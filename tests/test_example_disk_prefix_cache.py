@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUBPROCESS_TIMEOUT_S
+
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
 
@@ -23,7 +25,7 @@ def _example(*args: str) -> subprocess.CompletedProcess:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     result.described = (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"

@@ -31,6 +31,8 @@ from kvcopy.integrations._offload_stats import OffloadDecision
 from kvcopy.integrations._path_clock import ForwardRequest, PathClock
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
 
+from conftest import HANG_TIMEOUT_S
+
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 BLOCK = LLAMA.block_nbytes(16)
 
@@ -77,7 +79,6 @@ OBSERVED_TOKENS = ((1, 0), (64, 300), (512, 0), (1024, 2000))  # (new, cached) o
 START_S = 100.0
 RELOAD_WAIT_S = 0.0625
 OTHER_RELOAD_WAIT_S = 0.09375
-HANG_TIMEOUT_S = 30.0
 FINISH_AFTER_S = 0.05  # a reload settle(wait=True) waits for ends this long after it is asked
 
 

@@ -30,6 +30,8 @@ from kvcopy import OnlineProfile, Planner
 from kvcopy.policy.online import BANDWIDTH_CAP_FACTOR, PRIOR_WEIGHT
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
 
+from conftest import HANG_TIMEOUT_S
+
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 LLAMA_BLOCK = LLAMA.block_nbytes(16)  # one 16-token block, all layers: 2 MiB
 # A realistic calibrated base: a CPU VM's, with per-size fits at 4096/32768/262144-byte plane-blocks.
@@ -532,7 +534,7 @@ def test_a_bad_observation_raises_and_changes_nothing(kind, bad, error):
 # --------------------------------------------------------------------------- lazy fits, concurrent observing
 
 # How long a test waits on another thread before it fails (rather than hang).
-THREAD_TIMEOUT_S = 10.0
+THREAD_TIMEOUT_S = HANG_TIMEOUT_S
 
 
 def test_profile_refits_only_when_something_new_was_observed():

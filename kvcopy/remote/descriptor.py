@@ -19,6 +19,7 @@ __all__ = ["DESCRIPTOR_FORMAT", "PoolLayout", "decode", "encode"]
 DESCRIPTOR_FORMAT = 2
 _MAGIC = b"KVCP"
 _HEADER = struct.Struct("<4sII")  # magic, format, bytes of the JSON layout that follows (then the agent metadata)
+_FIELDS = ("agent", "layout", "num_blocks", "planes", "context_hash", "memory", "device_id")  # of the JSON layout
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,32 @@ def decode(data: bytes) -> tuple[PoolLayout, bytes]:
         raise ValueError("remote_descriptor: not a KVPeer descriptor (no kvcopy header)")
     if version != DESCRIPTOR_FORMAT:
         raise ValueError(f"remote_descriptor: format {version}, this kvcopy reads format {DESCRIPTOR_FORMAT}")
-    fields = json.loads(data[_HEADER.size : _HEADER.size + length])
-    planes = tuple((int(a), int(s), int(n), str(d)) for a, s, n, d in fields["planes"])
-    layout = PoolLayout(
-        fields["agent"],
-        fields["layout"],
-        int(fields["num_blocks"]),
-        planes,
-        fields["context_hash"],
-        str(fields["memory"]),
-        int(fields["device_id"]),
-    )
-    return layout, data[_HEADER.size + length :]
+    if len(data) < _HEADER.size + length:
+        raise ValueError(
+            f"remote_descriptor: cut short: its header announces {length} bytes of layout, "
+            f"{len(data) - _HEADER.size} follow it"
+        )
+    try:
+        fields = json.loads(data[_HEADER.size : _HEADER.size + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"remote_descriptor: its layout is not valid JSON ({err}): garbled in transit?") from None
+    missing = [k for k in _FIELDS if not isinstance(fields, dict) or k not in fields]
+    if missing:
+        raise ValueError(f"remote_descriptor: its layout lacks {missing} (expected the fields {list(_FIELDS)})")
+    try:
+        planes = tuple((int(a), int(s), int(n), str(d)) for a, s, n, d in fields["planes"])
+        layout = PoolLayout(
+            str(fields["agent"]),
+            str(fields["layout"]),
+            int(fields["num_blocks"]),
+            planes,
+            None if fields["context_hash"] is None else str(fields["context_hash"]),
+            str(fields["memory"]),
+            int(fields["device_id"]),
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"remote_descriptor: a field of its layout has the wrong form ({err})") from None
+    metadata = data[_HEADER.size + length :]
+    if not metadata:
+        raise ValueError("remote_descriptor: no NIXL agent metadata after the layout (cut short?)")
+    return layout, metadata

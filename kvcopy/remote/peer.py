@@ -85,6 +85,7 @@ class RemotePool:
     agent: str
     layout: PoolLayout
     plane_table: torch.Tensor = field(repr=False, compare=False)  # its planes at the owner's addresses (planning)
+    connected_by: str = ""  # the name of the KVPeer whose connect made it: only that peer may use it
 
     @property
     def num_blocks(self) -> int:
@@ -127,6 +128,11 @@ class RemoteTransfer:
     def wait(self, timeout: float | None = None) -> None:
         """Returns once the transfer is done; RemoteTransferTimeout (a TimeoutError) after ``timeout`` seconds
         (the transfer may still land later)."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
+            if not timeout >= 0:  # also NaN
+                raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout}")
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         while not self.done():
@@ -170,10 +176,21 @@ class KVPeer:
         registration = registration_of(pool)
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty agent name, got {name!r}")
+        if isinstance(backends, str) or not all(isinstance(b, str) for b in backends):
+            raise TypeError(f"backends: expected a tuple of NIXL backend names such as ('UCX',), got {backends!r}")
         context_hash = None if cache_key is None else context_hash_of(cache_key)
         nixl_agent, nixl_agent_config = nixl_module()
         self.pool, self.name, self.backends = pool, name, tuple(backends)
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
+            raise ValueError(f"backends: NIXL could not start {list(backends)} ({type(err).__name__}: {err})") from None
+        missing = [b for b in backends if b not in getattr(self._agent, "backends", {})]
+        if missing:  # NIXL skips a backend it has no plugin for, with a warning, and fails at the first use
+            raise ValueError(
+                f"backends: NIXL could not start {missing} here (its plugins: {self._agent.get_plugin_list()}); "
+                "kvcopy's remote transfers use 'UCX'"
+            )
         self._registered = self._agent.register_memory(list(registration.regions), registration.memory)
         self._layout = PoolLayout.of(registration, name, context_hash)
         self._table = registration.paged.plane_table
@@ -202,14 +219,25 @@ class KVPeer:
                 "this one's"
             )
         self._check_open()
+        if layout.agent == self.name:
+            raise ValueError(
+                f"remote_descriptor: the descriptor of agent {layout.agent!r}, this peer's own name: connect to "
+                "another peer's descriptor (two peers need distinct names)"
+            )
         known = self._remotes.get(layout.agent)
         if known is not None and known.layout == layout and self._metadata[layout.agent] == metadata:
             return known  # the same descriptor again: the same pool
         if known is not None:  # the peer came back (a restart): its new pool replaces the old one
             self._forget(layout.agent)
-        agent = self._agent.add_remote_agent(metadata)
+        try:
+            agent = self._agent.add_remote_agent(metadata)
+        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
+            raise ValueError(
+                f"remote_descriptor: NIXL refused the agent metadata of {layout.agent!r} "
+                f"({type(err).__name__}: {err}): cut short or garbled in transit?"
+            ) from None
         name = agent.decode() if isinstance(agent, bytes) else str(agent)
-        remote = RemotePool(name, layout, layout.plane_table())
+        remote = RemotePool(name, layout, layout.plane_table(), self.name)
         self._remotes[remote.agent], self._metadata[remote.agent] = remote, metadata
         return remote
 
@@ -223,11 +251,16 @@ class KVPeer:
 
     def _transfer(self, op: str, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
         self._check_open()
-        if not isinstance(remote, RemotePool) or self._remotes.get(remote.agent) is not remote:
-            raise ValueError(
-                "remote: expected a RemotePool this peer connected to (KVPeer.connect) and has not replaced by a "
-                f"later connect to the same agent; got {remote!r}"
-            )
+        if not isinstance(remote, RemotePool):
+            raise TypeError(f"remote: expected a RemotePool from KVPeer.connect, got {type(remote).__name__}")
+        if self._remotes.get(remote.agent) is not remote:
+            if remote.connected_by != self.name:
+                why = f"KVPeer {remote.connected_by!r} connected it, not this one ({self.name!r})"
+            elif remote.agent in self._remotes:
+                why = "a later connect to that agent replaced it (its peer restarted)"
+            else:
+                why = "this peer has forgotten it (a connect that replaced it, or close)"
+            raise ValueError(f"remote: the pool of agent {remote.agent!r} is not this peer's to use: {why}")
         reading = op == "READ"
         names = ("remote_ids", "local_ids") if reading else ("local_ids", "remote_ids")
         remote_t = as_ids(remote_ids, "remote_ids", remote.num_blocks)
