@@ -3,13 +3,13 @@
 # needs an idle machine: a test's timeouts catch hangs, never a slow machine (tests/conftest.py, HANG_TIMEOUT_S).
 #
 #   bash scripts/stress_test.sh [pytest arguments]
-#   KVCOPY_STRESS_BUSY=N        busy-looping processes (default: twice the cores)
+#   KVCOPY_STRESS_BUSY=N        busy-looping processes (default: one per core)
 #   KVCOPY_STRESS_COPY_MIB=M    the memory hog copies a buffer of M MiB over another, forever (default 256:
 #                               far above any last-level cache, so every copy goes to DRAM)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-busy=${KVCOPY_STRESS_BUSY:-$(( 2 * $(nproc) ))}
+busy=${KVCOPY_STRESS_BUSY:-$(nproc)}
 copy_mib=${KVCOPY_STRESS_COPY_MIB:-256}
 hogs=()
 stop_hogs() {

@@ -170,3 +170,14 @@ def test_from_profile_takes_the_link_at_one_page_first_block():
     assert (p.fetch_alpha_s, p.fetch_bytes_per_s) == pytest.approx((2e-4, 4e9))
     assert p.decide(4096, from_peer=True).t_fetch is not None
     assert Planner.from_profile(_profile(with_remote=False), LLAMA).fetch_bytes_per_s is None
+
+
+def test_the_transfer_part_is_exposed_without_the_compute():
+    """What a measured fetch (network read plus reload) or reload compares with: ``t_transfer``."""
+    p = planner()
+    prefix = 2048
+    there, here = p.decide(prefix, 64, from_peer=True), p.decide(prefix, 64)
+    assert there.t_transfer == pytest.approx(expected_fetch(p, LLAMA.kv_bytes(prefix)), rel=1e-12)
+    assert there.t_fetch == pytest.approx(there.t_transfer + p.t_prefill(64, prefix), rel=1e-12)
+    assert here.t_transfer == pytest.approx(p.load_alpha_s + LLAMA.kv_bytes(prefix) / p.load_bytes_per_s, rel=1e-12)
+    assert p.decide(0, 64, from_peer=True).t_transfer == 0.0

@@ -20,7 +20,9 @@ class Decision:
     is fetch-then-compute (the network or disk read into the host pool and the local reload pipelined in
     ``fetch_chunks`` chunks), ``t_reload`` None. ``t_layerwise`` is None unless the planner was made with
     ``layerwise=True`` (and never for a prefix elsewhere); ``t_split`` is None when the prefix is too short
-    to split.
+    to split. ``t_transfer`` is the moving alone, without the new tokens' compute: the reload, or the
+    pipelined read and reload of a prefix elsewhere (what a measured fetch or reload compares with); 0 for
+    no prefix.
     """
 
     action: Action
@@ -34,3 +36,4 @@ class Decision:
     t_layerwise: float | None = None
     t_fetch: float | None = None
     fetch_chunks: int = 0
+    t_transfer: float = 0.0

@@ -349,6 +349,7 @@ class Planner:
             t_layerwise,
             options["fetch"] if elsewhere else None,
             chunks,
+            t_load,
         )
 
     def _note(self, text: str) -> str:

@@ -9,8 +9,8 @@ whose put did not complete is never matched. A get reads slots back into
 pool blocks in one transfer and checks each block's XXH3-64 checksum against
 the one committed with it: a mismatch is a CorruptBlockError naming the
 slot, never data returned as valid. Verification is always on: XXH3 hashes
-tens of GB/s per core, a few percent of a disk read (zlib's CRC-32, at
-about 2 GB/s here, took as long as the read itself).
+about 10 GB/s on one core of the CPU VM, 0.1 ms per MiB (zlib's CRC-32, at
+about 3 GB/s, took about as long as the disk read itself).
 """
 
 from __future__ import annotations
