@@ -77,15 +77,18 @@ def _write_through(fd: int, nbytes: int) -> None:
     os.fsync(fd)
 
 
-def _interleaved(calls: int, bodies: dict) -> dict:
+def _interleaved(calls: int, bodies: dict, after: dict | None = None) -> dict:
     """Median seconds of each body over ``calls`` rounds; each round runs every body once, in turn, so a disk
-    whose speed drifts (a cloud disk's burst credits) slows every method alike."""
+    whose speed drifts (a cloud disk's burst credits) slows every method alike. ``after``: per key, untimed
+    work after each of its calls."""
     times: dict = {key: [] for key in bodies}
     for i in range(calls):
         for key, body in bodies.items():
             started = time.perf_counter()
             body(i)
             times[key].append(time.perf_counter() - started)
+            if after and key in after:
+                after[key](i)
     return {key: statistics.median(samples) for key, samples in times.items()}
 
 
@@ -131,6 +134,7 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
     view = pool.buffer.numpy()
     ids = [torch.randperm(2 * blocks, generator=gen)[:blocks] for _ in range(repeats)]
     shuffles = [torch.randperm(blocks, generator=gen).tolist() for _ in range(repeats)]
+    hashes = [_hashes(blocks, salt=i) for i in range(repeats)]  # put i's blocks
     slots: dict[str, list[list[int]]] = {label: [] for label in stores}  # per store and put, the slots it filled
     descriptors: dict = {}
 
@@ -146,9 +150,8 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
 
         def body(i: int) -> None:
             if op == "write":
-                transfer = store.put(_hashes(blocks, salt=i), pool, ids[i])
+                transfer = store.put(hashes[i], pool, ids[i])
                 transfer.wait()
-                slots[label].append(store.match(_hashes(blocks, salt=i)))
             else:
                 store.drop_page_cache()
                 store_slots, pool_ids = order(label, op, i)
@@ -157,6 +160,10 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             descriptors[(op, label)] = transfer.num_descriptors
 
         return body
+
+    def record_slots(label: str):
+        """Untimed, after put ``i``: the slots it filled, for the gets and the loops that follow."""
+        return lambda i: slots[label].append(stores[label].match(hashes[i]))
 
     def per_block(op: str, threads: ThreadPoolExecutor | None = None):
         def one(slot: int, pool_id: int) -> None:
@@ -202,7 +209,8 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             bodies[("per-block pwrite/pread", "")] = per_block(op)
             bodies[(THREADED, "")] = per_block(op, threads)
             bodies[("contiguous (limit)", "")] = contiguous(op)
-            measured.update({(op, *key): seconds for key, seconds in _interleaved(repeats, bodies).items()})
+            after = {("kvcopy", label): record_slots(label) for label in stores} if op == "write" else None
+            measured.update({(op, *key): seconds for key, seconds in _interleaved(repeats, bodies, after).items()})
             descriptors[(op, "")] = blocks
     for label in stores:
         for op in READS:

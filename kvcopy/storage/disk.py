@@ -280,6 +280,8 @@ class DiskKVStore:
         checksums: list[int] = []
 
         def commit() -> None:
+            if not new:  # every hash was stored already: nothing was written, nothing to sync or commit
+                return
             os.fsync(self._fd)
             index.commit(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums))
 
