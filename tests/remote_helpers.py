@@ -22,6 +22,8 @@ LAYOUTS = {
         4,
     ),
     "wide": ([(16, 2, 64), (16, 2, 64)] * 2, [torch.bfloat16] * 4, 2),
+    # Llama-3.1-8B's 16-token block: 32 layers of K and V, 8 KV heads of 128 (2 MiB a block).
+    "llama-8b": ([(16, 8, 128)] * 64, [torch.bfloat16] * 64, 2),
 }
 
 
