@@ -83,7 +83,7 @@ def test_adjacent_page_first_blocks_are_one_descriptor():
             _assert_same(_blocks(local, range(20, 84)), _blocks(_replica("bf16", 96, "page_first", 6), range(10, 74)))
 
 
-def test_every_transfer_handle_is_released_once_even_when_dropped_unfinished():
+def test_every_transfer_handle_is_released_once_when_it_ends_even_when_dropped_unfinished():
     import gc
 
     with remote_peer("bf16", 32, "page_first", seed=23) as remote:
@@ -98,8 +98,48 @@ def test_every_transfer_handle_is_released_once_even_when_dropped_unfinished():
             del finished
             dropped = peer.read(pool, list(range(32)), list(range(32)))  # never waited for
             del dropped
-            gc.collect()
+            gc.collect()  # the peer holds it until NIXL reports it ended: releasing it would not stop its writes
+            deadline = time.monotonic() + WAIT_S
+            while peer.quarantined() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert peer.quarantined() == {}
             assert len(released) == 2 and released[0] is not released[1]
+            peer.read(pool, [0], [0]).wait(WAIT_S)  # its blocks are free again
+            assert len(released) == 3
+
+
+def test_blocks_of_an_unfinished_transfer_are_quarantined_until_it_ends():
+    with remote_peer("bf16", 64, "page_first", seed=31) as remote:
+        with KVPeer(make_pool("bf16", 64, "page_first", seed=32), "local-quarantine") as peer:
+            pool = peer.connect(remote.descriptor)
+            check = peer._agent.check_xfer_state
+            held = [True]  # NIXL's answer held at "PROC" (a transfer still crossing a slow link) while set
+            peer._agent.check_xfer_state = lambda handle: "PROC" if held[0] else check(handle)
+            reading = peer.read(pool, list(range(8)), list(range(16, 24)))
+            writing = peer.write(list(range(40, 48)), pool, list(range(48, 56)))
+            with pytest.raises(RemoteTransferTimeout):
+                reading.wait(0.01)
+            assert peer.quarantined() == {"local": list(range(16, 24)), pool.agent: list(range(48, 56))}
+            with pytest.raises(ValueError, match=r"local_ids: blocks \[20, 21\] are in use by an unfinished read"):
+                peer.read(pool, [30, 31], [20, 21])
+            with pytest.raises(ValueError, match=r"local_ids: blocks \[17\] are in use by an unfinished read"):
+                peer.write([17], pool, [0])  # it would send a block the read is overwriting
+            with pytest.raises(ValueError, match=r"remote_ids: blocks \[50\] are in use by an unfinished write"):
+                peer.read(pool, [50], [60])
+            with pytest.raises(ValueError, match=r"local_ids: blocks \[41\] are in use by an unfinished write"):
+                peer.read(pool, [0], [41])  # it would overwrite a block the write is sending
+            held[0] = False
+            for transfer in (reading, writing):
+                transfer.wait(WAIT_S)
+            assert peer.quarantined() == {}
+            peer.read(pool, [30, 31], [20, 21]).wait(WAIT_S)  # refused while held, free once ended
+            _assert_same(_blocks(peer.pool, [20, 21]), _blocks(_replica("bf16", 64, "page_first", 31), [30, 31]))
+            # What never clashes: two writes sending the same local block, two reads of the same remote one.
+            both = [peer.write([40], pool, [1]), peer.write([40], pool, [2]), peer.read(pool, [5], [3]),
+                    peer.read(pool, [5], [4])]  # fmt: skip
+            for transfer in both:
+                transfer.wait(WAIT_S)
+            _assert_same(_blocks(peer.pool, [3, 4]), _blocks(_replica("bf16", 64, "page_first", 31), [5, 5]))
 
 
 def test_connecting_again_returns_the_pool_or_replaces_a_restarted_peer():
@@ -114,10 +154,36 @@ def test_connecting_again_returns_the_pool_or_replaces_a_restarted_peer():
             assert again is not pool
             peer.read(again, [2, 3], [4, 5]).wait(WAIT_S)
             _assert_same(_blocks(local, [4, 5]), _blocks(_replica("bf16", 16, "page_first", 29), [2, 3]))
-            with pytest.raises(ValueError, match="a later connect to that agent replaced it"):
+            with pytest.raises(ValueError, match="a later connect or reconnect to that agent replaced it"):
                 peer.read(pool, [0], [0])
     with pytest.raises(ValueError, match="'local-reconnect' is closed"):
         peer.read(again, [0], [0])
+
+
+def test_after_a_failed_transfer_connect_or_reconnect_makes_the_connection_anew():
+    local = make_pool("bf16", 16, "page_first", seed=33)
+    with KVPeer(local, "local-broken") as peer, remote_peer("bf16", 16, "page_first", seed=34) as remote:
+        pool = peer.connect(remote.descriptor)
+        transfer = peer._agent.transfer
+        peer._agent.transfer = lambda handle: (_ for _ in ()).throw(RuntimeError("NIXL_ERR_REMOTE_DISCONNECT"))
+        with pytest.raises(RemoteTransferError, match="read failed to start") as failed:
+            peer.read(pool, [1, 2], [3, 4])
+        assert (failed.value.side, failed.value.block_ids) == ("local", [3, 4])
+        peer._agent.transfer = transfer
+        added = []
+        add = peer._agent.add_remote_agent
+        peer._agent.add_remote_agent = lambda metadata: (added.append(metadata), add(metadata))[1]
+        again = peer.connect(remote.descriptor)  # the same descriptor, after a failure: made anew
+        assert again is not pool and len(added) == 1
+        assert peer.connect(remote.descriptor) is again  # and then the same pool again, as before the failure
+        with pytest.raises(ValueError, match="a later connect or reconnect to that agent replaced it"):
+            peer.read(pool, [0], [0])
+        peer.read(again, [1, 2], [3, 4]).wait(WAIT_S)
+        _assert_same(_blocks(local, [3, 4]), _blocks(_replica("bf16", 16, "page_first", 34), [1, 2]))
+        fresh = peer.reconnect(again)  # one call, also without a failure
+        assert fresh is not again and len(added) == 2
+        peer.read(fresh, [5], [6]).wait(WAIT_S)
+        _assert_same(_blocks(local, [6]), _blocks(_replica("bf16", 16, "page_first", 34), [5]))
 
 
 def test_mismatched_layouts_and_contexts_are_refused():

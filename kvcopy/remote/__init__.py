@@ -3,12 +3,14 @@
 A :class:`KVPeer` registers a HostKVPool with one NIXL agent; its :meth:`~KVPeer.descriptor` (bytes,
 sent any way the caller likes) lets another peer :meth:`~KVPeer.connect` and then
 :meth:`~KVPeer.read` or :meth:`~KVPeer.write` blocks, one NIXL transfer per call, with runs of
-adjacent blocks coalesced into one descriptor. Importing kvcopy never needs NIXL; making a KVPeer
-without it is an ImportError naming the extra.
+adjacent blocks coalesced into one descriptor. A transfer given up on stays quarantined until NIXL reports
+it ended (:meth:`~KVPeer.quarantined`); after a failure, :meth:`~KVPeer.reconnect`. Importing kvcopy never
+needs NIXL; making a KVPeer without it is an ImportError naming the extra.
 """
 
 from __future__ import annotations
 
-from .peer import KVPeer, RemotePool, RemoteTransfer, RemoteTransferError, RemoteTransferTimeout
+from .peer import KVPeer, RemotePool
+from .transfer import RemoteTransfer, RemoteTransferError, RemoteTransferTimeout
 
 __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]

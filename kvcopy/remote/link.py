@@ -7,7 +7,10 @@ size from random, different places of the remote pool. The fits land in a Profil
 (peer to host), method "nixl", keyed by range bytes where the local links key by plane-block bytes: a
 page-first block of a model's pool is one such range. The contiguous peak is one read of the largest
 shape's bytes as a single range. On one machine the peer is another process (the loopback path), and
-the profile says so.
+the profile says so. Which transport UCX took is measured, not assumed: one read is watched on this network
+namespace's interface counters, and ``hardware["remote_transport"]`` says whether its bytes crossed a network
+(UCX picks shared memory or cross-memory attach whenever it thinks both ends are on one node, also for two
+network namespaces of one machine, unless told ``UCX_TLS=tcp`` or ``UCX_NET_DEVICES``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,8 +43,10 @@ __all__ = [
     "add_remote_link",
     "calibration_pool",
     "check_calibration_descriptor",
+    "interface_rx_bytes",
     "loopback_peer",
     "measure_link",
+    "probe_transport",
     "run_ids",
     "serve_calibration_peer",
 ]
@@ -58,6 +63,9 @@ LOOPBACK = "loopback: two processes on this machine (not a network)"
 READ_TIMEOUT_S = 60.0
 # Reads of the largest shape before any is timed: the first set up the connection and fault pages in.
 _WARMUP_READS = 2
+# The share of a read's bytes that must cross this namespace's interfaces (all but lo) for the link to be a
+# network: TCP adds ~5% in headers, and stray packets on a shared interface add next to nothing.
+NETWORK_SHARE = 0.5
 # Seconds to wait for a loopback peer process to start (it imports torch and NIXL first).
 PEER_START_TIMEOUT_S = 120.0
 
@@ -77,8 +85,9 @@ class LinkSweep:
         return 2 * self.max_read_bytes
 
 
-# 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 64 per read.
-QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 64), 64 << 20, 5)
+# 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 32 per read:
+# 32 of 2 MiB is one 64 MiB read, so the fit reaches the sizes a long prefix reads instead of extrapolating.
+QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 32), 64 << 20, 5)
 FULL_SWEEP = LinkSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 7)
 
 
@@ -169,7 +178,8 @@ def add_remote_link(
     """Measures the link to the peer whose calibration descriptor is ``remote_descriptor`` (from
     :func:`serve_calibration_peer` on the other node), or to a loopback peer in another process of this
     machine when None, and adds it to ``profile``: ``links["r2h"]["nixl"]``, ``peaks["r2h"]`` and
-    ``hardware["remote_link"]`` (which peer; LOOPBACK on one machine)."""
+    ``hardware["remote_link"]`` (which peer; LOOPBACK on one machine) and ``hardware["remote_transport"]``
+    (what carried the bytes: :func:`probe_transport`)."""
     sweep = QUICK_SWEEP if quick else FULL_SWEEP
     if remote_descriptor is not None:
         check_calibration_descriptor(remote_descriptor)
@@ -177,11 +187,48 @@ def add_remote_link(
         with KVPeer(calibration_pool(sweep.pool_nbytes), f"kvcopy-calibrate-{os.getpid()}") as peer:
             remote = peer.connect(descriptor)
             points, peak = measure_link(peer, remote, sweep, progress=progress)
+            units = min(sweep.max_read_bytes // CALIBRATION_UNIT_BYTES, peer.pool.num_blocks, remote.num_blocks)
+            whole = torch.arange(units)
+            transport = probe_transport(
+                lambda: peer.read(remote, whole, whole).wait(READ_TIMEOUT_S), len(whole) * CALIBRATION_UNIT_BYTES
+            )
             label = label or f"peer {remote.agent!r} (NIXL, {', '.join(peer.backends)})"
     profile.links[REMOTE_DIRECTION] = fit_links({REMOTE_DIRECTION: {REMOTE_METHOD: points}})[REMOTE_DIRECTION]
     profile.peaks[REMOTE_DIRECTION] = peak
     profile.hardware["remote_link"] = label
+    profile.hardware["remote_transport"] = transport
     return profile
+
+
+def probe_transport(read: Callable[[], None], nbytes: int) -> str:
+    """What carried ``read()`` (``nbytes`` read from a peer), from this network namespace's interface counters:
+    a network, with the share of the bytes that crossed it, or shared memory / cross-memory attach; with the
+    UCX settings that chose it."""
+    before = interface_rx_bytes()
+    read()
+    after = interface_rx_bytes()
+    ucx = ", ".join(f"{k}={os.environ[k]}" for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ)
+    ucx = ucx or "UCX's defaults"
+    if before is None or after is None:
+        return f"unknown: no /proc/net/dev to watch ({ucx})"
+    share = (after - before) / nbytes
+    if share >= NETWORK_SHARE:
+        return f"network: {share:.2f}x the bytes read crossed this host's interfaces ({ucx})"
+    return (
+        f"shared memory or cross-memory attach, not a network: {share:.3f}x the bytes read crossed this host's "
+        f"interfaces ({ucx}; RDMA, which bypasses the kernel's counters, would read the same)"
+    )
+
+
+def interface_rx_bytes() -> int | None:
+    """Bytes received so far on this network namespace's interfaces other than lo (None without /proc)."""
+    try:
+        with open("/proc/net/dev") as counters:
+            lines = counters.readlines()[2:]  # two header lines, then "  name: rx_bytes rx_packets ..."
+    except OSError:
+        return None
+    named = (line.split(":", 1) for line in lines)
+    return sum(int(fields.split()[0]) for name, fields in named if name.strip() != "lo")
 
 
 @contextmanager

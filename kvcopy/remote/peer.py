@@ -3,8 +3,6 @@ other peers."""
 
 from __future__ import annotations
 
-import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -15,58 +13,11 @@ from ..layout import PagedKV
 from ..policy.cachekey import context_hash_of
 from ..ranges import plan_table_ranges
 from .descriptor import PoolLayout, decode, encode
+from .quarantine import Quarantine
 from .registration import registration_of
+from .transfer import RemoteTransfer, RemoteTransferError, RemoteTransferTimeout, _Blocks
 
 __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
-
-# Waiting for a transfer: poll without sleeping for this long (a small loopback transfer takes tens of
-# microseconds, less than one sleep), then sleep between polls for a pause that grows with the time waited,
-# _POLL_LATE_FRACTION of it, so a transfer is seen done at most ~2% of its duration late (a fixed back-off to
-# 5 ms saw a 10 ms disk read up to 50% late), between the shortest sleep worth making and the longest.
-_SPIN_S = 1e-3
-_POLL_MIN_S, _POLL_MAX_S = 5e-5, 5e-3
-_POLL_LATE_FRACTION = 0.02
-
-
-class _Blocks:
-    """The blocks a transfer writes, said in an error (formatted only then: the hot path does not pay for it)."""
-
-    def __init__(self, owner: str, ids: torch.Tensor) -> None:
-        self.owner, self.ids = owner, ids
-
-    def __str__(self) -> str:
-        where = "local" if self.owner == "local" else f"{self.owner!r}'s"
-        return f"{where} blocks {self.ids.tolist()}"
-
-
-class _InvalidBlocks:
-    """What a failed or unfinished transfer leaves without valid data: ``side`` ("local", or the remote agent's
-    name) and ``block_ids`` there."""
-
-    side: str
-    block_ids: list[int]
-
-    def _name_blocks(self, written: _Blocks) -> None:
-        self.side, self.block_ids = written.owner, written.ids.tolist()
-
-
-class RemoteTransferError(_InvalidBlocks, RuntimeError):
-    """A remote transfer failed (the peer disappeared, or NIXL reported an error). ``side`` and ``block_ids``:
-    the blocks it was writing ("local" ones for a read, the remote agent's for a write), which hold no valid
-    data."""
-
-    def __init__(self, message: str, written: _Blocks) -> None:
-        super().__init__(message)
-        self._name_blocks(written)
-
-
-class RemoteTransferTimeout(_InvalidBlocks, TimeoutError):
-    """``RemoteTransfer.wait`` reached its timeout; ``side`` and ``block_ids``: the blocks the transfer writes,
-    without valid data until it is done (it may still land later)."""
-
-    def __init__(self, message: str, written: _Blocks) -> None:
-        super().__init__(message)
-        self._name_blocks(written)
 
 
 def nixl_module():  # noqa: ANN202 - the nixl module
@@ -92,78 +43,16 @@ class RemotePool:
         return self.layout.num_blocks
 
 
-class RemoteTransfer:
-    """One NIXL transfer in flight. ``done()`` polls; ``wait(timeout)`` blocks; both raise RemoteTransferError
-    when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged); ``nbytes``:
-    their bytes."""
-
-    def __init__(
-        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: _Blocks
-    ) -> None:
-        self._agent, self._handle = agent, handle
-        self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
-        self._written = written  # which blocks are not valid if it fails, for the error
-        self._state = "PROC"
-        # The handle is released once: when the transfer ends, or when the last reference to an unfinished one
-        # (dropped, or given up on after a timeout) goes; NIXL aborts it then if it can.
-        self._release = weakref.finalize(self, _release_handle, agent, handle)
-
-    def done(self) -> bool:
-        if self._state == "PROC":
-            try:
-                state = self._agent.check_xfer_state(self._handle)
-            except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
-                state, cause = "ERR", err
-            else:
-                cause = None
-            if state in ("DONE", "ERR"):
-                self._release()
-                self._state = state
-            if state == "ERR":
-                self._fail(cause)
-        if self._state == "ERR":
-            self._fail(None)
-        return self._state == "DONE"
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Returns once the transfer is done; RemoteTransferTimeout (a TimeoutError) after ``timeout`` seconds
-        (the transfer may still land later)."""
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
-            if not timeout >= 0:  # also NaN
-                raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout}")
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        while not self.done():
-            now = time.monotonic()
-            if now - started < _SPIN_S:
-                continue
-            if deadline is not None and now >= deadline:
-                raise RemoteTransferTimeout(
-                    f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is",
-                    self._written,
-                )
-            time.sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, (now - started) * _POLL_LATE_FRACTION)))
-
-    def _fail(self, cause: BaseException | None) -> None:
-        raise RemoteTransferError(
-            f"{self.direction} failed; {self._written} hold no valid data", self._written
-        ) from cause
-
-
-def _release_handle(agent: object, handle: object) -> None:
-    try:
-        agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a handle of a vanished peer, or one NIXL could not abort: nothing to free
-        pass
-
-
 class KVPeer:
     """One NIXL agent named ``name`` with ``pool`` registered: a HostKVPool, or an engine's PagedKV (on a GPU:
     NIXL's VRAM, so two GPUs exchange blocks directly where UCX supports GPUDirect); ``cache_key``: the
     CacheKey whose blocks the pool holds (a peer refuses to connect to a pool of another context). A context
-    manager; :meth:`close` deregisters the pool. Not thread-safe: use a peer from one thread at a time."""
+    manager; :meth:`close` deregisters the pool. Not thread-safe: use a peer from one thread at a time.
+
+    Every transfer is held until NIXL reports it ended, also one dropped or timed out (its data may still
+    land): a transfer that would race it on the same blocks is refused (ValueError naming them), and
+    :meth:`quarantined` lists them. A peer whose transfers failed (it vanished, or the link dropped it) is
+    reconnected by :meth:`connect` with the same descriptor again, or by :meth:`reconnect`."""
 
     def __init__(
         self,
@@ -197,6 +86,8 @@ class KVPeer:
         self._num_blocks = registration.paged.num_blocks
         self._remotes: dict[str, RemotePool] = {}
         self._metadata: dict[str, bytes] = {}  # each connected agent's NIXL metadata, to know a reconnect
+        self._quarantine = Quarantine()
+        self._broken: set[str] = set()  # agents a transfer to failed: NIXL fails every later one until re-added
 
     def descriptor(self) -> bytes:
         """What a remote peer needs to connect: this agent's metadata, the pool's layout and its context hash."""
@@ -204,7 +95,9 @@ class KVPeer:
 
     def connect(self, remote_descriptor: bytes) -> RemotePool:
         """The remote peer's pool, ready for :meth:`read` and :meth:`write`. ValueError when its layout (layout
-        kind, planes, plane-block bytes, dtypes) or its CacheKey context differs from this pool's."""
+        kind, planes, plane-block bytes, dtypes) or its CacheKey context differs from this pool's. The same
+        descriptor again gives the same pool, unless a transfer to it failed since: then NIXL's connection is
+        made anew and a new RemotePool replaces the old one (as for a restarted peer's new descriptor)."""
         layout, metadata = decode(remote_descriptor)
         if layout.shape() != self._layout.shape():
             raise ValueError(
@@ -225,10 +118,30 @@ class KVPeer:
                 "another peer's descriptor (two peers need distinct names)"
             )
         known = self._remotes.get(layout.agent)
-        if known is not None and known.layout == layout and self._metadata[layout.agent] == metadata:
+        self._broken.update(self._quarantine.reap())
+        same = known is not None and known.layout == layout and self._metadata[layout.agent] == metadata
+        if same and layout.agent not in self._broken:
             return known  # the same descriptor again: the same pool
-        if known is not None:  # the peer came back (a restart): its new pool replaces the old one
+        if known is not None:  # the peer came back (a restart), or its connection broke: made anew
             self._forget(layout.agent)
+        return self._add(layout, metadata)
+
+    def reconnect(self, remote: RemotePool) -> RemotePool:
+        """``remote``'s connection made anew from the descriptor it was connected with: what continues after a
+        RemoteTransferError from a peer that is still there (a link that dropped the connection). The new
+        RemotePool replaces ``remote``; blocks of its unfinished transfers stay quarantined until they end."""
+        self._check_current(remote)
+        metadata = self._metadata[remote.agent]
+        self._forget(remote.agent)
+        return self._add(remote.layout, metadata)
+
+    def quarantined(self) -> dict[str, list[int]]:
+        """The blocks that unfinished transfers (waited for or not, timed out or not) may still write, by side:
+        "local" for this pool's (reads), the remote agent's name for its (writes); empty when none."""
+        self._broken.update(self._quarantine.reap())
+        return self._quarantine.blocks()
+
+    def _add(self, layout: PoolLayout, metadata: bytes) -> RemotePool:
         try:
             agent = self._agent.add_remote_agent(metadata)
         except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
@@ -239,6 +152,7 @@ class KVPeer:
         name = agent.decode() if isinstance(agent, bytes) else str(agent)
         remote = RemotePool(name, layout, layout.plane_table(), self.name)
         self._remotes[remote.agent], self._metadata[remote.agent] = remote, metadata
+        self._broken.discard(remote.agent)
         return remote
 
     def read(self, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
@@ -250,17 +164,7 @@ class KVPeer:
         return self._transfer("WRITE", remote, remote_ids, local_ids)
 
     def _transfer(self, op: str, remote: RemotePool, remote_ids: BlockIds, local_ids: BlockIds) -> RemoteTransfer:
-        self._check_open()
-        if not isinstance(remote, RemotePool):
-            raise TypeError(f"remote: expected a RemotePool from KVPeer.connect, got {type(remote).__name__}")
-        if self._remotes.get(remote.agent) is not remote:
-            if remote.connected_by != self.name:
-                why = f"KVPeer {remote.connected_by!r} connected it, not this one ({self.name!r})"
-            elif remote.agent in self._remotes:
-                why = "a later connect to that agent replaced it (its peer restarted)"
-            else:
-                why = "this peer has forgotten it (a connect that replaced it, or close)"
-            raise ValueError(f"remote: the pool of agent {remote.agent!r} is not this peer's to use: {why}")
+        self._check_current(remote)
         reading = op == "READ"
         names = ("remote_ids", "local_ids") if reading else ("local_ids", "remote_ids")
         remote_t = as_ids(remote_ids, "remote_ids", remote.num_blocks)
@@ -273,6 +177,8 @@ class KVPeer:
             (remote.num_blocks, self._num_blocks) if reading else (self._num_blocks, remote.num_blocks)
         )
         check_host_pair(src, dst, src_blocks, dst_blocks, same_cache=False, names=names)
+        self._broken.update(self._quarantine.reap())
+        self._quarantine.check(op, remote.agent, local_t, remote_t)
         remote_table = remote.plane_table
         src_table, dst_table = (remote_table, self._table) if reading else (self._table, remote_table)
         ranges = plan_table_ranges(src_table, src, dst_table, dst)
@@ -291,13 +197,34 @@ class KVPeer:
             state = self._agent.transfer(handle)
         except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
             transfer._release()
-            raise RemoteTransferError(f"{op.lower()} failed to start; {written} hold no valid data", written) from err
+            self._broken.add(remote.agent)
+            raise RemoteTransferError(
+                f"{op.lower()} failed to start; {written} hold no valid data (connect again, or reconnect, once "
+                "the peer is reachable)",
+                written,
+            ) from err
+        self._quarantine.hold(transfer, op, remote.agent, local_t, remote_t)
         if state == "ERR":
             transfer.done()  # raises RemoteTransferError
         return transfer
 
+    def _check_current(self, remote: RemotePool) -> None:
+        self._check_open()
+        if not isinstance(remote, RemotePool):
+            raise TypeError(f"remote: expected a RemotePool from KVPeer.connect, got {type(remote).__name__}")
+        if self._remotes.get(remote.agent) is not remote:
+            if remote.connected_by != self.name:
+                why = f"KVPeer {remote.connected_by!r} connected it, not this one ({self.name!r})"
+            elif remote.agent in self._remotes:
+                why = "a later connect or reconnect to that agent replaced it (a restart, or a broken connection)"
+            else:
+                why = "this peer has forgotten it (a connect that replaced it, or close)"
+            raise ValueError(f"remote: the pool of agent {remote.agent!r} is not this peer's to use: {why}")
+
     def close(self) -> None:
-        """Forgets the connected peers and deregisters the pool (wait for this peer's transfers first)."""
+        """Forgets the connected peers and deregisters the pool. Wait for this peer's transfers first: the
+        handles of unfinished ones are released (NIXL aborts what it can), and their writes may still land."""
+        self._quarantine.release_all()
         for agent in list(self._remotes):
             self._forget(agent)
         if self._registered is not None:

@@ -28,8 +28,8 @@ from ..host import HostKVPool
 from ..layout import PagedKV
 from ..policy.cachekey import context_hash_of
 from ..ranges import plan_table_ranges
-from ..remote.peer import RemoteTransfer, _Blocks
 from ..remote.registration import registration_of
+from ..remote.transfer import RemoteTransfer, _Blocks
 from ._commit_log import CommitLog, Entry
 from ._disk_file import INDEX, create_files, file_agent, layout_of, open_data, read_header
 

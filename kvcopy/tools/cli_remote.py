@@ -67,6 +67,7 @@ def print_remote_link(profile: object) -> None:
     if link is None:
         return
     print(f"remote link ({REMOTE_DIRECTION}): {profile.hardware.get('remote_link')}")  # type: ignore[attr-defined]
+    print(f"  carried by {profile.hardware.get('remote_transport', 'not recorded')}")  # type: ignore[attr-defined]
     for size, fit in sorted(link.by_block_nbytes.items()):
         print(
             f"  {size // 1024:>6} KiB ranges: {fit.alpha_s * 1e6:7.1f} us + bytes at {fit.beta_bytes_per_s / 1e9:6.2f} "
