@@ -5,6 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
+# tests/test_netns.py makes two network namespaces joined by a veth pair: it needs iproute2 (ip, tc).
+if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+  else
+    echo "iproute2 (ip, tc) is missing and cannot be installed here: tests/test_netns.py will skip" >&2
+  fi
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 if command -v nvcc >/dev/null && [ "${KVCOPY_NO_EXT:-0}" != 1 ]; then
   python - <<'PY'

@@ -37,10 +37,7 @@ class NetnsUnavailable(RuntimeError):
 
 
 def _run(*argv: str) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False)
-    if done.returncode != 0:
-        raise subprocess.CalledProcessError(done.returncode, argv, done.stdout, done.stderr)
-    return done.stdout
+    return subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=True).stdout
 
 
 class Link:
@@ -77,6 +74,17 @@ class Link:
         """Bytes received on ``side``'s veth end since it was made."""
         stats = json.loads(_run("ip", "-n", self.ns[side], "-s", "-j", "link", "show", "dev", self.dev[side]))
         return int(stats[0]["stats64"]["rx"]["bytes"])
+
+    def argv(self, side: int, command: list[str], extra_env: dict[str, str] | None = None) -> list[str]:
+        """``command`` run in ``side``'s namespace, with UCX told to use TCP over that side's veth end."""
+        env = {
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": self.dev[side],
+            "NIXL_LOG_LEVEL": "WARN",
+            "PYTHONPATH": os.pathsep.join([str(_PEER_SCRIPT.parent), *sys.path]),
+            **(extra_env or {}),
+        }
+        return ["ip", "netns", "exec", self.ns[side], "env", *(f"{k}={v}" for k, v in env.items()), *command]
 
     def delete(self) -> None:
         for ns in self.ns:
@@ -117,19 +125,10 @@ class NsPeer:
     def __init__(self, link: Link, side: int, name: str, *, extra_env: dict[str, str] | None = None) -> None:
         self.link, self.side, self.name = link, side, name
         ours, theirs = socket.socketpair()
-        env = {
-            "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": link.dev[side],
-            "NIXL_LOG_LEVEL": "WARN",
-            "PYTHONPATH": os.pathsep.join([str(_PEER_SCRIPT.parent), *sys.path]),
-            **(extra_env or {}),
-        }
-        argv = ["ip", "netns", "exec", link.ns[side], "env", *(f"{k}={v}" for k, v in env.items()),
-                sys.executable, str(_PEER_SCRIPT), str(theirs.fileno()), name]  # fmt: skip
+        argv = link.argv(side, [sys.executable, str(_PEER_SCRIPT), str(theirs.fileno()), name], extra_env)
         self.process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),))
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.descriptor: bytes | None = None
 
     def ask(self, *command: object, timeout: float = HANG_TIMEOUT_S) -> object:
         """Runs ``command`` in the peer; its answer, or PeerError with what it raised."""
