@@ -3,8 +3,8 @@ holds known random bytes, answering the test's commands over the socket whose de
 
 Each command is a tuple (name, *arguments); each answer ("ok", value) or ("error", (class name, message,
 side, block ids)). Commands:
-- ``pool(kind, num_blocks, seed)``: a page-first pool of remote_helpers.LAYOUTS[kind] filled from ``seed``,
-  and a KVPeer on it; answers its descriptor;
+- ``pool(kind, num_blocks, seed, progress_thread=True)``: a page-first pool of remote_helpers.LAYOUTS[kind]
+  filled from ``seed``, and a KVPeer on it; answers its descriptor;
 - ``connect(descriptor)``: answers the remote agent's name; ``reconnect(agent)``: KVPeer.reconnect;
 - ``read(agent, remote_ids, local_ids, timeout)`` / ``write(agent, local_ids, remote_ids, timeout)``: one
   transfer waited for; answers (seconds, descriptors);
@@ -39,9 +39,9 @@ class Served:
         self.remotes: dict[str, object] = {}
         self.transfers: dict[int, object] = {}
 
-    def pool_(self, kind: str, num_blocks: int, seed: int) -> bytes:
+    def pool_(self, kind: str, num_blocks: int, seed: int, progress_thread: bool = True) -> bytes:
         self.pool = make_pool(kind, num_blocks, "page_first", seed)
-        self.peer = KVPeer(self.pool, self.name)
+        self.peer = KVPeer(self.pool, self.name, progress_thread=progress_thread)
         return self.peer.descriptor()
 
     def connect(self, descriptor: bytes) -> str:

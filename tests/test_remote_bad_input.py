@@ -91,6 +91,8 @@ def test_backends_are_checked():
     pool = make_pool("bf16", 4, "page_first", seed=3)
     with pytest.raises(TypeError, match=r"backends: expected a tuple of NIXL backend names.*'UCX'"):
         KVPeer(pool, "bad-backends-str", backends="UCX")
+    with pytest.raises(TypeError, match=r"progress_thread: expected a bool, got str"):
+        KVPeer(pool, "bad-progress", progress_thread="no")
     with pytest.raises(ValueError, match=r"backends: NIXL could not start \['NO_SUCH_BACKEND'\]") as caught:
         KVPeer(pool, "bad-backends-name", backends=("NO_SUCH_BACKEND",))
     assert type(caught.value) is ValueError

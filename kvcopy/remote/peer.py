@@ -52,7 +52,12 @@ class KVPeer:
     Every transfer is held until NIXL reports it ended, also one dropped or timed out (its data may still
     land): a transfer that would race it on the same blocks is refused (ValueError naming them), and
     :meth:`quarantined` lists them. A peer whose transfers failed (it vanished, or the link dropped it) is
-    reconnected by :meth:`connect` with the same descriptor again, or by :meth:`reconnect`."""
+    reconnected by :meth:`connect` with the same descriptor again, or by :meth:`reconnect`.
+
+    ``progress_thread``: NIXL's progress thread, which busy-polls a core for as long as the peer lives
+    (NIXL's Python wrapper sets it no delay). Without it a peer spends no core while idle and progresses its
+    own transfers when it polls them, but over UCX TCP a pool nobody polls cannot be read: the holder's CPU
+    serves each READ. Turn it off only on a peer that reads and writes, never on one that is read from."""
 
     def __init__(
         self,
@@ -61,17 +66,21 @@ class KVPeer:
         *,
         backends: tuple[str, ...] = ("UCX",),
         cache_key: object | None = None,
+        progress_thread: bool = True,
     ) -> None:
         registration = registration_of(pool)
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty agent name, got {name!r}")
+        if not isinstance(progress_thread, bool):
+            raise TypeError(f"progress_thread: expected a bool, got {type(progress_thread).__name__}")
         if isinstance(backends, str) or not all(isinstance(b, str) for b in backends):
             raise TypeError(f"backends: expected a tuple of NIXL backend names such as ('UCX',), got {backends!r}")
         context_hash = None if cache_key is None else context_hash_of(cache_key)
         nixl_agent, nixl_agent_config = nixl_module()
         self.pool, self.name, self.backends = pool, name, tuple(backends)
         try:
-            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+            config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+            self._agent = nixl_agent(name, config)
         except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
             raise ValueError(f"backends: NIXL could not start {list(backends)} ({type(err).__name__}: {err})") from None
         missing = [b for b in backends if b not in getattr(self._agent, "backends", {})]
