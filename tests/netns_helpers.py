@@ -46,7 +46,6 @@ class Link:
     def __init__(self, tag: str) -> None:
         self.ns = (f"kvcopy-{tag}-a", f"kvcopy-{tag}-b")
         self.dev = (f"kvc{tag}a", f"kvc{tag}b")  # interface names: at most 15 characters
-        self.rate_bit_s: float | None = None
 
     def make(self) -> None:
         for ns in self.ns:
@@ -60,10 +59,11 @@ class Link:
 
     def shape(self, rate: str) -> None:
         """Both directions shaped to ``rate`` (a key of RATES_BIT_S)."""
+        if rate not in RATES_BIT_S:
+            raise ValueError(f"rate: expected one of {sorted(RATES_BIT_S)}, got {rate!r}")
         for ns, dev in zip(self.ns, self.dev):
             _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", TBF_BURST,
                  "latency", TBF_LATENCY)  # fmt: skip
-        self.rate_bit_s = RATES_BIT_S[rate]
 
     def set_up(self, up: bool) -> None:
         """Brings the link down (both ends) or back up."""

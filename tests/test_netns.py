@@ -185,6 +185,23 @@ def holder(link):
         peer.close()
 
 
+def _start_fault_read(a: NsPeer) -> tuple[list[int], int]:
+    """A read of the holder's first FAULT_BLOCKS blocks into a's blocks from 100, left in flight and under
+    way: (its local ids, its number)."""
+    local = list(range(100, 100 + FAULT_BLOCKS))
+    number = a.ask("start", "netns-holder", "read", list(range(FAULT_BLOCKS)), local)
+    time.sleep(0.2)
+    return local, number
+
+
+def _until_nothing_quarantined(a: NsPeer) -> None:
+    """Polls a's quarantine until NIXL reported every transfer ended (a hang ends at HANG_TIMEOUT_S)."""
+    deadline = time.monotonic() + HANG_TIMEOUT_S
+    while a.ask("quarantined") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.ask("quarantined") == {}
+
+
 def _failed_wait(a: NsPeer, number: int, timeout: float) -> tuple[PeerError, float]:
     started = time.monotonic()
     with pytest.raises(PeerError) as failed:
@@ -195,9 +212,7 @@ def _failed_wait(a: NsPeer, number: int, timeout: float) -> tuple[PeerError, flo
 def test_a_link_down_mid_read_times_out_quarantines_its_blocks_and_lands_once_up(link, peers, holder):
     a, _ = peers
     held = holder(peers, 5)
-    local = list(range(100, 100 + FAULT_BLOCKS))
-    number = a.ask("start", "netns-holder", "read", list(range(FAULT_BLOCKS)), local)
-    time.sleep(0.2)
+    local, number = _start_fault_read(a)
     link.set_up(False)
     try:
         error, waited = _failed_wait(a, number, FAULT_TIMEOUT_S)
@@ -209,10 +224,7 @@ def test_a_link_down_mid_read_times_out_quarantines_its_blocks_and_lands_once_up
             a.ask("start", "netns-holder", "read", [0, 1], [100, 101])
     finally:
         link.set_up(True)
-    deadline = time.monotonic() + HANG_TIMEOUT_S
-    while a.ask("quarantined") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert a.ask("quarantined") == {}  # NIXL reported it ended: the blocks are free, and the read landed whole
+    _until_nothing_quarantined(a)  # NIXL reported it ended: the blocks are free, and the read landed whole
     assert a.ask("digests", local) == held.ask("digests", list(range(FAULT_BLOCKS)))
     a.ask("reconnect", "netns-holder")  # one call makes the connection anew, and it works over the link
     a.ask("read", "netns-holder", [3, 4], [100, 101], HANG_TIMEOUT_S)
@@ -222,9 +234,7 @@ def test_a_link_down_mid_read_times_out_quarantines_its_blocks_and_lands_once_up
 def test_a_peer_killed_mid_read_fails_the_read_and_its_restart_is_one_connect(link, peers, holder):
     a, _ = peers
     held = holder(peers, 6)
-    local = list(range(100, 100 + FAULT_BLOCKS))
-    number = a.ask("start", "netns-holder", "read", list(range(FAULT_BLOCKS)), local)
-    time.sleep(0.2)
+    local, number = _start_fault_read(a)
     held.kill()
     error, waited = _failed_wait(a, number, HANG_TIMEOUT_S)
     assert error.kind in ("RemoteTransferError", "RemoteTransferTimeout")
@@ -232,9 +242,6 @@ def test_a_peer_killed_mid_read_fails_the_read_and_its_restart_is_one_connect(li
     with pytest.raises(PeerError, match="RemoteTransferError: read failed to start"):
         a.ask("read", "netns-holder", [0], [100], HANG_TIMEOUT_S)
     restarted = holder(peers, 7)  # the same agent name, a new process: a new descriptor, one connect
-    deadline = time.monotonic() + HANG_TIMEOUT_S
-    while a.ask("quarantined") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert a.ask("quarantined") == {}
+    _until_nothing_quarantined(a)
     a.ask("read", "netns-holder", list(range(8)), local[:8], HANG_TIMEOUT_S)
     assert a.ask("digests", local[:8]) == restarted.ask("digests", list(range(8)))

@@ -127,7 +127,7 @@ class KVPeer:
                 "another peer's descriptor (two peers need distinct names)"
             )
         known = self._remotes.get(layout.agent)
-        self._broken.update(self._quarantine.reap())
+        self._reap()
         same = known is not None and known.layout == layout and self._metadata[layout.agent] == metadata
         if same and layout.agent not in self._broken:
             return known  # the same descriptor again: the same pool
@@ -147,8 +147,12 @@ class KVPeer:
     def quarantined(self) -> dict[str, list[int]]:
         """The blocks that unfinished transfers (waited for or not, timed out or not) may still write, by side:
         "local" for this pool's (reads), the remote agent's name for its (writes); empty when none."""
-        self._broken.update(self._quarantine.reap())
+        self._reap()
         return self._quarantine.blocks()
+
+    def _reap(self) -> None:
+        """Lets the ended transfers go; the agents of those that failed are broken until connected anew."""
+        self._broken.update(self._quarantine.reap())
 
     def _add(self, layout: PoolLayout, metadata: bytes) -> RemotePool:
         try:
@@ -186,7 +190,7 @@ class KVPeer:
             (remote.num_blocks, self._num_blocks) if reading else (self._num_blocks, remote.num_blocks)
         )
         check_host_pair(src, dst, src_blocks, dst_blocks, same_cache=False, names=names)
-        self._broken.update(self._quarantine.reap())
+        self._reap()
         self._quarantine.check(op, remote.agent, local_t, remote_t)
         remote_table = remote.plane_table
         src_table, dst_table = (remote_table, self._table) if reading else (self._table, remote_table)
