@@ -8,9 +8,13 @@ HostKVPool of PLANES planes. For each plane-block size, one call reads BLOCKS ra
 Each row: the median of REPEATS calls, GB/s and the ratio to the limit, with the machine's identity.
 ``--memory gpu``: the same between GPU memory of the two processes (each an engine cache, a PagedKV whose
 blocks are contiguous, registered as NIXL VRAM; needs a CUDA device and UCX built with CUDA).
+``--netns RATE``: the two processes in two network namespaces made for the run, joined by a veth pair shaped
+with tbf to RATE (1gbit or 250mbit; kvcopy.tools.netns), UCX over TCP: the bytes cross a real network stack
+(checked on the interface counters, and said in the output), which on one machine they otherwise do not.
+Needs root and iproute2.
 
     .venv/bin/python benchmarks/bench_remote.py [--sizes 2,8,32,128] [--blocks 64] [--repeats 5] [--csv out.csv]
-                                                [--memory host|gpu]
+                                                [--memory host|gpu] [--netns 1gbit|250mbit]
 """
 
 from __future__ import annotations
@@ -18,20 +22,38 @@ from __future__ import annotations
 import argparse
 import csv
 import multiprocessing
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 
 import torch
 
 import kvcopy
 from kvcopy.policy.machine import machine_identity
 from kvcopy.remote import KVPeer
+from kvcopy.remote.link import interface_rx_bytes
 from kvcopy.remote.registration import registration_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
+from kvcopy.tools.netns import RATES_BIT_S, netns_link
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
 WAIT_S = 120  # generous: a loaded machine may take seconds per call
-COLUMNS = ("link", "method", "plane_block_bytes", "num_blocks", "bytes", "descriptors", "median_s", "gbps", "x_limit")
+COLUMNS = (
+    "link",
+    "transport",
+    "method",
+    "plane_block_bytes",
+    "num_blocks",
+    "bytes",
+    "descriptors",
+    "median_s",
+    "gbps",
+    "x_limit",
+    "x_rate",
+)
 
 
 def _cache(plane_block_bytes: int, num_blocks: int, seed: int, memory: str) -> tuple[object, torch.Tensor]:
@@ -57,7 +79,10 @@ def _cache(plane_block_bytes: int, num_blocks: int, seed: int, memory: str) -> t
 def _serve(conn, memory: str) -> None:
     peer = None
     while True:
-        command, *args = conn.recv()
+        try:
+            command, *args = conn.recv()
+        except EOFError:  # the reader is gone
+            command = "exit"
         if peer is not None:
             peer.close()
             peer = None
@@ -96,24 +121,70 @@ def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]], here: ob
         raise RuntimeError(f"NIXL transfer ended {state}")
 
 
-def main() -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2,8,32,128", help="plane-block sizes in KiB")
     parser.add_argument("--blocks", type=int, default=64, help="random blocks per call")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--csv", help="also write the rows here")
     parser.add_argument("--memory", choices=("host", "gpu"), default="host", help="host pools, or GPU caches")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--netns", choices=sorted(RATES_BIT_S), help="between two network namespaces over a veth shaped to this rate"
+    )
+    # Inside the namespaces: this script again, as the reader or the holder, over a socket handed down.
+    parser.add_argument("--role", choices=("reader", "holder"), help=argparse.SUPPRESS)
+    parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _over_netns(args: argparse.Namespace, argv: list[str]) -> int:
+    """Runs the holder in one new namespace and the reader (this script's body) in the other."""
+    holder_end, reader_end = socket.socketpair()
+    with netns_link(args.netns) as link:
+        holder = subprocess.Popen(
+            link.argv(1, [sys.executable, __file__, *argv, "--role", "holder", "--fd", str(holder_end.fileno())]),
+            pass_fds=(holder_end.fileno(),),
+        )
+        holder_end.close()
+        try:
+            reader = subprocess.run(
+                link.argv(0, [sys.executable, __file__, *argv, "--role", "reader", "--fd", str(reader_end.fileno())]),
+                pass_fds=(reader_end.fileno(),),
+                check=False,
+            )
+        finally:
+            reader_end.close()
+            try:
+                holder.wait(WAIT_S)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait(WAIT_S)
+    return reader.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parse(argv)
+    if args.role == "holder":
+        _serve(Connection(args.fd), args.memory)
+        return 0
+    if args.netns and args.role is None:
+        return _over_netns(args, argv)
     gpu = args.memory == "gpu"
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--memory gpu: no CUDA device visible")
     identity = machine_identity(torch.device("cuda" if gpu else "cpu"))
-    link = f"loopback (two processes, one machine), {args.memory} memory"
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(child, args.memory), daemon=True)
-    server.start()
+    if args.netns:
+        link = f"two network namespaces on one machine, a veth pair shaped to {args.netns} (tbf), {args.memory} memory"
+        parent, server = Connection(args.fd), None
+    else:
+        link = f"loopback (two processes, one machine), {args.memory} memory"
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        server = ctx.Process(target=_serve, args=(child, args.memory), daemon=True)
+        server.start()
     rows = []
+    transport = ""
     try:
         for kib in (int(k) for k in args.sizes.split(",")):
             plane_block = kib * 1024
@@ -149,7 +220,10 @@ def main() -> int:
                 }
                 timed = {name: _median(call, args.repeats) for name, call in calls.items()}
                 local_bytes.zero_()
+                received = interface_rx_bytes()
                 kvcopy_read()  # checked last, after the other calls wrote the same local blocks
+                crossed = (interface_rx_bytes() or 0) - (received or 0)
+                transport = f"{crossed / (args.blocks * block):.2f}x the bytes read crossed a network interface"
                 got = local_bytes.cpu()
                 for r, q in zip(remote_ids.tolist(), local_ids.tolist()):
                     if not torch.equal(got[q * block : (q + 1) * block], expected[r * block : (r + 1) * block]):
@@ -164,6 +238,7 @@ def main() -> int:
                     rows.append(
                         {
                             "link": link,
+                            "transport": transport,
                             "method": name,
                             "plane_block_bytes": plane_block,
                             "num_blocks": args.blocks,
@@ -172,21 +247,25 @@ def main() -> int:
                             "median_s": seconds,
                             "gbps": nbytes / seconds / 1e9,
                             "x_limit": timed["contiguous (limit)"] / seconds,
+                            "x_rate": nbytes * 8 / seconds / RATES_BIT_S[args.netns] if args.netns else "",
                         }
                     )
     finally:
         parent.send(("exit",))
-        server.join(WAIT_S)
+        if server is not None:
+            server.join(WAIT_S)
     print(
         f"kvcopy remote bench on {identity.get('device_name')} ({identity.get('host_cores')} cores), "
         f"{identity.get('date')}: {args.blocks} random page-first blocks of {PLANES} planes per call, "
-        f"{link} over NIXL/UCX, median of {args.repeats}"
+        f"{link} over NIXL/UCX, median of {args.repeats}; in the last checked read {transport}"
     )
-    print(f"{'KiB/plane-block':>15} {'method':<22} {'descr.':>6} {'ms':>9} {'GB/s':>7} {'x limit':>8}")
+    rate = f" {'x ' + args.netns:>12}" if args.netns else ""
+    print(f"{'KiB/plane-block':>15} {'method':<22} {'descr.':>6} {'ms':>9} {'GB/s':>7} {'x limit':>8}{rate}")
     for r in rows:
         print(
             f"{r['plane_block_bytes'] // 1024:>15} {r['method']:<22} {r['descriptors']:>6} "
-            f"{r['median_s'] * 1e3:>9.2f} {r['gbps']:>7.2f} {r['x_limit']:>8.2f}"
+            f"{r['median_s'] * 1e3:>9.2f} {r['gbps']:>7.3f} {r['x_limit']:>8.2f}"
+            + (f" {r['x_rate']:>12.2f}" if args.netns else "")
         )
     if args.csv:
         with open(args.csv, "w", newline="") as f:

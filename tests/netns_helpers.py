@@ -1,113 +1,24 @@
-"""Two test hosts on one machine, for tests/test_netns.py: network namespaces joined by a veth pair whose
-both ends are shaped with tbf, and a kvcopy peer process in each namespace, talking UCX over TCP.
-
-Only the namespaces, veth pair and addresses made here are used (10.231.0.1/30 and .2 inside them), and
-they are deleted on every exit path (deleting a namespace deletes its veth end and qdisc). A peer is
-``tests/netns_peer.py`` run under ``ip netns exec`` with ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES`` naming its
-veth (by default UCX sees one node and uses cross-memory attach: nothing would cross the link). The test
-talks to it over a socket pair handed down as a file descriptor.
+"""A kvcopy peer process in each of two test hosts, for tests/test_netns.py: the namespaces and their shaped
+link are kvcopy.tools.netns's; a peer is ``tests/netns_peer.py`` run in one of them under UCX over TCP
+(:meth:`~kvcopy.tools.netns.Link.argv`). The test talks to it over a socket pair handed down as a file
+descriptor.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
-from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from kvcopy.tools.netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link
+
 from conftest import HANG_TIMEOUT_S
 
-# The link's shaping: tbf, as on the machines the issue measured (netem is not in their kernel). The burst
-# is a few 1500-byte packets at 1 Gbit/s; the queue holds 10 ms of them.
-TBF_BURST, TBF_LATENCY = "64kb", "10ms"
-RATES_BIT_S = {"1gbit": 1e9, "250mbit": 250e6}
-ADDRESSES = ("10.231.0.1", "10.231.0.2")
+__all__ = ["RATES_BIT_S", "Link", "NetnsUnavailable", "NsPeer", "PeerError", "netns_link"]
+
 _PEER_SCRIPT = Path(__file__).with_name("netns_peer.py")
-# Seconds for a namespace command (about 0.01 s idle): only a hang reaches it.
-_IP_TIMEOUT_S = 60.0
-
-
-class NetnsUnavailable(RuntimeError):
-    """This sandbox cannot make the namespaces (not root, no iproute2, or namespaces forbidden)."""
-
-
-def _run(*argv: str) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=True).stdout
-
-
-class Link:
-    """The two namespaces (``ns[0]``, ``ns[1]``) and their veth ends (``dev[0]``, ``dev[1]``)."""
-
-    def __init__(self, tag: str) -> None:
-        self.ns = (f"kvcopy-{tag}-a", f"kvcopy-{tag}-b")
-        self.dev = (f"kvc{tag}a", f"kvc{tag}b")  # interface names: at most 15 characters
-
-    def make(self) -> None:
-        for ns in self.ns:
-            _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
-             "netns", self.ns[1])  # fmt: skip
-        for ns, dev, address in zip(self.ns, self.dev, ADDRESSES):
-            _run("ip", "-n", ns, "addr", "add", f"{address}/30", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", "dev", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "dev", "lo", "up")
-
-    def shape(self, rate: str) -> None:
-        """Both directions shaped to ``rate`` (a key of RATES_BIT_S)."""
-        if rate not in RATES_BIT_S:
-            raise ValueError(f"rate: expected one of {sorted(RATES_BIT_S)}, got {rate!r}")
-        for ns, dev in zip(self.ns, self.dev):
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", TBF_BURST,
-                 "latency", TBF_LATENCY)  # fmt: skip
-
-    def set_up(self, up: bool) -> None:
-        """Brings the link down (both ends) or back up."""
-        for ns, dev in zip(self.ns, self.dev):
-            _run("ip", "-n", ns, "link", "set", "dev", dev, "up" if up else "down")
-
-    def rx_bytes(self, side: int) -> int:
-        """Bytes received on ``side``'s veth end since it was made."""
-        stats = json.loads(_run("ip", "-n", self.ns[side], "-s", "-j", "link", "show", "dev", self.dev[side]))
-        return int(stats[0]["stats64"]["rx"]["bytes"])
-
-    def argv(self, side: int, command: list[str], extra_env: dict[str, str] | None = None) -> list[str]:
-        """``command`` run in ``side``'s namespace, with UCX told to use TCP over that side's veth end."""
-        env = {
-            "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": self.dev[side],
-            "NIXL_LOG_LEVEL": "WARN",
-            "PYTHONPATH": os.pathsep.join([str(_PEER_SCRIPT.parent), *sys.path]),
-            **(extra_env or {}),
-        }
-        return ["ip", "netns", "exec", self.ns[side], "env", *(f"{k}={v}" for k, v in env.items()), *command]
-
-    def delete(self) -> None:
-        for ns in self.ns:
-            subprocess.run(("ip", "netns", "del", ns), capture_output=True, timeout=_IP_TIMEOUT_S, check=False)
-
-
-@contextmanager
-def netns_link(rate: str = "1gbit"):
-    """A shaped link between two new namespaces; NetnsUnavailable when this sandbox cannot make one."""
-    if os.geteuid() != 0:
-        raise NetnsUnavailable("network namespaces need root")
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        raise NetnsUnavailable("iproute2 (ip, tc) is not installed")
-    link = Link(f"{os.getpid() % 100000}")
-    try:
-        try:
-            link.make()
-            link.shape(rate)
-        except subprocess.CalledProcessError as err:
-            raise NetnsUnavailable(f"`{' '.join(err.cmd)}` failed: {err.stderr.strip()}") from None
-        yield link
-    finally:
-        link.delete()
 
 
 class PeerError(RuntimeError):
@@ -125,7 +36,8 @@ class NsPeer:
     def __init__(self, link: Link, side: int, name: str, *, extra_env: dict[str, str] | None = None) -> None:
         self.link, self.side, self.name = link, side, name
         ours, theirs = socket.socketpair()
-        argv = link.argv(side, [sys.executable, str(_PEER_SCRIPT), str(theirs.fileno()), name], extra_env)
+        command = [sys.executable, str(_PEER_SCRIPT), str(theirs.fileno()), name]
+        argv = link.argv(side, command, extra_env, python_path=[str(_PEER_SCRIPT.parent)])
         self.process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),))
         theirs.close()
         self.conn = Connection(ours.detach())

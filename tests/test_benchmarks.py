@@ -139,6 +139,36 @@ def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
     assert all(r["link"].startswith("loopback") and r["host_cpu"] and float(r["gbps"]) > 0 for r in rows)
 
 
+def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: Path) -> None:
+    pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
+    from kvcopy.tools.netns import NetnsUnavailable, netns_link
+
+    try:
+        with netns_link("250mbit"):
+            pass
+    except NetnsUnavailable as why:
+        pytest.skip(f"this sandbox cannot make network namespaces: {why}")
+    out = tmp_path / "remote.csv"
+    result = _run(
+        "benchmarks/bench_remote.py", "--netns", "250mbit", "--sizes", "2", "--blocks", "8", "--repeats", "1",
+        "--csv", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, _describe(result)  # it exits non-zero when a block's bytes differ
+    rows = list(csv.DictReader(out.open()))
+    assert [r["method"] for r in rows] == ["contiguous (limit)", "kvcopy read", "per-block NIXL loop"]
+    assert all("veth pair shaped to 250mbit" in r["link"] for r in rows)
+    crossed = float(rows[0]["transport"].split("x ")[0])
+    assert crossed >= 1.0, rows[0]["transport"]  # every byte read crossed the veth (TCP adds its headers)
+    # 128 KiB cannot cross a 250 Mbit/s link faster than the link (tbf's 64 KiB burst aside)
+    assert all(0 < float(r["x_rate"]) < 2 for r in rows)
+    assert not any(name.startswith("kvcopy-") for name in _namespaces())  # torn down
+
+
+def _namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
 def test_bench_disk_checks_and_reports_each_way(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the disk bench needs the nixl extra (pip install 'kvcopy[nixl]')")
     out = tmp_path / "disk.csv"
