@@ -257,10 +257,12 @@ def main() -> int:
     identity = machine_identity(torch.device("cpu"))
     filesystem = filesystem_of(directory)
     rows = []
-    for kib in (int(s) for s in args.sizes.split(",")):
-        rows += _measure(directory, kib * 1024, args.blocks, args.repeats, args.queues)
-    if args.dir is None:
-        shutil.rmtree(directory, ignore_errors=True)
+    try:
+        for kib in (int(s) for s in args.sizes.split(",")):
+            rows += _measure(directory, kib * 1024, args.blocks, args.repeats, args.queues)
+    finally:  # also when a run fails or is interrupted: a temporary store is not left in the checkout
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
     limits = {(r["op"], r["plane_block_bytes"]): r["median_s"] for r in rows if r["method"] == "contiguous (limit)"}
     for r in rows:
         limit = limits.get((r["op"], r["plane_block_bytes"]))
