@@ -8,9 +8,12 @@ What is checked:
   until REFIT_EVERY observations, then one refitted toward what was observed (the count it was built from),
   kept as it is when the refit changes nothing material; without a base, none until both a load link and
   forwards were observed; a CPU TransferEngine's real transfers through ``observe_transfer``;
+* batch_seconds / own_share against the batch roofline written out here;
 * PathClock, on a fake clock: each forward reported once with its requests' tokens and seconds; a resumed
-  request's measured path (reload wait + the forwards carrying it, each whole), forgotten paths, the reload
-  wait taken out of a forward that waits for it inside, reloads not yet done recorded at a later settle().
+  request's measured path (reload wait + of each forward carrying it, the part that is its own: the forward's
+  seconds times the law's forward of the request alone over the law's forward of the batch; a forward it
+  rides alone whole), forgotten paths, the reload wait taken out of a forward that waits for it inside,
+  reloads not yet done recorded at a later settle().
 
 Observations are synthetic, from known laws; nothing here reads the wall clock.
 """
@@ -26,7 +29,14 @@ import torch
 import kvcopy
 from kvcopy import Planner
 from kvcopy.integrations import _path_clock
-from kvcopy.integrations._live_planner import REFIT_EVERY, LivePlanner, forward_seconds, predict_paths
+from kvcopy.integrations._live_planner import (
+    REFIT_EVERY,
+    LivePlanner,
+    batch_seconds,
+    forward_seconds,
+    own_share,
+    predict_paths,
+)
 from kvcopy.integrations._offload_stats import OffloadDecision
 from kvcopy.integrations._path_clock import ForwardRequest, PathClock
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
@@ -172,6 +182,43 @@ def test_predict_paths_is_load_plus_extension_against_recompute(max_forward, ext
     reload, recompute = predict_paths(base_planner(), prefix, new, nbytes, max_forward)
     assert reload == pytest.approx(base_load(nbytes) + sum(roofline(n, p) for n, p in extend_chunks), rel=1e-12)
     assert recompute == pytest.approx(sum(roofline(n, p) for n, p in recompute_chunks), rel=1e-12)
+
+
+def batch_roofline(new: tuple[int, ...], cached: tuple[int, ...]) -> float:
+    """Seconds of one batched forward under the base, written out: each request's FLOPs and cached KV summed,
+    the weights read once."""
+    flops = sum(LLAMA.prefill_flops(n, p) for n, p in zip(new, cached))
+    read = LLAMA.weight_bytes(sum(new)) + sum(LLAMA.kv_bytes(p) for p in cached)
+    return PREFILL_ALPHA_S + max(flops / FLOPS_PER_S, read / WEIGHT_BYTES_PER_S)
+
+
+def own(new: tuple[int, ...], cached: tuple[int, ...], index: int) -> float:
+    """Request ``index``'s own part of a forward under the base: alone over the batch."""
+    return roofline(new[index], cached[index]) / batch_roofline(new, cached)
+
+
+# Batches: decode steps only (memory-bound on the base), and a decode step beside a 2048-token prefill chunk.
+DECODES = ((1, 1, 1), (500, 90, 3000))
+CROWDED = ((1, 2048), (500, 0))
+
+
+@pytest.mark.parametrize("batch", [DECODES, CROWDED, ((64,), (300,))], ids=["decodes", "crowded", "one"])
+def test_batch_seconds_is_the_batch_roofline(batch):
+    assert batch_seconds(base_planner(), *batch) == pytest.approx(batch_roofline(*batch), rel=1e-12)
+    assert batch_seconds(base_planner(), (), ()) == 0.0
+
+
+def test_a_requests_own_part_of_a_forward_is_its_forward_alone_over_the_batchs():
+    planner = base_planner()
+    for batch in (DECODES, CROWDED):
+        for index in range(len(batch[0])):
+            assert own_share(planner, *batch, index) == pytest.approx(own(*batch, index), rel=1e-12)
+    # beside decode steps a decode step is most of the forward (the weights are read once for all); beside a
+    # long prefill chunk, a small part of it
+    assert own_share(planner, *DECODES, 0) > 0.9
+    assert own_share(planner, *CROWDED, 0) < 0.5
+    assert own_share(planner, (64,), (300,), 0) == 1.0  # alone: the whole forward
+    assert own_share(None, *CROWDED, 0) == 1.0  # no law yet: the whole forward
 
 
 # --------------------------------------------------------------------------- LivePlanner
@@ -373,7 +420,7 @@ def test_a_dropped_forward_is_not_reported(fake_clock, monkeypatch):
     assert seen == []
 
 
-def test_a_reloaded_path_is_its_reload_wait_plus_the_forwards_that_carry_it(fake_clock, monkeypatch):
+def test_a_reloaded_path_is_its_reload_wait_plus_its_part_of_the_forwards_that_carry_it(fake_clock, monkeypatch):
     live = LivePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
     clock = PathClock(live, waits_inside_forward=False)
@@ -384,23 +431,27 @@ def test_a_reloaded_path_is_its_reload_wait_plus_the_forwards_that_carry_it(fake
     forward(clock, fake_clock, 0.5, ForwardRequest("o", 1, 91, True))  # does not carry r
     assert resumed.measured_s is None  # not caught up yet
     forward(clock, fake_clock, 0.125, ForwardRequest("r", 64, 564, True), ForwardRequest("o", 1, 92, True))
-    assert resumed.measured_s == pytest.approx(RELOAD_WAIT_S + 0.25 + 0.125)
+    expected = RELOAD_WAIT_S + 0.25 * own((64, 1), (500, 90), 0) + 0.125 * own((64, 1), (564, 92), 0)
+    assert resumed.measured_s == pytest.approx(expected, rel=1e-12)
     assert [s for _, _, s in seen] == [0.25, 0.5, 0.125]
     forward(clock, fake_clock, 0.5, ForwardRequest("r", 1, 628, True))  # measured once: later forwards do not count
-    assert resumed.measured_s == pytest.approx(RELOAD_WAIT_S + 0.25 + 0.125)
+    assert resumed.measured_s == pytest.approx(expected, rel=1e-12)
 
 
-def test_a_path_records_the_largest_prefill_chunk_of_others_it_waited_for(fake_clock):
+def test_a_path_beside_another_prefill_chunk_is_charged_its_own_part_and_records_the_chunk(fake_clock):
     clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     crowded, alone = decision("r"), decision("q")
     clock.resumed("r", crowded)
     clock.resumed("q", alone)
-    # r rides beside another request's 200-token chunk, then beside decode steps only; q beside decode steps only
-    forward(clock, fake_clock, 0.25, ForwardRequest("r", 64, 500, False), ForwardRequest("p", 200, 0, False))
+    # r rides beside another request's 2048-token chunk, then beside decode steps only; q beside decode steps only
+    forward(clock, fake_clock, 0.25, ForwardRequest("r", 64, 500, False), ForwardRequest("p", 2048, 0, False))
     forward(clock, fake_clock, 0.125, ForwardRequest("r", 1, 564, True), ForwardRequest("o", 1, 92, True))
     forward(clock, fake_clock, 0.125, ForwardRequest("q", 1, 300, True), ForwardRequest("o", 1, 93, True))
-    assert (crowded.crowding_tokens, alone.crowding_tokens) == (200, 0)
-    assert crowded.measured_s == pytest.approx(0.375) and alone.measured_s == pytest.approx(0.125)
+    assert (crowded.crowding_tokens, alone.crowding_tokens) == (2048, 0)
+    crowded_part = own((64, 2048), (500, 0), 0)
+    assert crowded_part < 0.5  # the chunk's compute is not r's
+    assert crowded.measured_s == pytest.approx(0.25 * crowded_part + 0.125 * own((1, 1), (564, 92), 0), rel=1e-12)
+    assert alone.measured_s == pytest.approx(0.125 * own((1, 1), (300, 93), 0), rel=1e-12)
 
 
 def test_a_recomputed_path_is_the_forwards_that_carry_it(fake_clock):
@@ -436,9 +487,11 @@ def test_a_reload_wait_inside_the_forward_is_taken_out_of_it_and_counted_once(fa
     clock.reloaded(["r", "s"], [Reload(RELOAD_WAIT_S), Reload(OTHER_RELOAD_WAIT_S)])  # the forward waits for both
     forward(clock, fake_clock, 0.25, ForwardRequest("r", 1, 500, True), ForwardRequest("s", 64, 500, False))
     forward(clock, fake_clock, 0.125, ForwardRequest("s", 1, 564, True))  # waits for no reload: all its own
-    assert [s for _, _, s in seen] == pytest.approx([0.25 - OTHER_RELOAD_WAIT_S, 0.125])
-    assert first.measured_s == pytest.approx(0.25)  # the wait, then the rest of the forward
-    assert second.measured_s == pytest.approx(0.25 + 0.125)
+    computing = 0.25 - OTHER_RELOAD_WAIT_S
+    assert [s for _, _, s in seen] == pytest.approx([computing, 0.125])
+    # each: the whole wait, then its own part of the rest of the forward
+    assert first.measured_s == pytest.approx(OTHER_RELOAD_WAIT_S + computing * own((1, 64), (500, 500), 0))
+    assert second.measured_s == pytest.approx(OTHER_RELOAD_WAIT_S + computing * own((1, 64), (500, 500), 1) + 0.125)
 
 
 def caught_up_before_its_reload_is_done(fake_clock: FakeClock) -> tuple[PathClock, OffloadDecision, Reload]:

@@ -9,14 +9,24 @@ engine's terms (:func:`predict_paths`). With ``learn=False`` it is the calibrate
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from ..policy.model import ModelSpec
 from ..policy.online import OnlineProfile
+from ..policy.online_prefill import forward_costs
 from ..policy.planner import DEFAULT_BLOCK_TOKENS, Planner
 from ..profile import Profile
 from ..transfer import Transfer
 
-__all__ = ["LivePlanner", "MATERIAL_CHANGE", "REFIT_EVERY", "forward_seconds", "predict_paths"]
+__all__ = [
+    "LivePlanner",
+    "MATERIAL_CHANGE",
+    "REFIT_EVERY",
+    "batch_seconds",
+    "forward_seconds",
+    "own_share",
+    "predict_paths",
+]
 
 # New observations before a decision refits the learned profile: a refit costs milliseconds (it is timed
 # inside the engine's step), and this many more observations move a fit of hundreds by a few percent at most.
@@ -26,6 +36,28 @@ MATERIAL_CHANGE = 0.02
 # Probes of that comparison: copies of this many blocks, forwards of this many tokens.
 _PROBE_BLOCKS = (1, 64)
 _PROBE_TOKENS = (1, 64, 1024)
+
+
+def batch_seconds(planner: Planner, new: Sequence[int], cached: Sequence[int]) -> float:
+    """Predicted seconds of one forward in which request i computes ``new[i]`` tokens after ``cached[i]`` (0 for
+    a forward of no token): the law an OnlineProfile fits (kvcopy/policy/online_prefill.py),
+    ``alpha + max(FLOPs / F, bytes read / W)`` with the FLOPs and bytes summed over the batch."""
+    if not any(new):
+        return 0.0
+    if planner.prefill_tokens_per_s is not None:  # a linear prefill model
+        return planner.prefill_alpha_s + sum(new) / planner.prefill_tokens_per_s
+    flops, read = forward_costs(planner.spec, new, cached)
+    memory = read / planner.weight_bytes_per_s if planner.weight_bytes_per_s else 0.0
+    return planner.prefill_alpha_s + max(flops / planner.prefill_flops_per_s, memory)  # type: ignore[operator]
+
+
+def own_share(planner: Planner | None, new: Sequence[int], cached: Sequence[int], index: int) -> float:
+    """The part of one measured forward that is request ``index``'s own: the forward it would have been alone,
+    over the forward of the whole batch, both by ``planner``'s law (at most 1). 1 without a law."""
+    whole = batch_seconds(planner, new, cached) if planner is not None else 0.0
+    if whole <= 0.0:
+        return 1.0
+    return min(1.0, batch_seconds(planner, (new[index],), (cached[index],)) / whole)  # type: ignore[arg-type]
 
 
 def forward_seconds(planner: Planner, tokens: int, cached: int, max_forward_tokens: int | None) -> float:
@@ -99,6 +131,11 @@ class LivePlanner:
         bytes, turnaround and blocks."""
         if self.online is not None:
             self.online.observe_copy(link, method, nbytes, seconds, num_blocks=num_blocks)
+
+    @property
+    def planner(self) -> Planner | None:
+        """The Planner of the last decision, without a refit: the law a measured forward is shared out by."""
+        return self._planner
 
     def observe_forward(self, tokens: list[int], cached_tokens: list[int], seconds: float) -> None:
         """One forward the engine timed: each request's new and cached tokens."""

@@ -26,19 +26,21 @@ class OffloadDecision:
     ``predicted_reload_s`` / ``predicted_recompute_s``: the Planner's seconds
     for each path at decision time (None without a profile), in the terms of
     ``measured_s`` (docs/decisions.md, "Predicted and measured in a batching
-    engine"): the time the request takes to catch up once it runs again. A
-    reload: the seconds the forward waited for its blocks, plus the forwards
-    that carry its ``new_tokens``; a recompute: the forwards that carry its
-    ``prefix_tokens + new_tokens``; forwards of at most the engine's batch
-    token budget each, each counted whole. ``observations``: how many of the
+    engine"): the time the request takes to catch up once it runs again, in
+    forwards of its own. A reload: the seconds the forward waited for its
+    blocks, plus the forwards that carry its ``new_tokens``; a recompute: the
+    forwards that carry its ``prefix_tokens + new_tokens``; forwards of at
+    most the engine's batch token budget each. Predicted, each forward is the
+    request's alone; measured, each is the part of the batched forward that
+    the law gives the request alone. ``observations``: how many of the
     engine's own measurements the Planner's profile held (0: the calibration
     alone). ``measured_s``: the path taken, measured after the request resumed;
     None until then, if it was preempted again before catching up, or if it
     caught up in the engine's last forward (whose end is not observed).
     ``crowding_tokens``: once measured, the most tokens other requests'
     prefill chunks took in one forward of its path (0: those forwards carried
-    only decode steps of others): time it waited for, which no prediction
-    made at decision time can see.
+    only decode steps of others): work it waited beside, which no prediction
+    made at decision time can see, and which its measured part leaves out.
     """
 
     request_id: str

@@ -7,11 +7,14 @@ before a forward and :meth:`PathClock.stop` once it has ended. Each forward is r
 docs/decisions.md defines it ("Predicted and measured in a batching engine"):
 
 - a reload: the seconds the forward waited for the request's blocks (the turnaround of that batch's reload
-  transfers: from their submission, just before the forward, until done), plus the seconds of the forwards
+  transfers: from their submission, just before the forward, until done), plus its own part of the forwards
   that carry its new tokens, until it has caught up;
-- a recompute: the seconds of the forwards that carry its re-prefilled tokens, until it has caught up.
+- a recompute: its own part of the forwards that carry its re-prefilled tokens, until it has caught up.
 
-A forward counts whole for each request it carries: the request waits for all of it.
+Its own part of a forward is the forward's seconds times the law's forward of the request alone over the law's
+forward of the whole batch (:func:`~._live_planner.own_share`, with the LivePlanner's Planner of the moment):
+the other requests' work in it (another request's prefill chunk the scheduler put beside it) is not its cost.
+A forward it rides alone counts whole.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..transfer import Transfer
-from ._live_planner import LivePlanner
+from ._live_planner import LivePlanner, own_share
 from ._offload_stats import OffloadDecision
 
 __all__ = ["ForwardRequest", "PathClock"]
@@ -98,13 +101,13 @@ class PathClock:
             waited = _reload_wait(forward.reloads) if self.waits_inside_forward and forward.reloads else None
             if waited is not None:  # (None: a reload failed; its wait is not known, nor its path measured)
                 seconds = max(0.0, seconds - waited)
-            self.live.observe_forward(
-                [r.new_tokens for r in forward.requests], [r.cached_tokens for r in forward.requests], seconds
-            )
-            for request in forward.requests:
+            new = [r.new_tokens for r in forward.requests]
+            cached = [r.cached_tokens for r in forward.requests]
+            self.live.observe_forward(new, cached, seconds)
+            for index, request in enumerate(forward.requests):
                 path = self._paths.get(request.request_id)
                 if path is not None:
-                    path.forward_s += seconds
+                    path.forward_s += seconds * own_share(self.live.planner, new, cached, index)
                     crowding = sum(r.new_tokens for r in forward.requests if r is not request and r.new_tokens > 1)
                     path.crowding_tokens = max(path.crowding_tokens, crowding)
                     if request.completes:

@@ -10,6 +10,7 @@ calibration gives way where the forwards are faster than it says.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from .model import ModelSpec
 from .online_fit import fit_max_linear
 from .online_observations import age_weights
 
-__all__ = ["FLOPS_CAP_FACTOR", "PRIOR_FORWARD_TOKENS", "ForwardLaw"]
+__all__ = ["FLOPS_CAP_FACTOR", "PRIOR_FORWARD_TOKENS", "ForwardLaw", "forward_costs"]
 
 # A learned prefill FLOP rate is at most this multiple of the calibrated one (another dtype or kernel may be
 # faster than the calibrator's layer; by more, the forwards are not compute-bound and say nothing of it).
@@ -39,6 +40,14 @@ _START_FLOOR_SHARE = 0.5
 Batch = tuple[tuple[int, ...], tuple[int, ...]]
 
 
+def forward_costs(spec: ModelSpec, new: Sequence[int], cached: Sequence[int]) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one forward in which request i computes ``new[i]`` tokens after ``cached[i]``:
+    each request's FLOPs, the weights read once for all of them, each request's cached KV read once."""
+    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached))
+    read = spec.weight_bytes(sum(new), 0) + sum(spec.kv_bytes(p) for p in cached)
+    return float(flops), float(read)
+
+
 class ForwardLaw:
     """Fits the forward roofline of ``spec``; remembers each batch shape's FLOPs and bytes between fits."""
 
@@ -50,11 +59,7 @@ class ForwardLaw:
         """(FLOPs, bytes read) of one forward of ``batch``."""
         found = self._costs.get(batch)
         if found is None:
-            spec = self.spec
-            new, cached = batch
-            flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached))
-            read = spec.weight_bytes(sum(new), 0) + sum(spec.kv_bytes(p) for p in cached)
-            found = self._costs[batch] = (float(flops), float(read))
+            found = self._costs[batch] = forward_costs(self.spec, *batch)
         return found
 
     def fit(

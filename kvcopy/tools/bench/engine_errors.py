@@ -34,7 +34,8 @@ def error_summary(stats: Any, skip: int = DEFAULT_SKIP) -> dict[str, object]:
 
 def crowding_summary(stats: Any, skip: int = DEFAULT_SKIP) -> str:
     """The error split by whether a forward on the measured path also carried another request's prefill chunk
-    (``crowding_tokens``), which the request then waited for: what no prediction at decision time can see."""
+    (``crowding_tokens``), which the request then waited beside: what no prediction at decision time can see,
+    and what the measurement leaves out of the request's part of that forward."""
     judged = [d for d in stats.decisions[skip:] if d.prediction_error is not None]
     parts = []
     for label, mine in (
