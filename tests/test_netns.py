@@ -46,8 +46,10 @@ def link():
 
 
 @pytest.fixture(scope="module")
-def peers(link):
-    """("a", "b"): the reader in namespace a, the holder in b, each with a pool of 256 llama-8b blocks."""
+def peers(link, profiles):
+    """("a", "b"): the reader in namespace a, the holder in b, each with a pool of 256 llama-8b blocks. Made after
+    the link is calibrated (``profiles``): each peer's NIXL progress thread busy-polls a core, and over UCX TCP
+    the calibration's own two peers need the VM's two cores (beside two more, 1 Gbit/s calibrated at 0.80)."""
     a, b = NsPeer(link, 0, "netns-a"), NsPeer(link, 1, "netns-b")
     try:
         descriptors = a.ask("pool", "llama-8b", POOL_BLOCKS, 1), b.ask("pool", "llama-8b", POOL_BLOCKS, 2)
