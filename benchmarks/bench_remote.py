@@ -37,7 +37,7 @@ from kvcopy.remote import KVPeer
 from kvcopy.remote.link import interface_rx_bytes
 from kvcopy.remote.registration import registration_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
-from kvcopy.tools.netns import RATES_BIT_S, netns_link
+from kvcopy.tools.netns import RATES_BIT_S, NetnsUnavailable, netns_link
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
 WAIT_S = 120  # generous: a loaded machine may take seconds per call
@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         _serve(Connection(args.fd), args.memory)
         return 0
     if args.netns and args.role is None:
-        return _over_netns(args, argv)
+        try:
+            return _over_netns(args, argv)
+        except NetnsUnavailable as why:
+            raise SystemExit(f"--netns: this machine cannot make network namespaces: {why}") from None
     gpu = args.memory == "gpu"
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--memory gpu: no CUDA device visible")
