@@ -164,6 +164,15 @@ def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: 
     assert not any(name.startswith("kvcopy-") for name in _namespaces())  # torn down
 
 
+def test_bench_remote_over_network_namespaces_says_why_it_cannot(tmp_path: Path) -> None:
+    pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
+    env = {**os.environ, "PATH": str(tmp_path)}  # no iproute2 on it (the script runs as sys.executable)
+    result = _run("benchmarks/bench_remote.py", "--netns", "1gbit", "--sizes", "2", env=env)
+    assert result.returncode == 1, _describe(result)
+    assert "--netns: this machine cannot make network namespaces" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def _namespaces() -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
