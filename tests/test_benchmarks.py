@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvcopy.tools.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
+from kvcopy.tools.netns import NetnsUnavailable, netns_link
 
 from conftest import HANG_TIMEOUT_S, HAS_CUDA, SUBPROCESS_TIMEOUT_S
 
@@ -141,8 +142,6 @@ def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
 
 def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
-    from kvcopy.tools.netns import NetnsUnavailable, netns_link
-
     try:
         with netns_link("250mbit"):
             pass
