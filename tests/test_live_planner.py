@@ -8,7 +8,7 @@ What is checked:
   until REFIT_EVERY observations, then one refitted toward what was observed (the count it was built from),
   kept as it is when the refit changes nothing material; without a base, none until both a load link and
   forwards were observed; a CPU TransferEngine's real transfers through ``observe_transfer``;
-* batch_seconds / own_share against the batch roofline written out here;
+* Planner.t_forward / own_share against the batch roofline written out here;
 * PathClock, on a fake clock: each forward reported once with its requests' tokens and seconds; a resumed
   request's measured path (reload wait + of each forward carrying it, the part that is its own: the forward's
   seconds times the law's forward of the request alone over the law's forward of the batch; a forward it
@@ -32,7 +32,6 @@ from kvcopy.integrations import _path_clock
 from kvcopy.integrations._live_planner import (
     REFIT_EVERY,
     LivePlanner,
-    batch_seconds,
     forward_seconds,
     own_share,
     predict_paths,
@@ -203,9 +202,9 @@ CROWDED = ((1, 2048), (500, 0))
 
 
 @pytest.mark.parametrize("batch", [DECODES, CROWDED, ((64,), (300,))], ids=["decodes", "crowded", "one"])
-def test_batch_seconds_is_the_batch_roofline(batch):
-    assert batch_seconds(base_planner(), *batch) == pytest.approx(batch_roofline(*batch), rel=1e-12)
-    assert batch_seconds(base_planner(), (), ()) == 0.0
+def test_a_batched_forward_is_the_batch_roofline(batch):
+    assert base_planner().t_forward(*batch) == pytest.approx(batch_roofline(*batch), rel=1e-12)
+    assert base_planner().t_forward((), ()) == 0.0
 
 
 def test_a_requests_own_part_of_a_forward_is_its_forward_alone_over_the_batchs():

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from ..policy.model import ModelSpec
 from ..policy.online import OnlineProfile
-from ..policy.online_prefill import forward_costs
 from ..policy.planner import DEFAULT_BLOCK_TOKENS, Planner
 from ..profile import Profile
 from ..transfer import Transfer
@@ -22,7 +21,6 @@ __all__ = [
     "LivePlanner",
     "MATERIAL_CHANGE",
     "REFIT_EVERY",
-    "batch_seconds",
     "forward_seconds",
     "own_share",
     "predict_paths",
@@ -38,26 +36,13 @@ _PROBE_BLOCKS = (1, 64)
 _PROBE_TOKENS = (1, 64, 1024)
 
 
-def batch_seconds(planner: Planner, new: Sequence[int], cached: Sequence[int]) -> float:
-    """Predicted seconds of one forward in which request i computes ``new[i]`` tokens after ``cached[i]`` (0 for
-    a forward of no token): the law an OnlineProfile fits (kvcopy/policy/online_prefill.py),
-    ``alpha + max(FLOPs / F, bytes read / W)`` with the FLOPs and bytes summed over the batch."""
-    if not any(new):
-        return 0.0
-    if planner.prefill_tokens_per_s is not None:  # a linear prefill model
-        return planner.prefill_alpha_s + sum(new) / planner.prefill_tokens_per_s
-    flops, read = forward_costs(planner.spec, new, cached)
-    memory = read / planner.weight_bytes_per_s if planner.weight_bytes_per_s else 0.0
-    return planner.prefill_alpha_s + max(flops / planner.prefill_flops_per_s, memory)  # type: ignore[operator]
-
-
 def own_share(planner: Planner | None, new: Sequence[int], cached: Sequence[int], index: int) -> float:
     """The part of one measured forward that is request ``index``'s own: the forward it would have been alone,
     over the forward of the whole batch, both by ``planner``'s law (at most 1). 1 without a law."""
-    whole = batch_seconds(planner, new, cached) if planner is not None else 0.0
+    whole = planner.t_forward(new, cached) if planner is not None else 0.0
     if whole <= 0.0:
         return 1.0
-    return min(1.0, batch_seconds(planner, (new[index],), (cached[index],)) / whole)  # type: ignore[arg-type]
+    return min(1.0, planner.t_forward((new[index],), (cached[index],)) / whole)  # type: ignore[union-attr]
 
 
 def forward_seconds(planner: Planner, tokens: int, cached: int, max_forward_tokens: int | None) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from .model_config import (
 from .model_families import SUPPORTED_FAMILIES
 from .model_presets import PRESETS
 
-__all__ = ["ModelSpec", "SUPPORTED_FAMILIES"]
+__all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "forward_costs"]
 
 
 _KV_PLANES = 2  # K and V; MLA stores one latent instead
@@ -358,3 +358,11 @@ class ModelSpec:
     def preset_names() -> tuple[str, ...]:
         """The names :meth:`preset` knows."""
         return tuple(sorted(PRESETS))
+
+
+def forward_costs(spec: ModelSpec, new: Sequence[int], cached: Sequence[int]) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one forward in which request i computes ``new[i]`` tokens after ``cached[i]``:
+    each request's FLOPs, the weights read once for all of them, each request's cached KV read once."""
+    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached))
+    read = spec.weight_bytes(sum(new), 0) + sum(spec.kv_bytes(p) for p in cached)
+    return float(flops), float(read)

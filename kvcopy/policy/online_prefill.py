@@ -10,17 +10,16 @@ calibration gives way where the forwards are faster than it says.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..profile import PrefillProfile
-from .model import ModelSpec
+from .model import ModelSpec, forward_costs
 from .online_fit import fit_max_linear
 from .online_observations import age_weights
 
-__all__ = ["FLOPS_CAP_FACTOR", "PRIOR_FORWARD_TOKENS", "ForwardLaw", "forward_costs"]
+__all__ = ["FLOPS_CAP_FACTOR", "PRIOR_FORWARD_TOKENS", "ForwardLaw"]
 
 # A learned prefill FLOP rate is at most this multiple of the calibrated one (another dtype or kernel may be
 # faster than the calibrator's layer; by more, the forwards are not compute-bound and say nothing of it).
@@ -38,14 +37,6 @@ _START_FLOOR_SHARE = 0.5
 
 # (new tokens per request, cached tokens per request)
 Batch = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def forward_costs(spec: ModelSpec, new: Sequence[int], cached: Sequence[int]) -> tuple[float, float]:
-    """(FLOPs, bytes read) of one forward in which request i computes ``new[i]`` tokens after ``cached[i]``:
-    each request's FLOPs, the weights read once for all of them, each request's cached KV read once."""
-    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached))
-    read = spec.weight_bytes(sum(new), 0) + sum(spec.kv_bytes(p) for p in cached)
-    return float(flops), float(read)
 
 
 class ForwardLaw:

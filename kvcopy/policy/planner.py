@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from ..profile import DISK_READ_DIRECTION, REMOTE_DIRECTION
 from .decision import ACTIONS, Action, Decision
+from .model import forward_costs
 from .pipeline import pipelined_seconds
 from .scan import first_winning
 from .split import best_split
@@ -266,13 +267,18 @@ class Planner:
         """Seconds of one forward computing ``tokens`` new tokens after ``cached_tokens`` cached ones."""
         if tokens <= 0:
             return 0.0
+        return self.t_forward((tokens,), (cached_tokens,))
+
+    def t_forward(self, new: Sequence[int], cached: Sequence[int]) -> float:
+        """Seconds of one batched forward, request i computing ``new[i]`` tokens after ``cached[i]`` (0 for none):
+        ``alpha + max(FLOPs / F, bytes read / W)`` of :func:`~.model.forward_costs`, as an OnlineProfile fits."""
+        if not any(new):
+            return 0.0
         if self.prefill_tokens_per_s is not None:
-            return self.prefill_alpha_s + tokens / self.prefill_tokens_per_s
-        compute = self.spec.prefill_flops(tokens, cached_tokens) / self.prefill_flops_per_s
-        if self.weight_bytes_per_s is None:
-            return self.prefill_alpha_s + compute
-        memory = self.spec.weight_bytes(tokens, cached_tokens) / self.weight_bytes_per_s
-        return self.prefill_alpha_s + max(compute, memory)
+            return self.prefill_alpha_s + sum(new) / self.prefill_tokens_per_s
+        flops, read = forward_costs(self.spec, new, cached)
+        memory = read / self.weight_bytes_per_s if self.weight_bytes_per_s else 0.0
+        return self.prefill_alpha_s + max(flops / self.prefill_flops_per_s, memory)  # type: ignore[operator]
 
     # ------------------------------------------------------------------ decisions
 
