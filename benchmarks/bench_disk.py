@@ -11,7 +11,9 @@ random pool ids:
 - ``per-block pwrite/pread``: os.pwrite / os.pread of each block at its slot, on the data file opened as the
   store opens it (O_DIRECT where it can), then one fsync for writes;
 - ``per-block, 8 threads``: the same calls from THREADS threads, so the disk sees several requests at once;
-- ``contiguous (limit)``: one os.pwrite / os.pread of the same bytes as a single range (fsync for writes).
+- ``contiguous (limit)``: one os.pwrite / os.pread of the same bytes as a single range (fsync for writes);
+- ``contiguous, 4 KiB pages``: the same, into or from a buffer of 4 KiB pages (an anonymous mapping, as a
+  caller's own buffer would be), where the pool's memory asks for transparent huge pages.
 Op ``read`` reads a put's blocks back in the order it wrote them (a prefix resumed: the store gave it adjacent
 slots); ``read-random`` reads the same blocks in a random order (each still into its own pool block), which on
 a disk is a random read per block. Reads are cold: through O_DIRECT when the block size allows (the store
@@ -38,6 +40,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 import kvcopy
@@ -50,6 +53,9 @@ PLANES = 8  # planes per block: a page-first block is one region of PLANES plane
 READS = ("read", "read-random")  # a put's blocks read back in its order, and in a random one
 THREADS = 8  # the threaded per-block loop: as many requests in flight as a small io_uring queue would keep
 THREADED = f"per-block, {THREADS} threads"
+# the limit's read or write, into or from memory of 4 KiB pages: a pool's memory asks for huge pages, which a DMA
+# meets as 2 MiB physically contiguous runs (kvcopy._host_memory._ask_for_huge_pages)
+SMALL_PAGES = "contiguous, 4 KiB pages"
 WRITE_THROUGH_BYTES = 16 << 20  # the untimed write-through of the data file, in chunks of this size
 COLUMNS = (
     "op",
@@ -189,17 +195,20 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
 
     spare = repeats * nbytes  # the store's last `blocks` slots, which no put fills (puts take free slots in order)
 
-    def contiguous(op: str):
+    def contiguous(op: str, memory: memoryview | np.ndarray = view):
         def body(i: int) -> None:
             if op == "write":
-                os.pwrite(fd, view[:nbytes], spare)
+                os.pwrite(fd, memory[:nbytes], spare)
                 os.fsync(fd)
                 return
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.preadv(fd, [view[:nbytes]], spare)
+            os.preadv(fd, [memory[:nbytes]], spare)
 
         return body
+
+    small_pages = mmap.mmap(-1, nbytes)  # 4 KiB pages, the memory a caller's own buffer has (freed with it)
+    small_pages.write(view[:nbytes].tobytes())
 
     expected = pool.buffer.clone()
     measured: dict = {}
@@ -209,6 +218,7 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             bodies[("per-block pwrite/pread", "")] = per_block(op)
             bodies[(THREADED, "")] = per_block(op, threads)
             bodies[("contiguous (limit)", "")] = contiguous(op)
+            bodies[(SMALL_PAGES, "")] = contiguous(op, memoryview(small_pages))
             after = {("kvcopy", label): record_slots(label) for label in stores} if op == "write" else None
             measured.update({(op, *key): seconds for key, seconds in _interleaved(repeats, bodies, after).items()})
             descriptors[(op, "")] = blocks

@@ -29,8 +29,9 @@ class HostKVPool:
     that plane contiguously, mirroring the device.
 
     Memory (kvcopy._host_memory): one anonymous mapping of exactly the pool's
-    bytes (fresh pages, which read as zero), never rounded
-    up. ``pin_memory=None`` pins when CUDA is available, registering with CUDA
+    bytes (fresh pages, which read as zero), never rounded up, asking for
+    transparent huge pages (a DMA into it meets 2 MiB runs).
+    ``pin_memory=None`` pins when CUDA is available, registering with CUDA
     in chunks of at most 64 GiB; ``pin_memory=True`` without CUDA raises
     RuntimeError. ``numa_node``: bind the pages to that node; None binds them
     to the GPU's node when ``like`` is on a GPU whose node the system reports.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 
 import pytest
 import torch
@@ -96,6 +97,33 @@ def test_buffer_is_its_own_page_aligned_mapping_of_fresh_zero_pages():
     # Every plane lies inside that buffer.
     for plane in pool.paged.planes:
         assert start <= plane.data_ptr() < start + pool.nbytes
+
+
+def _vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the /proc/self/smaps mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no smaps entry with VmFlags holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="this kernel has no transparent huge pages"
+)
+def test_buffer_asks_for_transparent_huge_pages():
+    """A DMA into the pool (an O_DIRECT read of the disk store, a copy engine's) meets 2 MiB physically
+    contiguous runs: the mapping carries MADV_HUGEPAGE ("hg"); a plain anonymous mapping does not."""
+    pool = kvcopy.HostKVPool(_like(1 << 20), 8, pin_memory=False)
+    assert "hg" in _vm_flags_of(pool.buffer.data_ptr())
+    plain = mmap.mmap(-1, 8 << 20)
+    address = torch.frombuffer(plain, dtype=torch.uint8).data_ptr()
+    assert "hg" not in _vm_flags_of(address)
 
 
 @pytest.mark.skipif(_available() < (4 << 30), reason="needs ~4 GiB of available memory for the size check")
