@@ -108,14 +108,17 @@ class MethodProfile:
 
 @dataclass(frozen=True)
 class PrefillProfile:
-    """A roofline for prefill-shaped work of ``model``, per forward:
-    ``alpha_s + max(flops / flops_per_s, weight_bytes / weight_bytes_per_s)``.
+    """A roofline for prefill-shaped work of ``model``, per forward of k requests:
+    ``alpha_s + (k - 1) * extra_request_s + max(flops / flops_per_s, weight_bytes / weight_bytes_per_s)``.
 
     ``alpha_s``: the fixed seconds of a forward of ``num_layers`` layers (the
     fit's intercept). ``weight_bytes_per_s``: how fast a forward of a few
     tokens reads its weights; None in profiles written before it was measured
     (the planner then has no memory-bound floor). ``num_layers``: the layer
     count the fixed cost is for (None in older profiles: not scaled).
+    ``extra_request_s``: what each request beside the first adds to a
+    batched forward (the engine's work per sequence); 0 where only
+    single-request forwards were measured, as the calibrator's are.
     """
 
     model: str
@@ -125,6 +128,7 @@ class PrefillProfile:
     points: tuple[tuple[float, float], ...] = ()  # (flops, seconds)
     weight_bytes_per_s: float | None = None
     num_layers: int | None = None
+    extra_request_s: float = 0.0
 
     def alpha_for(self, model: str, num_layers: int) -> float:
         """The fixed seconds of one forward of ``num_layers`` layers of ``model``: ``alpha_s`` for the model it

@@ -98,7 +98,7 @@ def roofline(tokens: int, cached: int) -> float:
     return PREFILL_ALPHA_S + max(compute, memory)
 
 
-def base_planner() -> Planner:
+def base_planner(extra_request_s: float = 0.0) -> Planner:
     return Planner(
         LLAMA,
         load_alpha_s=LOAD_ALPHA_S,
@@ -106,6 +106,7 @@ def base_planner() -> Planner:
         prefill_flops_per_s=FLOPS_PER_S,
         prefill_alpha_s=PREFILL_ALPHA_S,
         weight_bytes_per_s=WEIGHT_BYTES_PER_S,
+        prefill_extra_request_s=extra_request_s,
     )
 
 
@@ -218,6 +219,34 @@ def test_a_requests_own_part_of_a_forward_is_its_forward_alone_over_the_batchs()
     assert own_share(planner, *CROWDED, 0) < 0.5
     assert own_share(planner, (64,), (300,), 0) == 1.0  # alone: the whole forward
     assert own_share(None, *CROWDED, 0) == 1.0  # no law yet: the whole forward
+
+
+# What each request beside the first adds to a forward, against the base's fixed cost.
+EXTRA_REQUEST_S = 2 * PREFILL_ALPHA_S
+
+
+@pytest.mark.parametrize("batch", [DECODES, CROWDED, ((64,), (300,))], ids=["decodes", "crowded", "one"])
+def test_each_request_beside_the_first_adds_its_fixed_seconds_to_a_forward(batch):
+    planner = base_planner(EXTRA_REQUEST_S)
+    extra = (len(batch[0]) - 1) * EXTRA_REQUEST_S
+    assert planner.t_forward(*batch) == pytest.approx(batch_roofline(*batch) + extra, rel=1e-12)
+    assert planner.t_prefill(64, 300) == base_planner().t_prefill(64, 300)  # one request: none of it
+
+
+def test_a_requests_own_part_counts_the_work_per_request_as_the_others():
+    """Three decode steps: alone, a step costs the roofline; the batch, that plus two requests' extra work, so
+    each step's own part is about a third, where the law without the term made it nearly all."""
+    planner = base_planner(EXTRA_REQUEST_S)
+    batch = batch_roofline(*DECODES) + 2 * EXTRA_REQUEST_S
+    for index, cached in enumerate(DECODES[1]):
+        assert own_share(planner, *DECODES, index) == pytest.approx(roofline(1, cached) / batch, rel=1e-12)
+    assert own_share(planner, *DECODES, 0) < 0.5 < own_share(base_planner(), *DECODES, 0)
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("nan")])
+def test_a_negative_work_per_request_is_refused(value):
+    with pytest.raises(ValueError, match="prefill_extra_request_s"):
+        base_planner(value)
 
 
 # --------------------------------------------------------------------------- LivePlanner

@@ -34,6 +34,7 @@ MATERIAL_CHANGE = 0.02
 # Probes of that comparison: copies of this many blocks, forwards of this many tokens.
 _PROBE_BLOCKS = (1, 64)
 _PROBE_TOKENS = (1, 64, 1024)
+_PROBE_BATCH = ((1, 1), (0, 0))  # and a decode step of two requests (the work per request beside the first)
 
 
 def own_share(planner: Planner | None, new: Sequence[int], cached: Sequence[int], index: int) -> float:
@@ -78,6 +79,7 @@ def predict_paths(
 def _materially_different(old: Planner, new: Planner, block_nbytes: int) -> bool:
     pairs = [(old.t_load_nbytes(n * block_nbytes), new.t_load_nbytes(n * block_nbytes)) for n in _PROBE_BLOCKS]
     pairs += [(old.t_prefill(n), new.t_prefill(n)) for n in _PROBE_TOKENS]
+    pairs.append((old.t_forward(*_PROBE_BATCH), new.t_forward(*_PROBE_BATCH)))
     return any(abs(b - a) > MATERIAL_CHANGE * max(a, 1e-12) for a, b in pairs)
 
 

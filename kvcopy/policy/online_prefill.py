@@ -1,11 +1,14 @@
 """The prefill half of an OnlineProfile: the roofline of one whole forward of the engine's model, fitted to
 its forwards.
 
-A forward of new tokens ``n_i`` after cached ``P_i`` (one pair per request of a batch) is costed as the
-planner costs one: ``alpha + max(flops / F, bytes / W)``, with ``flops = Σ spec.prefill_flops(n_i, P_i)`` and
-``bytes = spec.weight_bytes(Σ n_i) + Σ spec.kv_bytes(P_i)`` (the weights are read once per forward, each
-request's cached KV once). All three of alpha, F and W are fitted, so a stale weight-read floor from the
-calibration gives way where the forwards are faster than it says.
+A forward of new tokens ``n_i`` after cached ``P_i`` (one pair per request of a batch of k) is costed as the
+planner costs one: ``alpha + (k - 1) * e + max(flops / F, bytes / W)``, with ``flops = Σ spec.prefill_flops(n_i,
+P_i)`` and ``bytes = spec.weight_bytes(Σ n_i) + Σ spec.kv_bytes(P_i)`` (the weights are read once per forward,
+each request's cached KV once). ``e`` is the engine's work per sequence beside the first (its attention
+metadata, its sampling, its Python), which FLOPs and bytes do not see: in transformers' continuous batching on
+the CPU VM, a decode step of two requests took 2.4x one of a single request. All four are fitted, so a stale
+weight-read floor from the calibration gives way where the forwards are faster than it says; the calibration's
+single-request forwards say nothing of ``e`` (its prior is 0).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class ForwardLaw:
         live = {(item[1], item[2]) for item in forwards}
         self._costs = {batch: c for batch, c in self._costs.items() if batch in live}
         seqs = np.array([item[0] for item in forwards], dtype=np.float64)
+        extra = np.array([len(item[1]) - 1 for item in forwards], dtype=np.float64)
         costs = np.array([self.costs((item[1], item[2])) for item in forwards], dtype=np.float64)
         seconds = np.array([item[3] for item in forwards], dtype=np.float64)
         weights = age_weights(seqs, half_life)
@@ -75,6 +79,7 @@ class ForwardLaw:
             pseudo = np.array([self.costs(((n,), (0,))) for n in PRIOR_FORWARD_TOKENS])
             law = alpha0 + np.maximum(pseudo[:, 0] / flops0, pseudo[:, 1] / weight0 if weight0 else 0.0)
             costs = np.concatenate([costs, pseudo])
+            extra = np.concatenate([extra, np.zeros(len(pseudo))])  # single-request forwards
             seconds = np.concatenate([seconds, law])
             weights = np.concatenate([weights, np.full(len(pseudo), prior_weight / len(pseudo))])
             is_data = np.concatenate([is_data, np.zeros(len(pseudo), dtype=bool)])
@@ -87,26 +92,27 @@ class ForwardLaw:
             np.array(
                 [
                     _START_FLOOR_SHARE * float(seconds[data].min()),
+                    0.0,
                     float(np.min(seconds[data] / costs[data, 0])),
                     _START_FLOOR_SHARE * float(np.min(seconds[data] / costs[data, 1])),
                 ]
             )
         ]
         if prior is not None:  # and from the calibration, floor and all (or none when it has none)
-            starts.insert(0, np.array([alpha0, 1.0 / flops0, 1.0 / weight0 if weight0 else 0.0]))
+            starts.insert(0, np.array([alpha0, 0.0, 1.0 / flops0, 1.0 / weight0 if weight0 else 0.0]))
         ones, zeros = np.ones(len(seconds)), np.zeros(len(seconds))
-        compute = np.stack([ones, costs[:, 0], zeros], axis=1)
-        memory = np.stack([ones, zeros, costs[:, 1]], axis=1)
+        compute = np.stack([ones, extra, costs[:, 0], zeros], axis=1)
+        memory = np.stack([ones, extra, zeros, costs[:, 1]], axis=1)
         fit = fit_max_linear(
             np.stack([compute, memory]),
             seconds,
             weights,
             is_data,
             starts,
-            lower=np.array([0.0, 1.0 / flops_cap, 0.0]),
-            upper=np.full(3, np.inf),
+            lower=np.array([0.0, 0.0, 1.0 / flops_cap, 0.0]),
+            upper=np.full(4, np.inf),
         )
-        alpha, per_flop, per_byte = fit.params
+        alpha, per_request, per_flop, per_byte = fit.params
         layers = self.spec.num_layers
         points = tuple(  # per layer, as the calibrator's (one layer's forwards)
             (self.costs((item[1], item[2]))[0] / layers, item[3] / layers) for item in forwards[-MAX_POINTS:]
@@ -119,4 +125,5 @@ class ForwardLaw:
             points=points,
             weight_bytes_per_s=float(1.0 / per_byte) if per_byte > 0 else None,
             num_layers=layers,
+            extra_request_s=float(per_request),
         )

@@ -25,7 +25,8 @@ the best measured copy method at that size. ``t_fetch`` reads at ``fetch_alpha_s
 of the link (or the SMs) that running decode needs; a load gets the rest.
 
 Prefill, per forward of n new tokens after P cached ones, is a roofline:
-``prefill_alpha_s + max(flops(n, P) / prefill_flops_per_s, weight_bytes(n, P) / weight_bytes_per_s)``:
+``prefill_alpha_s + max(flops(n, P) / prefill_flops_per_s, weight_bytes(n, P) / weight_bytes_per_s)``
+(a batch of k requests adds ``(k - 1) * prefill_extra_request_s``, the engine's work per sequence):
 a short forward is bound by reading the weights (and the cached KV), not by
 FLOPs (ModelSpec.prefill_flops, ModelSpec.weight_bytes). Without
 ``weight_bytes_per_s`` there is no memory-bound floor; a linear model
@@ -42,6 +43,7 @@ from ..profile import DISK_READ_DIRECTION, REMOTE_DIRECTION
 from .decision import ACTIONS, Action, Decision
 from .model import forward_costs
 from .pipeline import pipelined_seconds
+from .planner_checks import check_costs
 from .scan import first_winning
 from .split import best_split
 from .timing import seconds_text
@@ -60,17 +62,14 @@ DEFAULT_CONTEXT_TOKENS = 131072
 _DEFAULT_SPLIT_MARGIN = 0.0
 
 
-def _positive_rate(name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{name}: expected a positive rate, got {value}")
-
-
 class Planner:
     """Reload-vs-recompute decisions for one model (a ModelSpec) on one machine.
 
     Exactly one of ``prefill_tokens_per_s`` (linear prefill model) and
     ``prefill_flops_per_s`` (roofline, via ``spec.prefill_flops``) must be
     given; ``weight_bytes_per_s`` (only with FLOPs) adds the memory-bound floor.
+    ``prefill_extra_request_s``: what each request beside the first adds to a
+    batched forward (learned online; 0 from a calibration).
     ``load_options``: more (alpha_s, bytes_per_s) copy methods besides the
     first; a load takes the fastest. ``split_margin``: a split is chosen only
     when it beats every other option by more than this fraction (the
@@ -91,6 +90,7 @@ class Planner:
         prefill_flops_per_s: float | None = None,
         prefill_alpha_s: float = 0.0,
         weight_bytes_per_s: float | None = None,
+        prefill_extra_request_s: float = 0.0,
         decode_share: float = 0.0,
         layerwise: bool = False,
         load_options: Sequence[tuple[float, float]] = (),
@@ -106,35 +106,27 @@ class Planner:
             raise ValueError("prefill_tokens_per_s / prefill_flops_per_s: expected exactly one of them")
         if weight_bytes_per_s is not None and prefill_flops_per_s is None:
             raise ValueError("weight_bytes_per_s: only with prefill_flops_per_s (the roofline model)")
-        for name, value in (
-            ("load_bytes_per_s", load_bytes_per_s),
-            ("prefill_tokens_per_s", prefill_tokens_per_s),
-            ("prefill_flops_per_s", prefill_flops_per_s),
-            ("weight_bytes_per_s", weight_bytes_per_s),
-            ("fetch_bytes_per_s", fetch_bytes_per_s),
-            ("disk_bytes_per_s", disk_bytes_per_s),
-        ):
-            _positive_rate(name, value)
-        for what, alpha, beta in (
-            ("fetch", fetch_alpha_s, fetch_bytes_per_s),
-            ("disk", disk_alpha_s, disk_bytes_per_s),
-        ):
-            if (alpha is None) != (beta is None):
-                raise ValueError(f"{what}_alpha_s / {what}_bytes_per_s: expected both (a link) or neither")
+        check_costs(
+            rates={
+                "load_bytes_per_s": load_bytes_per_s,
+                "prefill_tokens_per_s": prefill_tokens_per_s,
+                "prefill_flops_per_s": prefill_flops_per_s,
+                "weight_bytes_per_s": weight_bytes_per_s,
+                "fetch_bytes_per_s": fetch_bytes_per_s,
+                "disk_bytes_per_s": disk_bytes_per_s,
+            },
+            links={"fetch": (fetch_alpha_s, fetch_bytes_per_s), "disk": (disk_alpha_s, disk_bytes_per_s)},
+            seconds={
+                "load_alpha_s": load_alpha_s,
+                "prefill_alpha_s": prefill_alpha_s,
+                "prefill_extra_request_s": prefill_extra_request_s,
+                "fetch_alpha_s": fetch_alpha_s or 0.0,
+                "disk_alpha_s": disk_alpha_s or 0.0,
+            },
+            load_options=load_options,
+        )
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens: expected an int >= 1, got {block_tokens!r}")
-        for name, value in (
-            ("load_alpha_s", load_alpha_s),
-            ("prefill_alpha_s", prefill_alpha_s),
-            ("fetch_alpha_s", fetch_alpha_s or 0.0),
-            ("disk_alpha_s", disk_alpha_s or 0.0),
-        ):
-            if not value >= 0:
-                raise ValueError(f"{name}: expected seconds >= 0, got {value}")
-        for alpha, beta in load_options:
-            if not alpha >= 0:
-                raise ValueError(f"load_options: expected seconds >= 0, got {alpha}")
-            _positive_rate("load_options", beta)
         if not 0 <= decode_share < 1:
             raise ValueError(f"decode_share: expected a fraction in [0, 1), got {decode_share}")
         if not 0 <= split_margin < 1:
@@ -149,6 +141,7 @@ class Planner:
         self.prefill_flops_per_s = prefill_flops_per_s
         self.prefill_alpha_s = float(prefill_alpha_s)
         self.weight_bytes_per_s = weight_bytes_per_s
+        self.prefill_extra_request_s = float(prefill_extra_request_s)
         self.decode_share = float(decode_share)
         self.layerwise = bool(layerwise)
         self.split_margin = float(split_margin)
@@ -216,6 +209,7 @@ class Planner:
             prefill_flops_per_s=prefill.flops_per_s,
             prefill_alpha_s=alpha,
             weight_bytes_per_s=prefill.weight_bytes_per_s,
+            prefill_extra_request_s=prefill.extra_request_s,
             decode_share=decode_share,
             layerwise=layerwise,
             split_margin=margin,
@@ -271,14 +265,16 @@ class Planner:
 
     def t_forward(self, new: Sequence[int], cached: Sequence[int]) -> float:
         """Seconds of one batched forward, request i computing ``new[i]`` tokens after ``cached[i]`` (0 for none):
-        ``alpha + max(FLOPs / F, bytes read / W)`` of :func:`~.model.forward_costs`, as an OnlineProfile fits."""
+        ``alpha + (k - 1) * extra + max(FLOPs / F, bytes read / W)`` of :func:`~.model.forward_costs` for its k
+        requests, as an OnlineProfile fits."""
         if not any(new):
             return 0.0
+        fixed = self.prefill_alpha_s + (len(new) - 1) * self.prefill_extra_request_s
         if self.prefill_tokens_per_s is not None:
-            return self.prefill_alpha_s + sum(new) / self.prefill_tokens_per_s
+            return fixed + sum(new) / self.prefill_tokens_per_s
         flops, read = forward_costs(self.spec, new, cached)
         memory = read / self.weight_bytes_per_s if self.weight_bytes_per_s else 0.0
-        return self.prefill_alpha_s + max(flops / self.prefill_flops_per_s, memory)  # type: ignore[operator]
+        return fixed + max(flops / self.prefill_flops_per_s, memory)  # type: ignore[operator]
 
     # ------------------------------------------------------------------ decisions
 
