@@ -167,6 +167,8 @@ fi
 # GPU memory over NIXL between two agents and two processes, where NIXL is installed (kvcopy[nixl]).
 if "$python" -c 'import nixl_cu13' 2>/dev/null; then
   [ "$dry_run" = 0 ] && pytest_step remote_gpu_tests 60 -m gpu tests/test_remote.py
+  # The disk store through GPUDirect Storage (skipped, saying why, where cuFile will not start).
+  [ "$dry_run" = 0 ] && pytest_step storage_gds_tests 45 -m gpu tests/test_storage_gds.py
   [ "$dry_run" = 0 ] && soft_step bench_remote_gpu 60 "$python" benchmarks/bench_remote.py --memory gpu \
     --csv "$out/bench_remote_gpu.csv"
 else

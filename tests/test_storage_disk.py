@@ -1,6 +1,7 @@
 """kvcopy.storage.disk.DiskKVStore on the CPU: bitwise round trips through NIXL's POSIX backend, persistence
 across processes, refusal of another CacheKey or layout, eviction, coalescing, corruption found, bad input, and
-a writer killed with SIGKILL mid-put whose committed blocks all read back right."""
+a writer killed with SIGKILL mid-put whose committed blocks all read back right; the GDS backend refused where
+there is no GPU, and the checksum of a PagedKV's blocks (tests/test_storage_gds.py runs GDS on a GPU)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 import kvcopy  # noqa: E402
+from kvcopy.storage._gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
 from kvcopy.storage.disk import CorruptBlockError, DiskKVStore  # noqa: E402
+
+from conftest import HAS_CUDA  # noqa: E402
 
 NUM_BLOCKS = 16
 
@@ -169,9 +174,44 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
         assert store.match(hashes(2)) == []
     with pytest.raises(TypeError, match="cache_key: expected a CacheKey"):
         DiskKVStore.create(tmp_path / "other", pool, 4, cache_key="k")
-    with pytest.raises(ValueError, match="backend: expected one of \\('auto', 'posix'\\)"):
-        DiskKVStore.create(tmp_path / "other", pool, 4, cache_key=key(), backend="gds")
+    with pytest.raises(ValueError, match="backend: expected one of \\('auto', 'posix', 'gds'\\), got 'nfs'"):
+        DiskKVStore.create(tmp_path / "other", pool, 4, cache_key=key(), backend="nfs")
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/test_storage_gds.py runs it there")
+def test_gds_without_a_gpu_says_why_and_leaves_nothing(tmp_path):
+    pool = filled_pool(layout(), 1)
+    with pytest.raises(RuntimeError, match="GDS backend \\(GPUDirect Storage\\) would not start here.*CUDA GPU"):
+        DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key(), backend="gds")
+    assert not (tmp_path / "store").exists()
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:  # "auto": POSIX for host pools
+        assert store.backend == "posix" and store.queue in ("use_uring", "use_aio", "use_posix_aio", "posix")
+    with pytest.raises(RuntimeError, match="GDS backend"):
+        DiskKVStore.open(tmp_path / "store", pool, cache_key=key(), backend="gds")
+    with DiskKVStore.open(tmp_path / "store", pool, cache_key=key()) as store:  # the failed open left it whole
+        assert store.num_blocks == 4
+
+
+def test_a_paged_caches_blocks_hash_as_their_page_first_host_blocks():
+    """The checksum of a GPU's block (gathered on its device, then hashed on the host) is the one its page-first
+    host copy has, so blocks written through either backend check alike: here on a CPU PagedKV, bf16 and fp8
+    with scale planes, random ids."""
+    for kind in ("bf16", "fp8"):
+        paged = layout(kind)
+        for seed, plane in enumerate(paged.planes):
+            generator = torch.Generator().manual_seed(seed)
+            raw = torch.randint(0, 256, (plane.numel() * plane.element_size(),), dtype=torch.uint8, generator=generator)
+            plane.view(-1).view(torch.uint8).copy_(raw)
+        pool = kvcopy.HostKVPool(paged, paged.num_blocks, pin_memory=False)
+        ids = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(7))[:9]
+        kvcopy.copy_blocks(paged, ids, pool, ids)
+        rows = paged_block_bytes(paged, ids)
+        for row, block in zip(rows, ids.tolist()):
+            assert torch.equal(row, pool.block_bytes(block))
+        assert paged_checksums(paged, ids) == [
+            xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()
+        ]
 
 
 def test_a_store_that_does_not_fit_is_an_error_at_create(tmp_path):

@@ -1,7 +1,8 @@
 """Tiers below host RAM: a persistent disk store of KV blocks through NIXL's file backends.
 
-:class:`DiskKVStore` (kvcopy/storage/disk.py) keeps page-first host blocks in
-a directory, committed to its index (kvcopy/storage/_commit_log.py) only
+:class:`DiskKVStore` (kvcopy/storage/disk.py) keeps page-first blocks in a
+directory (host pools' through NIXL's POSIX backend, a GPU cache's also
+through its GDS backend), committed to its index (kvcopy/storage/_commit_log.py) only
 after their data is on disk, so a crash never leaves a torn or foreign block
 that matches. :mod:`kvcopy.storage.link` measures its writes and reads into a
 Profile (``kvcopy calibrate --disk``), for the Planner's

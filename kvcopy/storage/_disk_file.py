@@ -4,8 +4,9 @@ A store is a directory: ``header.json`` (format, block layout, CacheKey
 context, block count), ``blocks.data`` (``num_blocks`` page-first blocks,
 reserved up front with fallocate) and ``index.log`` (kvcopy.storage._commit_log).
 The data file is opened with O_DIRECT where the block size allows, so that what
-is measured is the disk and not the page cache; NIXL's POSIX backend moves the
-bytes (io_uring, else Linux AIO, else POSIX AIO: the first this kernel accepts).
+is measured is the disk and not the page cache; NIXL moves the bytes: its POSIX
+backend (io_uring, else Linux AIO, else POSIX AIO: the first this kernel
+accepts) or its GDS backend (GPUDirect Storage, GPU memory to and from the file).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..layout import PLANE_BLOCK_BYTES, PagedKV
 from ..policy.kv_dtypes import torch_name
 
 __all__ = [
+    "BACKENDS",
     "DIRECT_ALIGNMENT",
     "FORMAT",
     "POSIX_QUEUES",
@@ -35,6 +37,8 @@ FORMAT = 1  # header.json's "format": bumped when the files change meaning
 # O_DIRECT needs offsets, lengths and addresses aligned to the device's logical block: 4096 covers the disks
 # seen (512 or 4096 bytes); smaller or odd blocks go through the page cache.
 DIRECT_ALIGNMENT = 4096
+# The backends a store opens with: "auto" picks (kvcopy.storage._disk_file.file_agent says how).
+BACKENDS = ("auto", "posix", "gds")
 # NIXL POSIX backend parameters, in the order tried: io_uring, Linux AIO (libaio), POSIX AIO.
 POSIX_QUEUES = ("use_uring", "use_aio", "use_posix_aio")
 HEADER, DATA, INDEX = "header.json", "blocks.data", "index.log"
@@ -101,20 +105,33 @@ def open_data(path: str, nbytes_per_block: int) -> tuple[int, bool]:
     return os.open(name, os.O_RDWR), False
 
 
-def file_agent(name: str, backend: str) -> tuple[Any, str]:
-    """A NIXL agent with a POSIX backend (the first queue this machine accepts); (agent, queue name)."""
-    if backend not in ("auto", "posix"):
-        raise ValueError(f"backend: expected 'auto' or 'posix', got {backend!r}")
+def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str, str]:
+    """A NIXL agent with a file backend; (agent, backend, queue). ``"gds"``: NIXL's GDS backend (GPUDirect
+    Storage through cuFile: GPU memory to and from the file, host memory too), RuntimeError saying why where
+    it will not start. ``"posix"``: NIXL's POSIX backend, with the first queue this machine accepts. ``"auto"``:
+    GDS for a store laid out like a GPU cache (``gpu``) where it starts, else POSIX."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     from ..remote.peer import nixl_module
 
     nixl_agent, nixl_agent_config = nixl_module()
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    if backend == "gds" or (backend == "auto" and gpu):
+        try:
+            agent.create_backend("GDS", {})
+            return agent, "gds", "cuFile"
+        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+            if backend == "gds":
+                raise RuntimeError(
+                    f"backend: NIXL's GDS backend (GPUDirect Storage) would not start here ({type(err).__name__}: "
+                    f"{err}); it needs a CUDA GPU, its driver and cuFile. backend='posix' reads and writes host pools"
+                ) from None
     errors = []
     for queue in (*POSIX_QUEUES, None):
         params = {} if queue is None else {queue: "true"}
         try:
             agent.create_backend("POSIX", params)
-            return agent, queue or "posix"
+            return agent, "posix", queue or "posix"
         except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
             errors.append(f"{queue}: {err}")
     raise RuntimeError(f"backend: NIXL's POSIX backend would not start here ({'; '.join(errors)})")

@@ -1,4 +1,4 @@
-"""DiskKVStore: host blocks on a local disk through NIXL's POSIX backend, persistent and never torn.
+"""DiskKVStore: KV blocks on a local disk through NIXL's file backends, persistent and never torn.
 
 One store block is one page-first block of the pool it is laid out like. A
 put writes a pool's blocks into free (or least recently used) slots in one
@@ -11,11 +11,20 @@ the one committed with it: a mismatch is a CorruptBlockError naming the
 slot, never data returned as valid. Verification is always on: XXH3 hashes
 about 10 GB/s on one core of the CPU VM, 0.1 ms per MiB (zlib's CRC-32, at
 about 3 GB/s, took about as long as the disk read itself).
+
+Backends (``backend=``): ``"posix"``, NIXL's POSIX backend, moves host pools'
+blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
+also moves a GPU cache's blocks (a PagedKV on a CUDA device) to and from the
+file directly, their checksums taken from a gathered copy on the host
+(kvcopy.storage._gpu_blocks); ``"auto"`` picks GDS for a store laid out like a
+GPU cache where it starts, else POSIX. The files are the same either way: a
+store written through one reopens through the other.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -31,11 +40,10 @@ from ..ranges import plan_table_ranges
 from ..remote.registration import registration_of
 from ..remote.transfer import RemoteTransfer, _Blocks
 from ._commit_log import CommitLog, Entry
-from ._disk_file import INDEX, create_files, file_agent, layout_of, open_data, read_header
+from ._disk_file import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
+from ._gpu_blocks import paged_checksums
 
 __all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
-
-BACKENDS = ("auto", "posix")  # NIXL's POSIX backend; "gds" (GPUDirect Storage) is still to come
 
 
 class CorruptBlockError(ValueError):
@@ -101,8 +109,9 @@ class DiskKVStore:
     """A directory of ``num_blocks`` page-first KV blocks for one CacheKey context: see :meth:`create` and
     :meth:`open`. A context manager; not thread-safe (use it from one thread, like a KVPeer)."""
 
-    def __init__(self, path: str, header: dict, backend: str) -> None:
-        """Use :meth:`create` or :meth:`open`; ``header``: the store's checked header.json."""
+    def __init__(self, path: str, header: dict, backend: str, *, gpu: bool = False) -> None:
+        """Use :meth:`create` or :meth:`open`; ``header``: the store's checked header.json; ``gpu``: laid out
+        like a GPU cache (``backend="auto"`` then tries GPUDirect Storage first)."""
         self.path = path
         self.num_blocks = int(header["num_blocks"])
         self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
@@ -114,7 +123,8 @@ class DiskKVStore:
             self._index.close()
             raise
         try:
-            self._agent, self.queue = file_agent(f"kvcopy-disk-{uuid.uuid4().hex[:12]}", backend)
+            name = f"kvcopy-disk-{uuid.uuid4().hex[:12]}"
+            self._agent, self.backend, self.queue = file_agent(name, backend, gpu=gpu)
             size = self.num_blocks * self._block_nbytes
             self._file = self._agent.register_memory([(0, size, self._fd, "")], "FILE")
         except BaseException:  # no NIXL backend here: nothing stays open
@@ -127,7 +137,8 @@ class DiskKVStore:
             [[int(o), self._block_nbytes, int(n)] for o, (n, _) in zip(offsets, self._layout["planes"])],
             dtype=torch.int64,
         )
-        self._pools: dict[int, tuple[HostKVPool, object]] = {}  # each pool's NIXL registration, by id
+        # each pool's NIXL registration, memory kind and device id, by id
+        self._pools: dict[int, tuple[HostKVPool | PagedKV, object, str, int]] = {}
         self._busy: dict[int, int] = {}  # slots an unfinished put writes or get reads: never reused or evicted
         self._closed = False
 
@@ -156,14 +167,16 @@ class DiskKVStore:
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)
         if backend not in BACKENDS:
-            raise ValueError(
-                f"backend: expected one of {BACKENDS} (GPUDirect Storage is not built yet), got {backend!r}"
-            )
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         path = os.fspath(path)
         create_files(path, layout_of(paged), num_blocks, context_hash)
-        return cls.open(path, like, cache_key=cache_key, backend=backend)
+        try:
+            return cls.open(path, like, cache_key=cache_key, backend=backend)
+        except BaseException:  # the backend would not start here: nothing half-made is left
+            shutil.rmtree(path, ignore_errors=True)
+            raise
 
     @classmethod
     def open(
@@ -184,24 +197,34 @@ class DiskKVStore:
         for key in ("layout", "planes", "nbytes_per_block"):
             if header[key] != mine[key]:
                 raise ValueError(f"like: {path} holds blocks with {key} {header[key]}, like has {mine[key]}")
-        return cls(path, header, backend)
+        return cls(path, header, backend, gpu=paged.device.type == "cuda")
 
     # ------------------------------------------------------------------ the pool side
 
-    def _pool(self, pool: object, pool_ids: BlockIds, count: int) -> tuple[HostKVPool, torch.Tensor]:
-        if not isinstance(pool, HostKVPool):
-            raise TypeError(f"pool: expected a HostKVPool, got {type(pool).__name__}")
+    def _pool(self, pool: object, pool_ids: BlockIds, count: int) -> tuple[HostKVPool | PagedKV, torch.Tensor]:
+        """``pool`` checked (a page-first HostKVPool; with GPUDirect Storage also a GPU cache's PagedKV) and
+        registered once, and ``pool_ids`` checked against it."""
+        on_gpu = isinstance(pool, PagedKV) and pool.device.type == "cuda"
+        if not isinstance(pool, HostKVPool) and not on_gpu:
+            raise TypeError(f"pool: expected a HostKVPool (or a GPU's PagedKV with backend 'gds'), got {pool!r}")
+        if on_gpu and self.backend != "gds":
+            raise ValueError(
+                f"pool: a GPU's blocks move through GPUDirect Storage; this store opened NIXL {self.backend} "
+                "(open it with backend='gds' or 'auto' on a GPU that has it, or go through a host pool)"
+            )
+        paged = self._paged(pool)
         if id(pool) not in self._pools:  # checked and registered once: a pool's layout never changes
-            layout = layout_of(pool.paged)
-            if layout != self._layout or pool.layout != "page_first":
+            layout = layout_of(paged)
+            if layout != self._layout or (isinstance(pool, HostKVPool) and pool.layout != "page_first"):
                 raise ValueError(f"pool: expected a page_first pool laid out {self._layout}, got {layout}")
-        ids = as_ids(pool_ids, "pool_ids", pool.num_blocks)
+        ids = as_ids(pool_ids, "pool_ids", paged.num_blocks)
         if ids.numel() != count:
             raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
-        check_side(ids, "pool_ids", pool.num_blocks, unique=True)
+        check_side(ids, "pool_ids", paged.num_blocks, unique=True)
         if id(pool) not in self._pools:
-            registration = registration_of(pool)
-            self._pools[id(pool)] = (pool, self._agent.register_memory(list(registration.regions), "DRAM"))
+            reg = registration_of(pool)
+            registered = self._agent.register_memory(list(reg.regions), reg.memory)
+            self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
         return pool, ids
 
     def _hold(self, slots: list[int]) -> Callable[[], None]:
@@ -217,21 +240,21 @@ class DiskKVStore:
         return release
 
     def _transfer(
-        self, op: str, pool: HostKVPool, ids: torch.Tensor, slots: list[int], finish: Callable[[], None]
+        self, op: str, pool: HostKVPool | PagedKV, ids: torch.Tensor, slots: list[int], finish: Callable[[], None]
     ) -> DiskTransfer:
         slot_ids = torch.tensor(slots, dtype=torch.int64)
+        table = self._paged(pool).plane_table
         src, src_ids, dst, dst_ids = (
-            (pool.paged.plane_table, ids, self._table, slot_ids)
-            if op == "WRITE"
-            else (self._table, slot_ids, pool.paged.plane_table, ids)
+            (table, ids, self._table, slot_ids) if op == "WRITE" else (self._table, slot_ids, table, ids)
         )
         ranges = plan_table_ranges(src, src_ids, dst, dst_ids)
         if not ranges:  # nothing to move (NIXL refuses an empty transfer)
             return DiskTransfer(None, finish, lambda: None)
-        memory = [(d if op == "READ" else s, n, 0) for s, d, n in ranges]
+        _, _, kind, device_id = self._pools[id(pool)]
+        memory = [(d if op == "READ" else s, n, device_id) for s, d, n in ranges]
         file = [(s if op == "READ" else d, n, self._fd) for s, d, n in ranges]
         handle = self._agent.initialize_xfer(
-            op, self._agent.get_xfer_descs(memory, "DRAM"), self._agent.get_xfer_descs(file, "FILE"), self._agent.name
+            op, self._agent.get_xfer_descs(memory, kind), self._agent.get_xfer_descs(file, "FILE"), self._agent.name
         )
         written = _Blocks("local", ids if op == "READ" else slot_ids)
         transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for *_, n in ranges), written)
@@ -244,12 +267,14 @@ class DiskKVStore:
             raise
         return DiskTransfer(transfer, finish, release)
 
-    def _checksums(self, pool: HostKVPool, ids: torch.Tensor) -> list[int]:
+    def _checksums(self, pool: HostKVPool | PagedKV, ids: torch.Tensor) -> list[int]:
+        if isinstance(pool, PagedKV):  # a GPU's blocks: gathered and copied to the host (kvcopy.storage._gpu_blocks)
+            return paged_checksums(pool, ids)
         return [xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()]
 
     # ------------------------------------------------------------------ put, match, get
 
-    def put(self, block_hashes: Sequence[str], pool: HostKVPool, pool_ids: BlockIds) -> DiskTransfer:
+    def put(self, block_hashes: Sequence[str], pool: HostKVPool | PagedKV, pool_ids: BlockIds) -> DiskTransfer:
         """Writes ``pool``'s blocks ``pool_ids`` as the blocks of ``block_hashes``; they match once the returned
         transfer is done. Hashes already stored are kept (and count as used). Full: the least recently used
         blocks are evicted. A length mismatch or duplicate hashes (ValueError), pool ids out of range
@@ -301,7 +326,7 @@ class DiskKVStore:
         self._index.touch(slots)
         return slots
 
-    def get(self, slots: BlockIds, pool: HostKVPool, pool_ids: BlockIds) -> DiskTransfer:
+    def get(self, slots: BlockIds, pool: HostKVPool | PagedKV, pool_ids: BlockIds) -> DiskTransfer:
         """Reads store ``slots`` into ``pool``'s blocks ``pool_ids``; the transfer's ``done``/``wait`` raise
         CorruptBlockError for a block that does not match its committed checksum, naming its slot."""
         self._check_open()
@@ -337,7 +362,7 @@ class DiskKVStore:
         if self._closed:
             return
         self._closed = True
-        for _, registered in self._pools.values():
+        for _, registered, _, _ in self._pools.values():
             self._agent.deregister_memory(registered)
         self._agent.deregister_memory(self._file)
         self._index.close()
