@@ -270,7 +270,8 @@ class DiskKVStore:
     def _checksums(self, pool: HostKVPool | PagedKV, ids: torch.Tensor) -> list[int]:
         if isinstance(pool, PagedKV):  # a GPU's blocks: gathered and copied to the host (kvcopy.storage._gpu_blocks)
             return paged_checksums(pool, ids)
-        return [xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()]
+        view, size = pool.buffer.numpy(), pool.nbytes_per_block  # page-first: block i is one slice of the buffer
+        return [xxhash.xxh3_64_intdigest(view[i * size : (i + 1) * size]) for i in ids.tolist()]
 
     # ------------------------------------------------------------------ put, match, get
 
