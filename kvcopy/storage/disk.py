@@ -16,7 +16,8 @@ Backends (``backend=``): ``"posix"``, NIXL's POSIX backend, moves host pools'
 blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
 also moves a GPU cache's blocks (a PagedKV on a CUDA device) to and from the
 file directly, their checksums taken from a gathered copy on the host
-(kvcopy.storage._gpu_blocks); ``"auto"`` picks GDS for a store laid out like a
+(kvcopy.storage._gpu_blocks); its DMA follows no CUDA stream, so a put or get
+of a GPU's blocks first waits for the work queued on the current stream; ``"auto"`` picks GDS for a store laid out like a
 GPU cache where it starts, else POSIX. The files are the same either way: a
 store written through one reopens through the other.
 """
@@ -251,6 +252,8 @@ class DiskKVStore:
         if not ranges:  # nothing to move (NIXL refuses an empty transfer)
             return DiskTransfer(None, finish, lambda: None)
         _, _, kind, device_id = self._pools[id(pool)]
+        if isinstance(pool, PagedKV):  # GDS's DMA follows no stream: the work queued on the current one ends first
+            torch.cuda.current_stream(pool.device).synchronize()
         memory = [(d if op == "READ" else s, n, device_id) for s, d, n in ranges]
         file = [(s if op == "READ" else d, n, self._fd) for s, d, n in ranges]
         handle = self._agent.initialize_xfer(
