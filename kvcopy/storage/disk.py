@@ -17,8 +17,9 @@ blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
 also moves a GPU cache's blocks (a PagedKV on a CUDA device) to and from the
 file directly, their checksums taken from a gathered copy on the host
 (kvcopy.storage._gpu_blocks); its DMA follows no CUDA stream, so a put or get
-of a GPU's blocks first waits for the work queued on the current stream; ``"auto"`` picks GDS for a store laid out like a
-GPU cache where it starts, else POSIX. The files are the same either way: a
+of a GPU's blocks first waits for the work queued on the current stream;
+``"auto"`` picks GDS for a store laid out like a GPU cache where it starts,
+else POSIX. The files are the same either way: a
 store written through one reopens through the other.
 """
 
