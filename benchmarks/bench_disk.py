@@ -13,7 +13,8 @@ random pool ids:
 - ``per-block, 8 threads``: the same calls from THREADS threads, so the disk sees several requests at once;
 - ``contiguous (limit)``: one os.pwrite / os.pread of the same bytes as a single range (fsync for writes);
 - ``contiguous, 4 KiB pages``: the same, into or from a buffer of 4 KiB pages (an anonymous mapping, as a
-  caller's own buffer would be), where the pool's memory asks for transparent huge pages.
+  caller's own buffer would be, under the common THP mode "madvise"; "always" gives it huge pages too), where
+  the pool's memory asks for transparent huge pages.
 Op ``read`` reads a put's blocks back in the order it wrote them (a prefix resumed: the store gave it adjacent
 slots); ``read-random`` reads the same blocks in a random order (each still into its own pool block), which on
 a disk is a random read per block. Reads are cold: through O_DIRECT when the block size allows (the store

@@ -96,7 +96,7 @@ def _ask_for_huge_pages(mapping: mmap.mmap) -> None:
     """Asks the kernel to back the mapping's 2 MiB-aligned stretches with transparent huge pages, where it
     offers them (THP "madvise" or "always"). A DMA into host memory (an O_DIRECT disk read, a copy engine's)
     then meets physically contiguous 2 MiB runs instead of scattered 4 KiB pages: on the CPU VM's virtio disk
-    one O_DIRECT read of 2-64 MiB into 4 KiB pages took 2.1-2.4x as long (benchmarks/bench_disk.py, "contiguous,
+    one O_DIRECT read of 2-64 MiB into 4 KiB pages took 1.4-2.4x as long (benchmarks/bench_disk.py, "contiguous,
     4 KiB pages"). Pinning also walks 512x fewer pages. A kernel without THP refuses: nothing changes then."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):

@@ -19,8 +19,8 @@ file directly, their checksums taken from a gathered copy on the host
 (kvcopy.storage._gpu_blocks); its DMA follows no CUDA stream, so a put or get
 of a GPU's blocks first waits for the work queued on the current stream;
 ``"auto"`` picks GDS for a store laid out like a GPU cache where it starts,
-else POSIX. The files are the same either way: a
-store written through one reopens through the other.
+else POSIX. The files are the same either way: a store written through one
+reopens through the other.
 """
 
 from __future__ import annotations
@@ -208,7 +208,10 @@ class DiskKVStore:
         registered once, and ``pool_ids`` checked against it."""
         on_gpu = isinstance(pool, PagedKV) and pool.device.type == "cuda"
         if not isinstance(pool, HostKVPool) and not on_gpu:
-            raise TypeError(f"pool: expected a HostKVPool (or a GPU's PagedKV with backend 'gds'), got {pool!r}")
+            where = f" on {pool.device}" if isinstance(pool, PagedKV) else ""
+            raise TypeError(
+                f"pool: expected a HostKVPool (or a GPU's PagedKV with backend 'gds'), got {type(pool).__name__}{where}"
+            )
         if on_gpu and self.backend != "gds":
             raise ValueError(
                 f"pool: a GPU's blocks move through GPUDirect Storage; this store opened NIXL {self.backend} "
