@@ -27,6 +27,10 @@ BLOCK_TOKENS, POOL_BLOCKS = 16, 256
 BLOCK_NBYTES = 2 << 20
 # How close measured and predicted must be: the 15% (1-2% measured on a quiet machine).
 TOLERANCE = 0.15
+# At 1 Gbit/s the 2-core VM's CPU, not the shaping, can set the rate: TCP over a veth pushed 0.95 Gbit/s on a
+# quiet machine and 0.80-0.84 in CI runs of the whole suite (where 250 Mbit/s still held within 6%). So the fast
+# rate is checked to be no faster than the link and clearly above the slow one, not within TOLERANCE of 1 Gbit/s.
+CPU_BOUND_FLOOR = 0.6
 # A fault's wait: long enough that the read is well under way, short beside the test.
 FAULT_TIMEOUT_S = 2.0
 # How far past its timeout a wait may return: one NIXL poll, which on a loaded 2-core machine blocked for
@@ -119,7 +123,13 @@ def test_calibrate_remote_measures_the_shaped_rate(profiles, rate):
     fit = profile.links["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]  # 2 MiB ranges: a llama-8b block
     print(f"{rate}: 2 MiB ranges at {fit.beta_bytes_per_s * 8 / 1e9:.3f} Gbit/s + {fit.alpha_s * 1e3:.2f} ms; "
           f"{profile.hardware['remote_transport']}")  # fmt: skip
-    assert fit.beta_bytes_per_s == pytest.approx(RATES_BIT_S[rate] / 8, rel=TOLERANCE)
+    shaped = RATES_BIT_S[rate] / 8
+    if rate == "1gbit":
+        assert CPU_BOUND_FLOOR * shaped <= fit.beta_bytes_per_s <= (1 + TOLERANCE) * shaped
+        slow = profiles["250mbit"].links["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]
+        assert fit.beta_bytes_per_s > 2 * slow.beta_bytes_per_s  # the shaping is what was measured
+    else:
+        assert fit.beta_bytes_per_s == pytest.approx(shaped, rel=TOLERANCE)
     assert profile.hardware["remote_transport"].startswith("network")
 
 
