@@ -202,10 +202,18 @@ DECODES = ((1, 1, 1), (500, 90, 3000))
 CROWDED = ((1, 2048), (500, 0))
 
 
+# What each request beside the first adds to a forward, against the base's fixed cost.
+EXTRA_REQUEST_S = 2 * PREFILL_ALPHA_S
+
+
+@pytest.mark.parametrize("extra_request_s", [0.0, EXTRA_REQUEST_S], ids=["calibrated", "work per request"])
 @pytest.mark.parametrize("batch", [DECODES, CROWDED, ((64,), (300,))], ids=["decodes", "crowded", "one"])
-def test_a_batched_forward_is_the_batch_roofline(batch):
-    assert base_planner().t_forward(*batch) == pytest.approx(batch_roofline(*batch), rel=1e-12)
-    assert base_planner().t_forward((), ()) == 0.0
+def test_a_batched_forward_is_the_batch_roofline_and_each_requests_work_beside_the_first(batch, extra_request_s):
+    planner = base_planner(extra_request_s)
+    extra = (len(batch[0]) - 1) * extra_request_s
+    assert planner.t_forward(*batch) == pytest.approx(batch_roofline(*batch) + extra, rel=1e-12)
+    assert planner.t_forward((), ()) == 0.0
+    assert planner.t_prefill(64, 300) == base_planner().t_prefill(64, 300)  # one request: none of it
 
 
 def test_a_requests_own_part_of_a_forward_is_its_forward_alone_over_the_batchs():
@@ -219,18 +227,6 @@ def test_a_requests_own_part_of_a_forward_is_its_forward_alone_over_the_batchs()
     assert own_share(planner, *CROWDED, 0) < 0.5
     assert own_share(planner, (64,), (300,), 0) == 1.0  # alone: the whole forward
     assert own_share(None, *CROWDED, 0) == 1.0  # no law yet: the whole forward
-
-
-# What each request beside the first adds to a forward, against the base's fixed cost.
-EXTRA_REQUEST_S = 2 * PREFILL_ALPHA_S
-
-
-@pytest.mark.parametrize("batch", [DECODES, CROWDED, ((64,), (300,))], ids=["decodes", "crowded", "one"])
-def test_each_request_beside_the_first_adds_its_fixed_seconds_to_a_forward(batch):
-    planner = base_planner(EXTRA_REQUEST_S)
-    extra = (len(batch[0]) - 1) * EXTRA_REQUEST_S
-    assert planner.t_forward(*batch) == pytest.approx(batch_roofline(*batch) + extra, rel=1e-12)
-    assert planner.t_prefill(64, 300) == base_planner().t_prefill(64, 300)  # one request: none of it
 
 
 def test_a_requests_own_part_counts_the_work_per_request_as_the_others():

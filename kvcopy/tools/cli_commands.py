@@ -85,7 +85,6 @@ def calibrate(args: argparse.Namespace) -> int:
     print(
         f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s compute (R^2 "
         f"{prefill.r2:.3f}), {floor}, {prefill.alpha_s * 1e3:.2f} ms fit intercept per forward"
-        + (f", {prefill.extra_request_s * 1e3:.2f} ms per request beside the first" if prefill.extra_request_s else "")
     )
     threshold = Planner.from_profile(profile, spec).threshold_tokens()
     reason = (
