@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from kvcopy.storage._commit_log import COMPACT_FACTOR, MAGIC, RECORD_BYTES, CommitLog, Entry
+from kvcopy.storage._commit_log import COMPACT_FACTOR, EXTEND_BYTES, MAGIC, RECORD_BYTES, CommitLog, Entry
 
 
 def h(i: int) -> str:
@@ -44,10 +45,11 @@ def test_a_torn_last_record_is_cut_off_at_every_byte(tmp_path):
     log.commit([Entry(0, h(0), 1)])
     log.commit([Entry(1, h(1), 2)])
     log.close()
-    whole = path.read_bytes()
-    assert len(whole) == len(MAGIC) + 2 * RECORD_BYTES
+    data = path.read_bytes()
+    whole = data[: len(MAGIC) + 2 * RECORD_BYTES]
+    assert data[len(whole) :] == bytes(len(data) - len(whole))  # after the records: the zeros written ahead
     for cut in range(len(whole) - RECORD_BYTES, len(whole)):
-        path.write_bytes(whole[:cut])
+        path.write_bytes(whole[:cut] + bytes(len(data) - cut) * (cut % 2))  # the zeros ahead kept, or not
         log = CommitLog(path, 4)
         assert state(log) == {0: (h(0), 1)}
         assert path.stat().st_size == len(MAGIC) + RECORD_BYTES  # truncated to the record boundary
@@ -65,7 +67,25 @@ def test_a_corrupt_record_ends_the_replay_there(tmp_path):
     data = bytearray(path.read_bytes())
     data[len(MAGIC) + RECORD_BYTES + 10] ^= 0xFF  # the second record
     path.write_bytes(bytes(data))
-    assert state(CommitLog(path, 4)) == {0: (h(0), 0)}  # never a record that does not check
+    log = CommitLog(path, 4)
+    assert state(log) == {0: (h(0), 0)}  # never a record that does not check
+    log.commit([Entry(3, h(3), 3)])  # written where the replay stopped
+    log.close()
+    assert state(CommitLog(path, 4)) == {0: (h(0), 0), 3: (h(3), 3)}  # the third record never comes back
+
+
+def test_appends_overwrite_zeros_written_ahead(tmp_path):
+    path = tmp_path / "index.log"
+    log = CommitLog(path, 4)
+    log.commit([Entry(0, h(0), 0)])
+    assert path.stat().st_size == EXTEND_BYTES  # grown once, with zeros after the record
+    for i in range(1, 4):
+        log.commit([Entry(i, h(i), i)])
+    assert path.stat().st_size == EXTEND_BYTES
+    data = path.read_bytes()
+    assert data[len(MAGIC) + 4 * RECORD_BYTES :] == bytes(EXTEND_BYTES - len(MAGIC) - 4 * RECORD_BYTES)
+    log.close()
+    assert state(CommitLog(path, 4)) == {i: (h(i), i) for i in range(4)}
 
 
 def test_compaction_keeps_the_state_and_bounds_the_file(tmp_path):
@@ -74,7 +94,8 @@ def test_compaction_keeps_the_state_and_bounds_the_file(tmp_path):
     for i in range(COMPACT_FACTOR * 4 * 3):
         log.commit([Entry(i % 4, h(i), i)])
     before = state(log)
-    assert path.stat().st_size <= len(MAGIC) + (COMPACT_FACTOR * 4 + 1) * RECORD_BYTES
+    records = path.read_bytes().rstrip(b"\0")  # the zeros written ahead of the appends are not records
+    assert len(records) <= len(MAGIC) + (COMPACT_FACTOR * 4 + 1) * RECORD_BYTES
     log.close()
     assert state(CommitLog(path, 4)) == before
     assert not (tmp_path / "index.log.compact").exists()
@@ -95,6 +116,36 @@ def test_least_recent_follows_use(tmp_path):
     log.touch([0, 2])
     assert log.least_recent(2) == [1, 3]
     assert log.least_recent(3, keep={1}) == [3, 0, 2]
+
+
+def test_unused_slots_come_lowest_first_through_commits_moves_and_frees(tmp_path):
+    path = tmp_path / "index.log"
+    log = CommitLog(path, 6)
+    assert log.unused(3, skip=set()) == [0, 1, 2]
+    assert log.unused(3, skip={1}) == [0, 2, 3]  # a slot an unfinished put writes is skipped
+    log.commit([Entry(0, h(0), 0), Entry(2, h(2), 0)])
+    assert log.unused(10, skip=set()) == [1, 3, 4, 5]
+    log.free([2])
+    assert log.unused(2, skip=set()) == [1, 2]
+    log.commit([Entry(4, h(0), 1)])  # the same hash again: it moves from slot 0 to slot 4
+    assert log.unused(10, skip=set()) == [0, 1, 2, 3, 5]
+    log.close()
+    assert CommitLog(path, 6).unused(10, skip=set()) == [0, 1, 2, 3, 5]
+
+
+def test_unused_matches_the_slots_that_hold_nothing_over_random_use(tmp_path):
+    log = CommitLog(tmp_path / "index.log", 16)
+    rng = random.Random(7)
+    for i in range(300):
+        empty = sorted(set(range(16)) - {e.slot for e in log._by_slot.values()})
+        skip = set(rng.sample(range(16), rng.randint(0, 4)))
+        count = rng.randint(0, 16)
+        assert log.unused(count, skip=skip) == [s for s in empty if s not in skip][:count]
+        if rng.random() < 0.6:  # a put: new hashes (some again, which moves them) into slots of its choice
+            slots = rng.sample(range(16), rng.randint(1, 3))
+            log.commit([Entry(s, h(rng.randint(0, 40)), i) for s in slots])
+        else:
+            log.free(rng.sample(range(16), rng.randint(1, 3)))
 
 
 def test_another_file_is_refused(tmp_path):

@@ -10,12 +10,15 @@ commit point (docs/decisions.md, "The disk store's commit scheme"):
    and synced.
 
 Each record carries its own CRC-32; replay stops at the first record that is
-short or does not check (the tail a crash tore) and truncates the file
-there, so a later append starts on a record boundary. A COMMIT whose data is
-later found not to match its checksum (a lost write the disk acknowledged) is
-refused when read, never returned. The log is compacted into a fresh file
-(written, synced, renamed over the old one) once it holds more than
-COMPACT_FACTOR records per slot.
+short or does not check (the tail a crash tore, or zeros) and truncates the
+file there, so a later append starts on a record boundary and nothing a crash
+left after it is ever read again. Appends overwrite zeros written ahead of
+them, EXTEND_BYTES at a time, so their fdatasync flushes the records alone:
+no change of the file's size or extents for the filesystem's journal to
+commit. A COMMIT whose data is later found not to match its checksum (a lost
+write the disk acknowledged) is refused when read, never returned. The log is
+compacted into a fresh file (written, synced, renamed over the old one) once
+it holds more than COMPACT_FACTOR records per slot.
 
 Pure Python and os: no I/O layer of kvcopy's own (the data goes through
 NIXL, kvcopy/storage/disk.py).
@@ -23,6 +26,7 @@ NIXL, kvcopy/storage/disk.py).
 
 from __future__ import annotations
 
+import heapq
 import os
 import struct
 import zlib
@@ -30,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["COMMIT", "FREE", "CommitLog", "Entry"]
+__all__ = ["COMMIT", "FREE", "Batch", "CommitLog", "Entry"]
 
 MAGIC = b"KVCOPYLOG1\n\0\0\0\0\0"  # the file's first 16 bytes: format and version
 COMMIT, FREE = 1, 2
@@ -39,6 +43,9 @@ COMMIT, FREE = 1, 2
 _FIELDS = struct.Struct("<4sB3xQI32sQ")
 _RECORD_MAGIC = b"KVR1"
 RECORD_BYTES = _FIELDS.size + 4
+# The log's file grows by this many zero bytes at a time, ahead of its appends (16,384 records): one journal
+# commit per that many records, where an append that grew the file would cost one each (about 0.2 ms on ext4).
+EXTEND_BYTES = 1 << 20
 # Compact when the log holds this many records per slot: a compaction rewrites at most one record per slot, so
 # the log stays within this factor of its live size and compacting costs a small fraction of the appends.
 COMPACT_FACTOR = 8
@@ -65,6 +72,14 @@ def _record(kind: int, seq: int, slot: int, block_hash: bytes, checksum: int) ->
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+@dataclass(frozen=True)
+class Batch:
+    """COMMIT records encoded ahead of their append (:meth:`CommitLog.prepare`): ``entries`` and their bytes."""
+
+    entries: list[Entry]
+    payload: bytes
+
+
 class CommitLog:
     """The log at ``path`` for a store of ``num_slots`` slots: replayed (and a torn tail cut off) when opened,
     created empty when missing. :meth:`commit` and :meth:`free` return once their records are synced."""
@@ -76,7 +91,12 @@ class CommitLog:
         self._by_slot: OrderedDict[int, Entry] = OrderedDict()  # least recently committed or used first
         self._seq = 0
         self._records = 0
+        self._unused: list[int] = []
         self._fd = self._open()
+        self._end = self._size = os.lseek(self._fd, 0, os.SEEK_END)  # where the next record goes; the file's end
+        # Every slot that holds nothing is in this min-heap (some that hold a block too, dropped when met), so a
+        # put finds its free slots, lowest first, without a pass over the whole store: see :meth:`unused`.
+        self._unused = [s for s in range(num_slots) if s not in self._by_slot]  # sorted: a heap
 
     # ------------------------------------------------------------------ replay
 
@@ -123,46 +143,73 @@ class CommitLog:
         return at
 
     def _apply(self, kind: int, slot: int, block_hash: str, checksum: int) -> None:
+        self._apply_entry(kind, slot, Entry(slot, block_hash, checksum) if kind == COMMIT else None)
+
+    def _apply_entry(self, kind: int, slot: int, entry: Entry | None) -> None:
         old = self._by_slot.pop(slot, None)
         if old is not None and self._by_hash.get(old.block_hash) is old:
             del self._by_hash[old.block_hash]
-        if kind == COMMIT:
-            previous = self._by_hash.get(block_hash)
-            if previous is not None:  # the same hash committed to another slot: the newer wins
-                self._by_slot.pop(previous.slot, None)
-            entry = Entry(slot, block_hash, checksum)
+        if kind == COMMIT and entry is not None:
+            previous = self._by_hash.get(entry.block_hash)
+            if previous is not None and self._by_slot.pop(previous.slot, None) is not None:
+                self._vacate(previous.slot)  # the same hash committed to another slot: the newer wins
             self._by_slot[slot] = entry
-            self._by_hash[block_hash] = entry
+            self._by_hash[entry.block_hash] = entry
+        elif old is not None:
+            self._vacate(slot)
+
+    def _vacate(self, slot: int) -> None:
+        heapq.heappush(self._unused, slot)  # (during replay: a heap rebuilt once it ends)
 
     # ------------------------------------------------------------------ appends
 
-    def _append(self, records: Iterable[tuple[int, int, bytes, int]]) -> None:
-        payload = b""
+    def _encode(self, records: Iterable[tuple[int, int, bytes, int]]) -> bytes:
+        """Records as bytes, numbered in the order they are encoded (the number is informational: replay applies
+        records in file order)."""
+        out = []
         for kind, slot, raw_hash, checksum in records:
             self._seq += 1
-            payload += _record(kind, self._seq, slot, raw_hash, checksum)
+            out.append(_record(kind, self._seq, slot, raw_hash, checksum))
+        return b"".join(out)
+
+    def _append(self, payload: bytes) -> None:
         if not payload:
             return
-        os.write(self._fd, payload)
-        os.fsync(self._fd)
+        end = self._end + len(payload)
+        if end > self._size:  # zeros ahead, written and synced with these records
+            size = -(-end // EXTEND_BYTES) * EXTEND_BYTES
+            os.pwrite(self._fd, bytes(size - self._size), self._size)
+            self._size = size
+        os.pwrite(self._fd, payload, self._end)
+        os.fdatasync(self._fd)
+        self._end = end
         self._records += len(payload) // RECORD_BYTES
 
     def free(self, slots: Iterable[int]) -> None:
         """Forgets what ``slots`` hold, durably: call before overwriting them."""
         slots = [s for s in slots if s in self._by_slot]
-        self._append((FREE, s, bytes(32), 0) for s in slots)
+        self._append(self._encode((FREE, s, bytes(32), 0) for s in slots))
         for slot in slots:
-            self._apply(FREE, slot, "", 0)
+            self._apply_entry(FREE, slot, None)
 
-    def commit(self, entries: Iterable[Entry]) -> None:
-        """Records ``entries`` (their data already synced), durably; then compacts if the log has grown."""
+    def prepare(self, entries: Iterable[Entry]) -> Batch:
+        """``entries`` encoded as COMMIT records, not yet written: a put encodes them while its data is in
+        flight, and :meth:`append` then only writes and syncs them."""
         entries = list(entries)
         raw = [_hash_bytes(e.block_hash) for e in entries]
-        self._append((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw))
-        for entry in entries:
-            self._apply(COMMIT, entry.slot, entry.block_hash, entry.checksum)
+        return Batch(entries, self._encode((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw)))
+
+    def append(self, batch: Batch) -> None:
+        """Records ``batch`` (its data already synced), durably; then compacts if the log has grown."""
+        self._append(batch.payload)
+        for entry in batch.entries:
+            self._apply_entry(COMMIT, entry.slot, entry)
         if self._records > COMPACT_FACTOR * max(self.num_slots, 1):
             self.compact()
+
+    def commit(self, entries: Iterable[Entry]) -> None:
+        """Records ``entries`` (their data already synced), durably: :meth:`prepare` and :meth:`append`."""
+        self.append(self.prepare(entries))
 
     def compact(self) -> None:
         """Rewrites the log as one COMMIT per live entry (in LRU order), then renames it over the old one."""
@@ -174,7 +221,7 @@ class CommitLog:
                 _record(COMMIT, i + 1, e.slot, _hash_bytes(e.block_hash), e.checksum) for i, e in enumerate(live)
             )
             os.write(fd, payload)
-            os.fsync(fd)
+            os.fdatasync(fd)
         finally:
             os.close(fd)
         os.replace(temporary, self.path)
@@ -185,7 +232,7 @@ class CommitLog:
             os.close(directory)
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR)
-        os.lseek(self._fd, 0, os.SEEK_END)
+        self._end = self._size = len(payload)
         self._seq, self._records = len(live), len(live)
 
     # ------------------------------------------------------------------ lookups
@@ -203,6 +250,22 @@ class CommitLog:
             if slot in self._by_slot:
                 self._by_slot.move_to_end(slot)
 
+    def unused(self, count: int, skip: set[int] | dict[int, int]) -> list[int]:
+        """Up to ``count`` slots that hold no block, lowest first, skipping ``skip`` (slots an unfinished put is
+        writing); the slots stay unused until committed."""
+        out: list[int] = []
+        held: list[int] = []  # popped, still unused: pushed back (the chosen ones too, until their commit lands)
+        while self._unused and len(out) < count:
+            slot = heapq.heappop(self._unused)
+            if slot in self._by_slot or (held and held[-1] == slot):  # holds a block now, or a repeat
+                continue
+            held.append(slot)
+            if slot not in skip:
+                out.append(slot)
+        for slot in held:
+            heapq.heappush(self._unused, slot)
+        return out
+
     def least_recent(self, count: int, keep: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
         """Up to ``count`` occupied slots, least recently used first, skipping ``keep``."""
         out = []
@@ -212,10 +275,6 @@ class CommitLog:
             if slot not in keep:
                 out.append(slot)
         return out
-
-    @property
-    def occupied(self) -> set[int]:
-        return set(self._by_slot)
 
     def __len__(self) -> int:
         return len(self._by_slot)

@@ -41,7 +41,7 @@ from ..policy.cachekey import context_hash_of
 from ..ranges import plan_table_ranges
 from ..remote.registration import registration_of
 from ..remote.transfer import RemoteTransfer, _Blocks
-from ._commit_log import CommitLog, Entry
+from ._commit_log import Batch, CommitLog, Entry
 from ._disk_file import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
 from ._gpu_blocks import paged_checksums
 
@@ -299,27 +299,27 @@ class DiskKVStore:
         new = [(h, i) for h, i, entry in zip(hashes, ids.tolist(), found) if entry is None]
         stored = [entry.slot for entry in found if entry is not None]
         index.touch(stored)  # in the order given, as used again
-        kept = set(stored)
-        occupied, busy = index.occupied, set(self._busy)
-        free = [s for s in range(self.num_blocks) if s not in occupied and s not in busy][: len(new)]
-        slots = free + index.least_recent(len(new) - len(free), keep=kept | busy)
+        free = index.unused(len(new), skip=self._busy)
+        slots = free + index.least_recent(len(new) - len(free), keep=set(stored) | set(self._busy))
         if len(slots) < len(new):
             raise ValueError(
                 f"block_hashes: {len(new)} new blocks, but only {len(slots)} slots are neither in use by an "
                 "unfinished put or get nor kept by this one"
             )
-        index.free(s for s in slots if s in occupied)  # durably forgotten before they are overwritten
+        index.free(slots[len(free) :])  # evicted: durably forgotten before they are overwritten
         new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
-        checksums: list[int] = []
+        records: list[Batch] = []
 
         def commit() -> None:
             if not new:  # every hash was stored already: nothing was written, nothing to sync or commit
                 return
-            os.fsync(self._fd)
-            index.commit(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums))
+            os.fdatasync(self._fd)  # the bytes, and the extents a first write converts; not the file's times
+            index.append(records[0])
 
         transfer = self._transfer("WRITE", pool, new_ids, slots, commit)
-        checksums += self._checksums(pool, new_ids)  # while NIXL writes: both only read the pool blocks
+        # while NIXL writes (both only read the pool blocks): the checksums, and the COMMIT records they go in
+        checksums = self._checksums(pool, new_ids)
+        records.append(index.prepare(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums)))
         return transfer
 
     def match(self, block_hashes: Sequence[str]) -> list[int]:
