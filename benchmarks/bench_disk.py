@@ -8,6 +8,7 @@ random pool ids:
 - ``kvcopy``: DiskKVStore.put / get: one NIXL POSIX transfer whose descriptors kvcopy's range planner merged
   (adjacent slots and pool ids), with what makes it safe: the XXH3 checksum of every block, the data's fsync
   and the index commit for a put, the checksum check for a get;
+- ``kvcopy, verify=False``: the same get without its checksum check, so the check's cost shows;
 - ``per-block pwrite/pread``: os.pwrite / os.pread of each block at its slot, on the data file opened as the
   store opens it (O_DIRECT where it can), then one fsync for writes;
 - ``per-block, 8 threads``: the same calls from THREADS threads, so the disk sees several requests at once;
@@ -57,6 +58,7 @@ THREADED = f"per-block, {THREADS} threads"
 # the limit's read or write, into or from memory of 4 KiB pages: a pool's memory asks for huge pages, which a DMA
 # meets as 2 MiB physically contiguous runs (kvcopy._host_memory._ask_for_huge_pages)
 SMALL_PAGES = "contiguous, 4 KiB pages"
+UNVERIFIED = "kvcopy, verify=False"  # a get without its checksum check (DiskKVStore.get's verify)
 WRITE_THROUGH_BYTES = 16 << 20  # the untimed write-through of the data file, in chunks of this size
 COLUMNS = (
     "op",
@@ -152,7 +154,7 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             return mine, pool_ids
         return [mine[j] for j in shuffles[i]], [pool_ids[j] for j in shuffles[i]]
 
-    def kvcopy_call(label: str, op: str):
+    def kvcopy_call(label: str, op: str, verify: bool = True):
         store = stores[label]
 
         def body(i: int) -> None:
@@ -162,7 +164,7 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             else:
                 store.drop_page_cache()
                 store_slots, pool_ids = order(label, op, i)
-                transfer = store.get(store_slots, pool, pool_ids)  # each block back into its own pool block
+                transfer = store.get(store_slots, pool, pool_ids, verify=verify)  # each into its own pool block
                 transfer.wait()
             descriptors[(op, label)] = transfer.num_descriptors
 
@@ -216,6 +218,8 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
     with ThreadPoolExecutor(THREADS) as threads:
         for op in ("write", *READS):  # the writes first: the reads read what they wrote
             bodies = {("kvcopy", label): kvcopy_call(label, op) for label in stores}
+            if op != "write":  # the same get without its checksum check: what the check costs
+                bodies[(UNVERIFIED, "auto")] = kvcopy_call("auto", op, verify=False)
             bodies[("per-block pwrite/pread", "")] = per_block(op)
             bodies[(THREADED, "")] = per_block(op, threads)
             bodies[("contiguous (limit)", "")] = contiguous(op)
@@ -238,7 +242,9 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             {
                 "op": op,
                 "method": method,
-                "queue": ("" if method != "kvcopy" else f"auto: {auto.queue}" if label == "auto" else label),
+                "queue": (
+                    "" if not method.startswith("kvcopy") else f"auto: {auto.queue}" if label == "auto" else label
+                ),
                 "plane_block_bytes": plane_bytes,
                 "num_blocks": blocks,
                 "bytes": nbytes,

@@ -154,6 +154,10 @@ def test_a_corrupt_block_is_named_never_returned(tmp_path):
         with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]") as caught:
             store.get(slots, other, [5, 6, 7]).wait()
         assert caught.value.slots == [slots[1]]
+        store.get(slots, other, [5, 6, 7], verify=False).wait()  # unchecked: the bytes as the disk has them
+        assert other.block_bytes(5).equal(pool.block_bytes(0)) and other.block_bytes(7).equal(pool.block_bytes(2))
+        changed = (other.block_bytes(6) != pool.block_bytes(1)).nonzero().flatten().tolist()
+        assert changed and set(changed) <= set(range(100, 108))  # only where the disk lost the write
 
 
 def test_bad_input_fails_before_anything_is_written(tmp_path):
@@ -171,6 +175,8 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
             store.put(hashes(17), filled_pool(layout(num_blocks=32), 1), list(range(17)))
         with pytest.raises(ValueError, match="slots: \\[3\\] hold no committed block"):
             store.get([3], pool, [0])
+        with pytest.raises(TypeError, match="verify: expected a bool, got str"):
+            store.get([3], pool, [0], verify="no")
         assert store.match(hashes(2)) == []
     with pytest.raises(TypeError, match="cache_key: expected a CacheKey"):
         DiskKVStore.create(tmp_path / "other", pool, 4, cache_key="k")
