@@ -28,7 +28,6 @@ CPU_SOURCES = [
     "csrc/ops/check_ids.cpp",
     "csrc/ops/copy_blocks_cpu.cpp",
     "csrc/cpu/block_copy_cpu.cpp",
-    "csrc/cpu/block_checksum_cpu.cpp",
 ]
 CUDA_SOURCES = [
     "csrc/ops/copy_blocks_cuda.cpp",

@@ -17,7 +17,6 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu/block_checksum_cpu.h"
 #include "cpu/block_copy_cpu.h"
 #include "kvcopy/block_ids.h"
 #include "kvcopy/copy_ranges.h"
@@ -114,15 +113,6 @@ std::vector<std::tuple<Address, Address, int64_t>> py_plan_copy_ranges(Address s
     out.emplace_back(reinterpret_cast<Address>(range.src), reinterpret_cast<Address>(range.dst), range.nbytes);
   }
   return out;
-}
-
-// The XXH3-64 of blocks ids[0..num_ids) of a host buffer (block i at base + i * block_bytes) into
-// out[0..num_ids), without the GIL. Ids on the host, validated by the caller.
-void py_block_checksums(Address base, int64_t block_bytes, Address ids, int64_t num_ids, Address out,
-                        int num_threads) {
-  py::gil_scoped_release release;
-  block_checksums_cpu(as_ptr<const uint8_t>(base), block_bytes, as_ptr<const int64_t>(ids), num_ids,
-                      as_ptr<uint64_t>(out), num_threads);
 }
 
 #ifdef KVCOPY_WITH_CUDA
@@ -286,7 +276,6 @@ PYBIND11_MODULE(_C, m) {
       },
       "Checked CPU block copy from plane-table addresses.");
   m.def("plan_copy_ranges", &py_plan_copy_ranges, "The byte ranges a copy becomes (plans only).");
-  m.def("block_checksums", &py_block_checksums, "XXH3-64 of host blocks, across threads, without the GIL.");
 #ifdef KVCOPY_WITH_CUDA
   m.def("copy_blocks_cuda", &py_copy_blocks_cuda, "SM-kernel block copy from plane-table addresses.");
   m.def("copy_blocks_dma", &py_copy_blocks_dma, "Copy-engine block copy from plane-table addresses.");

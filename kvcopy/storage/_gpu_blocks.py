@@ -5,15 +5,15 @@ memory the block was written from, so a block written from a GPU through GPUDire
 from a host pool check alike, and either reads back into the other. For a PagedKV (on a GPU, or anywhere) the
 bytes are gathered on its device, one index_select per plane, and copied to the host in one transfer: the
 bus carries the blocks once more (a GPU's link runs about ten times faster than a disk), and the host hashes
-them (kvcopy.storage._checksums).
+them at about 10 GB/s.
 """
 
 from __future__ import annotations
 
 import torch
+import xxhash
 
 from ..layout import PagedKV
-from ._checksums import block_checksums
 
 __all__ = ["paged_block_bytes", "paged_checksums"]
 
@@ -28,5 +28,5 @@ def paged_block_bytes(paged: PagedKV, ids: torch.Tensor) -> torch.Tensor:
 
 def paged_checksums(paged: PagedKV, ids: torch.Tensor) -> list[int]:
     """The XXH3-64 of each block's page-first bytes (as DiskKVStore keeps it)."""
-    rows = paged_block_bytes(paged, ids)
-    return block_checksums(rows.view(-1), paged.nbytes_per_block, torch.arange(ids.numel()))
+    rows = paged_block_bytes(paged, ids).numpy()
+    return [xxhash.xxh3_64_intdigest(row) for row in rows]

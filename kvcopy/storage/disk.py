@@ -9,10 +9,10 @@ whose put did not complete is never matched. A get reads slots back into
 pool blocks in one transfer and checks each block's XXH3-64 checksum against
 the one committed with it: a mismatch is a CorruptBlockError naming the
 slot, never data returned as valid. Verification is on unless a get says
-``verify=False``: XXH3, hashed in compiled code on every core without the GIL
-(kvcopy.storage._checksums), 0.03-0.09 ms per MiB just read on the CPU VM's
-2 cores, as its memory bandwidth allows (zlib's CRC-32, at about 3 GB/s, took
-about as long as the disk read itself).
+``verify=False``: XXH3 (python-xxhash) hashes blocks just read at 10-25
+GB/s on one core of the CPU VM, 0.04-0.1 ms per MiB, as its memory allows
+(zlib's CRC-32, at about 3 GB/s, took about as long as the disk read itself;
+compiled, threaded hashing gained nothing there: docs/decisions.md).
 
 Backends (``backend=``): ``"posix"``, NIXL's POSIX backend, moves host pools'
 blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from .._ids import BlockIds, as_ids, check_side
 from ..host import HostKVPool
@@ -42,7 +43,6 @@ from ..policy.cachekey import context_hash_of
 from ..ranges import plan_table_ranges
 from ..remote.registration import registration_of
 from ..remote.transfer import RemoteTransfer, _Blocks
-from ._checksums import block_checksums
 from ._commit_log import Batch, CommitLog, Entry
 from ._disk_file import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
 from ._gpu_blocks import paged_checksums
@@ -279,7 +279,8 @@ class DiskKVStore:
     def _checksums(self, pool: HostKVPool | PagedKV, ids: torch.Tensor) -> list[int]:
         if isinstance(pool, PagedKV):  # a GPU's blocks: gathered and copied to the host (kvcopy.storage._gpu_blocks)
             return paged_checksums(pool, ids)
-        return block_checksums(pool.buffer, pool.nbytes_per_block, ids)  # page-first: block i is one slice
+        view, size = pool.buffer.numpy(), pool.nbytes_per_block  # page-first: block i is one slice of the buffer
+        return [xxhash.xxh3_64_intdigest(view[i * size : (i + 1) * size]) for i in ids.tolist()]
 
     # ------------------------------------------------------------------ put, match, get
 
