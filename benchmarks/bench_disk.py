@@ -59,7 +59,6 @@ THREADED = f"per-block, {THREADS} threads"
 # meets as 2 MiB physically contiguous runs (kvcopy._host_memory._ask_for_huge_pages)
 SMALL_PAGES = "contiguous, 4 KiB pages"
 UNVERIFIED = "kvcopy, verify=False"  # a get without its checksum check (DiskKVStore.get's verify)
-WRITE_THROUGH_BYTES = 16 << 20  # the untimed write-through of the data file, in chunks of this size
 COLUMNS = (
     "op",
     "method",
@@ -76,14 +75,6 @@ COLUMNS = (
 
 def _hashes(n: int, salt: int) -> list[str]:
     return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
-
-
-def _write_through(fd: int, nbytes: int) -> None:
-    """Writes every byte of the data file once (zeros, synced), as a store in service has."""
-    chunk = memoryview(mmap.mmap(-1, WRITE_THROUGH_BYTES))  # zeros, page-aligned (as O_DIRECT wants)
-    for offset in range(0, nbytes, WRITE_THROUGH_BYTES):
-        os.pwrite(fd, chunk[: min(WRITE_THROUGH_BYTES, nbytes - offset)], offset)
-    os.fsync(fd)
 
 
 def _interleaved(calls: int, bodies: dict, after: dict | None = None) -> dict:
@@ -113,9 +104,7 @@ def _store(directory: str, pool: kvcopy.HostKVPool, num_blocks: int, queue: str 
         store = DiskKVStore.create(path, pool, num_blocks, cache_key=key)
     finally:
         _disk_file.POSIX_QUEUES = saved
-    fd, _ = _disk_file.open_data(path, pool.nbytes_per_block)
-    _write_through(fd, num_blocks * pool.nbytes_per_block)
-    os.close(fd)
+    _disk_file.fill_with_zeros(path)
     return store
 
 

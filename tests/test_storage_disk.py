@@ -19,6 +19,7 @@ import xxhash
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 import kvcopy  # noqa: E402
+from kvcopy.storage._disk_file import fill_with_zeros  # noqa: E402
 from kvcopy.storage._gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
 from kvcopy.storage.disk import CorruptBlockError, DiskKVStore  # noqa: E402
 
@@ -158,6 +159,19 @@ def test_a_corrupt_block_is_named_never_returned(tmp_path):
         assert other.block_bytes(5).equal(pool.block_bytes(0)) and other.block_bytes(7).equal(pool.block_bytes(2))
         changed = (other.block_bytes(6) != pool.block_bytes(1)).nonzero().flatten().tolist()
         assert changed and set(changed) <= set(range(100, 108))  # only where the disk lost the write
+
+
+def test_fill_with_zeros_writes_the_whole_data_file_and_not_the_index(tmp_path):
+    pool = filled_pool(layout(), 1)
+    DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
+    data = tmp_path / "store" / "blocks.data"
+    with open(data, "r+b") as f:  # not zeros yet: fallocate's reservation reads as zeros, so mark it
+        f.write(b"\xff" * 4096)
+    index = (tmp_path / "store" / "index.log").read_bytes()
+    fill_with_zeros(str(tmp_path / "store"))
+    assert data.stat().st_size == NUM_BLOCKS * pool.nbytes_per_block
+    assert data.read_bytes() == bytes(NUM_BLOCKS * pool.nbytes_per_block)
+    assert (tmp_path / "store" / "index.log").read_bytes() == index
 
 
 def test_bad_input_fails_before_anything_is_written(tmp_path):

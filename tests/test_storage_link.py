@@ -36,9 +36,18 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
     shapes = [(s, c) for s in SMALL.range_nbytes for c in SMALL.ranges_per_read]
     monkeypatch.setattr(link, "QUICK_SWEEP", SMALL)
     monkeypatch.setattr(link, "measure", known_timing)
+    block_sizes: list[int] = []
+    create = link.DiskKVStore.create
+
+    def recording_create(path, like, num_blocks, **kwargs):  # noqa: ANN001, ANN202
+        block_sizes.append(like.nbytes_per_block)
+        return create(path, like, num_blocks, **kwargs)
+
+    monkeypatch.setattr(link.DiskKVStore, "create", staticmethod(recording_create))
     profile = Profile(hardware={"device": "cpu"}, links={}, peaks={})
     link.add_disk_link(profile, str(tmp_path / "disk"), progress=False)
     assert calls == ["put", "get"] * len(shapes)  # every shape was written and read through the store
+    assert block_sizes == [16384, 65536]  # a store per range size, one block per range: per-block costs count once
     for direction in (link.DISK_WRITE, link.DISK_READ):
         fits = profile.links[direction][link.DISK_METHOD]
         assert sorted(fits.by_block_nbytes) == [16384, 65536]

@@ -91,11 +91,11 @@ QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 32), 64 << 20, 5)
 FULL_SWEEP = LinkSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 7)
 
 
-def calibration_pool(nbytes: int) -> HostKVPool:
-    """The pool both ends of a link calibration register: ``nbytes`` of CALIBRATION_UNIT_BYTES blocks,
-    page-first, one uint8 plane, filled with random bytes."""
-    num_blocks = max(1, nbytes // CALIBRATION_UNIT_BYTES)
-    like = PagedKV.from_planes([torch.empty(1, CALIBRATION_UNIT_BYTES, dtype=torch.uint8)])
+def calibration_pool(nbytes: int, *, block_nbytes: int = CALIBRATION_UNIT_BYTES) -> HostKVPool:
+    """The pool both ends of a link calibration register: ``nbytes`` of ``block_nbytes`` blocks (at least
+    two), page-first, one uint8 plane, filled with random bytes."""
+    num_blocks = max(2, nbytes // block_nbytes)
+    like = PagedKV.from_planes([torch.empty(1, block_nbytes, dtype=torch.uint8)])
     pool = HostKVPool(like, num_blocks, layout="page_first")
     pool.buffer.random_()
     return pool

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ __all__ = [
     "create_files",
     "file_agent",
     "filesystem_of",
+    "fill_with_zeros",
     "layout_of",
     "read_header",
 ]
@@ -42,6 +44,8 @@ BACKENDS = ("auto", "posix", "gds")
 # NIXL POSIX backend parameters, in the order tried: io_uring, Linux AIO (libaio), POSIX AIO.
 POSIX_QUEUES = ("use_uring", "use_aio", "use_posix_aio")
 HEADER, DATA, INDEX = "header.json", "blocks.data", "index.log"
+# fill_with_zeros writes the data file in chunks of this size, from one page-aligned buffer (as O_DIRECT wants)
+ZEROS_CHUNK_BYTES = 16 << 20
 
 
 def layout_of(like: PagedKV) -> dict[str, Any]:
@@ -103,6 +107,25 @@ def open_data(path: str, nbytes_per_block: int) -> tuple[int, bool]:
         with contextlib.suppress(OSError):  # tmpfs and some others refuse O_DIRECT
             return os.open(name, os.O_RDWR | os.O_DIRECT), True
     return os.open(name, os.O_RDWR), False
+
+
+def fill_with_zeros(path: str) -> None:
+    """Writes every byte of the data file of the store at ``path``, which holds no block yet, once (zeros,
+    synced), as a store in service has: a fresh file's first write of a slot also converts fallocate's
+    unwritten extent (a journaled metadata change), which no later write of that slot pays. For measuring a
+    store (kvcopy.storage.link, benchmarks/bench_disk.py): it never touches the index."""
+    header = read_header(path)
+    nbytes = header["num_blocks"] * header["nbytes_per_block"]
+    fd, _ = open_data(path, header["nbytes_per_block"])
+    try:
+        with mmap.mmap(-1, min(ZEROS_CHUNK_BYTES, nbytes)) as zeros:
+            chunk = memoryview(zeros)
+            for offset in range(0, nbytes, len(chunk)):
+                os.pwrite(fd, chunk[: min(len(chunk), nbytes - offset)], offset)
+            chunk.release()
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str, str]:

@@ -1,13 +1,14 @@
 """Calibrating the disk: alpha and beta of a DiskKVStore's writes and reads, per range size, cold.
 
-Like the network link (kvcopy/remote/link.py), with its LinkSweep and its calibration pool of
-CALIBRATION_UNIT_BYTES blocks, page-first, one uint8 plane, so a run of k adjacent ids is one range of k
-units, which kvcopy's range planner makes one NIXL descriptor. A shape is (range bytes, ranges per call);
-each timed put writes that many ranges from random, different places of the pool as new blocks (the
-store's own slot choice, its checksums, syncs and index commit included), and each timed get reads them
-back (O_DIRECT, or after dropping the file's pages: cold). The fits land in a Profile as directions
-DISK_WRITE ("h2f") and DISK_READ ("f2h"), method DISK_METHOD, keyed by range bytes; ``hardware["disk"]``
-says where and how (filesystem, O_DIRECT, NIXL queue).
+Like the network link (kvcopy/remote/link.py), with its LinkSweep. A shape is (range bytes, ranges per
+call); a range is one store block: each range size gets a store whose blocks are that size (page-first,
+one uint8 plane), as a model whose page-first block is that size would have, since a store's costs beside
+the transfer (a checksum, an index entry, a commit record) come per block. Its data file is written
+through once before anything is timed, as a store in service has been. Each timed put writes that many
+blocks from random, different pool ids (the store's own slot choice, its checksums, syncs and index commit
+included), and each timed get reads them back (O_DIRECT, or after dropping the file's pages: cold). The
+fits land in a Profile as directions DISK_WRITE ("h2f") and DISK_READ ("f2h"), method DISK_METHOD, keyed
+by range bytes; ``hardware["disk"]`` says where and how (filesystem, O_DIRECT, NIXL queue).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import tempfile
 import torch
 
 from .._progress import progress_bar
+from ..host import HostKVPool
 from ..policy.calibrator import fit_links
 from ..policy.timing import measure
 from ..profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
-from ..remote.link import CALIBRATION_UNIT_BYTES, LinkSweep, calibration_pool, run_ids
-from ._disk_file import filesystem_of
+from ..remote.link import LinkSweep, calibration_pool, run_ids
+from ._disk_file import filesystem_of, fill_with_zeros
 from .disk import DiskKVStore
 
 __all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_link", "measure_disk"]
@@ -51,47 +53,65 @@ def measure_disk(directory: str, sweep: LinkSweep = QUICK_SWEEP, *, progress: bo
     os.makedirs(directory, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="kvcopy-calibrate-disk-", dir=directory)
     shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_read if s * c <= sweep.max_read_bytes]
-    pool = calibration_pool(sweep.pool_nbytes)
     calls = 2 + sweep.repeats  # measure's warm-up and timed calls
-    # room for every put of the sweep: no put evicts (an eviction adds a sync, which would bend the line)
-    slots = calls * sum(size * count for size, count in shapes) // CALIBRATION_UNIT_BYTES
     points: dict[str, list[list[float]]] = {DISK_WRITE: [], DISK_READ: []}
     generator = torch.Generator().manual_seed(0)
+    found = {"direct": True, "queue": ""}
+    bar = progress_bar(len(shapes), progress, "calibrating the disk", "shape")
     try:
-        store = DiskKVStore.create(os.path.join(folder, "store"), pool, slots, cache_key=_Key())
-        bar = progress_bar(len(shapes), progress, "calibrating the disk", "shape")
-        with store:
-            for number, (size, count) in enumerate(shapes):
-                units = size // CALIBRATION_UNIT_BYTES
-                ids = [run_ids(pool.num_blocks, units, count, generator) for _ in range(calls)]
-                hashes = [
-                    [hashlib.sha256(f"{number}:{i}:{j}".encode()).hexdigest() for j in range(len(ids[i]))]
-                    for i in range(calls)
-                ]
-                written, read, descriptors = iter(range(calls)), iter(range(calls)), {DISK_WRITE: [], DISK_READ: []}
-
-                def put() -> None:
-                    i = next(written)
-                    transfer = store.put(hashes[i], pool, ids[i])
-                    descriptors[DISK_WRITE].append(transfer.num_descriptors)
-                    transfer.wait()
-
-                def get() -> None:
-                    i = next(read)
-                    store.drop_page_cache()
-                    transfer = store.get(store.match(hashes[i]), pool, ids[i])
-                    descriptors[DISK_READ].append(transfer.num_descriptors)
-                    transfer.wait()
-
-                for direction, call in ((DISK_WRITE, put), (DISK_READ, get)):
-                    timing = measure(call, warmup=2, repeats=sweep.repeats)
-                    mean = sum(descriptors[direction]) / len(descriptors[direction])
-                    points[direction].append([size * count, mean, size, timing.median, timing.p20, timing.p80])
-                bar.update()
-            bar.close()
-            return {"points": points, "direct": store.direct, "queue": store.queue, "filesystem": filesystem_of(folder)}
+        for size in sweep.range_nbytes:
+            counts = [c for s, c in shapes if s == size]
+            if not counts:
+                continue
+            pool = calibration_pool(sweep.pool_nbytes, block_nbytes=size)
+            # room for every put of this size: no put evicts (an eviction adds a sync, which would bend the line)
+            path = os.path.join(folder, f"store-{size}")
+            store = DiskKVStore.create(path, pool, calls * sum(counts), cache_key=_Key())
+            with store:
+                fill_with_zeros(path)
+                found = {"direct": store.direct, "queue": store.queue}
+                for count in counts:
+                    points_of = _time_shape(store, pool, size, count, calls, sweep.repeats, generator)
+                    for direction, row in points_of.items():
+                        points[direction].append(row)
+                    bar.update()
+            shutil.rmtree(path, ignore_errors=True)  # this size's disk space back before the next
+        bar.close()
+        return {"points": points, **found, "filesystem": filesystem_of(folder)}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _time_shape(
+    store: DiskKVStore, pool: HostKVPool, size: int, count: int, calls: int, repeats: int, generator: torch.Generator
+) -> dict[str, list[float]]:
+    """One point per direction for puts and gets of ``count`` blocks of ``size`` bytes at random pool ids:
+    (total bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
+    ids = [run_ids(pool.num_blocks, 1, count, generator) for _ in range(calls)]
+    hashes = [
+        [hashlib.sha256(f"{size}:{count}:{i}:{j}".encode()).hexdigest() for j in range(count)] for i in range(calls)
+    ]
+    written, read, descriptors = iter(range(calls)), iter(range(calls)), {DISK_WRITE: [], DISK_READ: []}
+
+    def put() -> None:
+        i = next(written)
+        transfer = store.put(hashes[i], pool, ids[i])
+        descriptors[DISK_WRITE].append(transfer.num_descriptors)
+        transfer.wait()
+
+    def get() -> None:
+        i = next(read)
+        store.drop_page_cache()
+        transfer = store.get(store.match(hashes[i]), pool, ids[i])
+        descriptors[DISK_READ].append(transfer.num_descriptors)
+        transfer.wait()
+
+    out = {}
+    for direction, call in ((DISK_WRITE, put), (DISK_READ, get)):
+        timing = measure(call, warmup=2, repeats=repeats)
+        mean = sum(descriptors[direction]) / len(descriptors[direction])
+        out[direction] = [size * count, mean, size, timing.median, timing.p20, timing.p80]
+    return out
 
 
 def add_disk_link(profile: Profile, directory: str, *, quick: bool = True, progress: bool = True) -> Profile:
