@@ -161,6 +161,22 @@ def test_a_corrupt_block_is_named_never_returned(tmp_path):
         assert changed and set(changed) <= set(range(100, 108))  # only where the disk lost the write
 
 
+def test_a_put_that_fails_after_its_write_began_commits_nothing_and_frees_its_slots(tmp_path, monkeypatch):
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+
+        def failing_checksums(pool, ids):  # noqa: ANN001, ANN202 - as a GPU's gather might, mid-put
+            raise RuntimeError("the checksums failed")
+
+        monkeypatch.setattr(store, "_checksums", failing_checksums)
+        with pytest.raises(RuntimeError, match="the checksums failed"):
+            store.put(hashes(4), pool, [0, 1, 2, 3])
+        monkeypatch.undo()
+        assert store.match(hashes(4)) == []  # never committed
+        store.put(hashes(NUM_BLOCKS, start=100), pool, list(range(NUM_BLOCKS))).wait()  # every slot is free again
+        assert len(store.match(hashes(NUM_BLOCKS, start=100))) == NUM_BLOCKS
+
+
 def test_fill_with_zeros_writes_the_whole_data_file_and_not_the_index(tmp_path):
     pool = filled_pool(layout(), 1)
     DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()

@@ -27,6 +27,7 @@ reopens through the other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -83,6 +84,14 @@ class DiskTransfer:
                 self._finish()
         finally:
             self._release()  # its slots may be reused (a put's) or evicted (a get's) again
+
+    def _abandon(self) -> None:
+        """Waits for NIXL to end the transfer, then frees its slots with nothing committed or verified (for
+        a call that failed after posting it: its DMA still reads or writes those slots until it ends)."""
+        if self._transfer is not None:
+            with contextlib.suppress(Exception):
+                self._transfer.wait()
+        self._end(False)
 
     def done(self) -> bool:
         if self._transfer is None:
@@ -319,9 +328,12 @@ class DiskKVStore:
             index.append(records[0])
 
         transfer = self._transfer("WRITE", pool, new_ids, slots, commit)
-        # while NIXL writes (both only read the pool blocks): the checksums, and the COMMIT records they go in
-        checksums = self._checksums(pool, new_ids)
-        records.append(index.prepare(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums)))
+        try:  # while NIXL writes (both only read the pool blocks): the checksums, and the COMMIT records
+            checksums = self._checksums(pool, new_ids)
+            records.append(index.prepare(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums)))
+        except BaseException:  # (a GPU's gather failed, say): nothing is committed, the slots come free again
+            transfer._abandon()
+            raise
         return transfer
 
     def match(self, block_hashes: Sequence[str]) -> list[int]:
