@@ -27,7 +27,6 @@ reopens through the other.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import uuid
@@ -46,6 +45,7 @@ from ..remote.registration import registration_of
 from ..remote.transfer import RemoteTransfer, _Blocks
 from ._commit_log import Batch, CommitLog, Entry
 from ._disk_file import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
+from ._disk_transfer import DiskTransfer
 from ._gpu_blocks import paged_checksums
 
 __all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
@@ -57,65 +57,6 @@ class CorruptBlockError(ValueError):
     def __init__(self, message: str, slots: list[int]) -> None:
         super().__init__(message)
         self.slots = slots
-
-
-class DiskTransfer:
-    """One put or get in flight: ``done()`` polls, ``wait(timeout=None)`` blocks (TimeoutError after
-    ``timeout``); both raise the transfer's error. A put's blocks match once it is done; a get's pool blocks
-    hold verified data once it is done. ``num_descriptors``: the contiguous ranges it moves (0 when it moves
-    nothing: a put of hashes all stored already, a get of no slots, done at once)."""
-
-    def __init__(
-        self, transfer: RemoteTransfer | None, finish: Callable[[], None], release: Callable[[], None]
-    ) -> None:
-        self._transfer, self._finish, self._release = transfer, finish, release
-        self.num_descriptors = 0 if transfer is None else transfer.num_descriptors
-        self.nbytes = 0 if transfer is None else transfer.nbytes
-        self._ended = False
-        if transfer is None:
-            self._end(True)
-
-    def _end(self, ok: bool) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        try:
-            if ok:
-                self._finish()
-        finally:
-            self._release()  # its slots may be reused (a put's) or evicted (a get's) again
-
-    def _abandon(self) -> None:
-        """Waits for NIXL to end the transfer, then frees its slots with nothing committed or verified (for
-        a call that failed after posting it: its DMA still reads or writes those slots until it ends)."""
-        if self._transfer is not None:
-            with contextlib.suppress(Exception):
-                self._transfer.wait()
-        self._end(False)
-
-    def done(self) -> bool:
-        if self._transfer is None:
-            return True
-        try:
-            finished = self._transfer.done()
-        except BaseException:
-            self._end(False)
-            raise
-        if finished:
-            self._end(True)
-        return finished
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._transfer is None:
-            return
-        try:
-            self._transfer.wait(timeout)
-        except TimeoutError:
-            raise
-        except BaseException:
-            self._end(False)
-            raise
-        self._end(True)
 
 
 class DiskKVStore:
