@@ -9,8 +9,8 @@ whose put did not complete is never matched. A get reads slots back into
 pool blocks in one transfer and checks each block's XXH3-64 checksum against
 the one committed with it: a mismatch is a CorruptBlockError naming the
 slot, never data returned as valid. Verification is on unless a get says
-``verify=False``: XXH3 (python-xxhash) hashes blocks just read at 10-25
-GB/s on one core of the CPU VM, 0.04-0.1 ms per MiB, as its memory allows
+``verify=False``: XXH3 (python-xxhash) hashes blocks just read at 9-23
+GB/s on one core of the CPU VM, 0.04-0.11 ms per MiB, as its memory allows
 (zlib's CRC-32, at about 3 GB/s, took about as long as the disk read itself;
 compiled, threaded hashing gained nothing there: docs/decisions.md).
 
@@ -294,7 +294,7 @@ class DiskKVStore:
     ) -> DiskTransfer:
         """Reads store ``slots`` into ``pool``'s blocks ``pool_ids``; the transfer's ``done``/``wait`` raise
         CorruptBlockError for a block that does not match its committed checksum, naming its slot.
-        ``verify=False`` skips that check (the hash of every byte read, 8-18% of a get on the CPU VM, and a
+        ``verify=False`` skips that check (the hash of every byte read, 6-16% of a get on the CPU VM, and a
         GPU's blocks copied to the host for it): for a disk trusted not to lose or corrupt what it
         acknowledged. A crash still never leaves a torn block matched; that is the commit scheme's doing."""
         self._check_open()
