@@ -9,22 +9,22 @@ on one side.
 
 from __future__ import annotations
 
-from ._ext import build_info  # importing _ext loads the compiled ops and their fakes
-from ._version import __version__
-from .block_allocator import BlockAllocator
-from .engine import TransferConflictError, TransferEngine
-from .host import HostKVPool
-from .layout import PagedKV
-from .methods import CAPTURABLE_METHODS, METHODS
-from .ops import available_methods, copy_blocks, gather, scatter
-from .policy.cachekey import BlockIndex, CacheKey
-from .policy.calibrator import calibrate
-from .policy.model import ModelSpec
-from .policy.online import OnlineProfile
-from .policy.planner import Decision, Planner
-from .profile import Profile, set_default_profile
-from .ranges import ByteRange, copy_ranges
-from .transfer import Transfer
+from kvcopy._ext import build_info  # importing _ext loads the compiled ops and their fakes
+from kvcopy._version import __version__
+from kvcopy.block_allocator import BlockAllocator
+from kvcopy.engine import TransferConflictError, TransferEngine
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.methods import CAPTURABLE_METHODS, METHODS
+from kvcopy.ops import available_methods, copy_blocks, gather, scatter
+from kvcopy.policy.cachekey import BlockIndex, CacheKey
+from kvcopy.policy.calibrator import calibrate
+from kvcopy.policy.model import ModelSpec
+from kvcopy.policy.online import OnlineProfile
+from kvcopy.policy.planner import Decision, Planner
+from kvcopy.profile import Profile, set_default_profile
+from kvcopy.ranges import ByteRange, copy_ranges
+from kvcopy.transfer import Transfer
 
 __all__ = [
     "CAPTURABLE_METHODS",

@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 
-from .transfer import Transfer
+from kvcopy.transfer import Transfer
 
 __all__ = ["BlockOrder", "Blocks", "TransferConflictError", "any_watched", "check_caller", "watch"]
 

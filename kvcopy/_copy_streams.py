@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext
+from kvcopy import _ext
 
 __all__ = ["COPY_STREAM_PRIORITY", "EventPool", "destroy_streams", "new_copy_stream"]
 

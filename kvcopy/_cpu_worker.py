@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from .transfer import ThreadSignal, Transfer
+from kvcopy.transfer import ThreadSignal, Transfer
 
 __all__ = ["cpu_copy_job"]
 

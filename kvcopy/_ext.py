@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._version import __version__
+from kvcopy._version import __version__
 
 __all__ = ["TRITON_INTERPRET", "build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
 
@@ -100,7 +100,7 @@ def triton_available() -> bool:
 
 def _recorded_build_config() -> dict[str, Any]:
     try:
-        from ._build_config import BUILD_CONFIG
+        from kvcopy._build_config import BUILD_CONFIG
     except ImportError:
         return {"extension": False, "reason": "not built (no kvcopy/_build_config.py from setup.py)"}
     return dict(BUILD_CONFIG)

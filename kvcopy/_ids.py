@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import _ext
+from kvcopy import _ext
 
 __all__ = ["BlockIds", "as_ids", "check_host_pair", "check_lengths", "check_side", "prepare_ids"]
 

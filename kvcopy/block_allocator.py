@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from ._ids import BlockIds, prepare_ids
+from kvcopy._ids import BlockIds, prepare_ids
 
 __all__ = ["BlockAllocator"]
 

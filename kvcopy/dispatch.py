@@ -19,16 +19,16 @@ import weakref
 
 import torch
 
-from . import _ext
-from ._block_order import any_watched, check_caller
-from ._ids import BlockIds, as_ids, check_host_pair, check_lengths, check_side
-from .host import HostKVPool, KVLike, as_paged
-from .layout import PagedKV
-from .methods import registry
-from .methods.choice import available_methods, choose_method, unavailable_reason, usable
-from .methods.pairs import cuda_device, uses_cuda
-from .methods.registry import CopyMethod
-from .profile import Profile, default_profile, default_profile_generation
+from kvcopy import _ext
+from kvcopy._block_order import any_watched, check_caller
+from kvcopy._ids import BlockIds, as_ids, check_host_pair, check_lengths, check_side
+from kvcopy.host import HostKVPool, KVLike, as_paged
+from kvcopy.layout import PagedKV
+from kvcopy.methods import registry
+from kvcopy.methods.choice import available_methods, choose_method, unavailable_reason, usable
+from kvcopy.methods.pairs import cuda_device, uses_cuda
+from kvcopy.methods.registry import CopyMethod
+from kvcopy.profile import Profile, default_profile, default_profile_generation
 
 __all__ = [
     "KVLike",

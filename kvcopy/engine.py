@@ -41,18 +41,18 @@ from collections.abc import Callable
 
 import torch
 
-from . import _ext, dispatch
-from ._block_order import BlockOrder, Blocks, TransferConflictError, watch
-from ._copy_streams import COPY_STREAM_PRIORITY, EventPool, destroy_streams, new_copy_stream
-from ._cpu_worker import cpu_copy_job
-from ._ids import BlockIds
-from .host import HostKVPool
-from .layout import PagedKV
-from .methods.registry import CopyMethod
-from .methods.sm_budget import check_num_ctas
-from .methods.staging import ids_on
-from .profile import Profile, direction_of
-from .transfer import CudaSignal, ThreadSignal, Transfer
+from kvcopy import _ext, dispatch
+from kvcopy._block_order import BlockOrder, Blocks, TransferConflictError, watch
+from kvcopy._copy_streams import COPY_STREAM_PRIORITY, EventPool, destroy_streams, new_copy_stream
+from kvcopy._cpu_worker import cpu_copy_job
+from kvcopy._ids import BlockIds
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.methods.registry import CopyMethod
+from kvcopy.methods.sm_budget import check_num_ctas
+from kvcopy.methods.staging import ids_on
+from kvcopy.profile import Profile, direction_of
+from kvcopy.transfer import CudaSignal, ThreadSignal, Transfer
 
 __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
 

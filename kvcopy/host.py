@@ -8,11 +8,11 @@ from typing import Literal, Union
 
 import torch
 
-from ._block_order import check_caller
-from ._host_memory import HostRegion, gpu_numa_node
-from ._ids import BlockIds
-from .block_allocator import BlockAllocator
-from .layout import PagedKV
+from kvcopy._block_order import check_caller
+from kvcopy._host_memory import HostRegion, gpu_numa_node
+from kvcopy._ids import BlockIds
+from kvcopy.block_allocator import BlockAllocator
+from kvcopy.layout import PagedKV
 
 __all__ = ["HostKVPool", "HostLayout", "KVLike", "as_paged"]
 

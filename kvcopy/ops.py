@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
-from ._ids import BlockIds
-from .dispatch import KVLike
-from .host import HostKVPool
-from .methods.choice import available_methods
-from .methods.sm_budget import check_num_ctas
+from kvcopy import dispatch
+from kvcopy._ids import BlockIds
+from kvcopy.dispatch import KVLike
+from kvcopy.host import HostKVPool
+from kvcopy.methods.choice import available_methods
+from kvcopy.methods.sm_budget import check_num_ctas
 
 __all__ = ["available_methods", "copy_blocks", "gather", "scatter"]
 

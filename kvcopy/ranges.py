@@ -15,9 +15,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from . import _ext
-from ._ids import BlockIds
-from .dispatch import KVLike, as_paged, check_pair, prepare_pair
+from kvcopy import _ext
+from kvcopy._ids import BlockIds
+from kvcopy.dispatch import KVLike, as_paged, check_pair, prepare_pair
 
 __all__ = ["ByteRange", "copy_ranges", "plan_table_ranges"]
 

@@ -503,7 +503,7 @@ GOOD, POOR = (0.99, 0.2), (0.533, 208.62)
 def test_a_poor_calibration_is_measured_again_and_does_not_replace_a_good_profile(
     monkeypatch, tmp_path, capsys, first, second, force, saved, status
 ):
-    from kvcopy.policy import calibrator
+    from kvcopy.calibration import local as calibrator
     from kvcopy.tools import cli
 
     out = tmp_path / "profile.json"

@@ -10,7 +10,7 @@ import torch
 import kvcopy
 from kvcopy import methods
 from kvcopy.methods import CopyMethod
-from kvcopy.policy import calibrator
+from kvcopy.calibration import local as calibrator
 
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 

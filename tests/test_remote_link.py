@@ -99,7 +99,7 @@ def test_calibration_against_a_served_peer_reads_its_descriptor_file(tmp_path):
 
 
 def test_calibrate_remote_adds_the_link_and_prints_it_per_range_size(monkeypatch, tmp_path, capsys):
-    from kvcopy.policy import calibrator
+    from kvcopy.calibration import local as calibrator
 
     monkeypatch.setattr(calibrator, "calibrate", lambda *a, **k: _local_profile())  # the local part: not here
     out, plot = tmp_path / "profile.json", tmp_path / "calib.png"
@@ -116,7 +116,7 @@ def test_calibrate_remote_adds_the_link_and_prints_it_per_range_size(monkeypatch
 
 
 def test_calibrate_remote_refuses_a_bad_descriptor_before_measuring(monkeypatch, tmp_path, capsys):
-    from kvcopy.policy import calibrator
+    from kvcopy.calibration import local as calibrator
 
     monkeypatch.setattr(calibrator, "calibrate", lambda *a, **k: pytest.fail("measured despite a bad --remote"))
     junk = tmp_path / "junk.desc"

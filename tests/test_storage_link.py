@@ -10,7 +10,7 @@ pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pi
 from kvcopy.policy.timing import Timing  # noqa: E402
 from kvcopy.profile import Profile  # noqa: E402
 from kvcopy.remote.link import LinkSweep  # noqa: E402
-from kvcopy.storage import link  # noqa: E402
+from kvcopy.calibration import disk as link  # noqa: E402
 
 SMALL = LinkSweep((16384, 65536), (1, 4), 1 << 20, 2)
 # Real timings: 16 KiB to 1 MiB per call, a span no load on the machine flattens into one time.

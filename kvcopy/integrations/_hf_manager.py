@@ -32,12 +32,12 @@ from transformers.generation.continuous_batching.offloading_manager import Offlo
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import stream_context
 
-from ..engine import TransferEngine
-from ..layout import PagedKV
-from ..transfer import Transfer
-from ._offload_session import OffloadSession
-from ._offload_stats import OffloadDecision
-from ._path_clock import ForwardRequest, PathClock
+from kvcopy.engine import TransferEngine
+from kvcopy.layout import PagedKV
+from kvcopy.transfer import Transfer
+from kvcopy.integrations._offload_session import OffloadSession
+from kvcopy.integrations._offload_stats import OffloadDecision
+from kvcopy.integrations._path_clock import ForwardRequest, PathClock
 
 __all__ = ["KvcopyOffloadingManager"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ..policy.model import ModelSpec
-from ..policy.online import OnlineProfile
-from ..policy.planner import DEFAULT_BLOCK_TOKENS, Planner
-from ..profile import Profile
-from ..transfer import Transfer
+from kvcopy.policy.model import ModelSpec
+from kvcopy.policy.online import OnlineProfile
+from kvcopy.policy.planner import DEFAULT_BLOCK_TOKENS, Planner
+from kvcopy.profile import Profile
+from kvcopy.transfer import Transfer
 
 __all__ = [
     "LivePlanner",

@@ -16,13 +16,13 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from ..host import HostKVPool
-from ..layout import PagedKV
-from ..policy.timing import seconds_text
-from ..profile import Profile
-from ..transfer import Transfer
-from ._live_planner import LivePlanner, predict_paths
-from ._offload_stats import OffloadAction, OffloadDecision, OffloadStats
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.policy.timing import seconds_text
+from kvcopy.profile import Profile
+from kvcopy.transfer import Transfer
+from kvcopy.integrations._live_planner import LivePlanner, predict_paths
+from kvcopy.integrations._offload_stats import OffloadAction, OffloadDecision, OffloadStats
 
 __all__ = ["POLICIES", "Policy", "OffloadSession"]
 

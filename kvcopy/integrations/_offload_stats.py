@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..profile import Profile
+from kvcopy.profile import Profile
 
 __all__ = ["OffloadAction", "OffloadDecision", "OffloadStats"]
 

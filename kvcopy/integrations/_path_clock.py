@@ -23,9 +23,9 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from ..transfer import Transfer
-from ._live_planner import LivePlanner, own_share
-from ._offload_stats import OffloadDecision
+from kvcopy.transfer import Transfer
+from kvcopy.integrations._live_planner import LivePlanner, own_share
+from kvcopy.integrations._offload_stats import OffloadDecision
 
 __all__ = ["ForwardRequest", "PathClock"]
 

@@ -56,13 +56,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..methods import method_names
-from ..policy.model import ModelSpec
-from ..profile import Profile, default_profile
-from ._hf_compat import SUPPORTED_RANGE, check_internals, import_transformers
-from ._live_planner import LivePlanner
-from ._offload_session import POLICIES, OffloadSession, Policy
-from ._offload_stats import OffloadDecision, OffloadStats
+from kvcopy.methods import method_names
+from kvcopy.policy.model import ModelSpec
+from kvcopy.profile import Profile, default_profile
+from kvcopy.integrations._hf_compat import SUPPORTED_RANGE, check_internals, import_transformers
+from kvcopy.integrations._live_planner import LivePlanner
+from kvcopy.integrations._offload_session import POLICIES, OffloadSession, Policy
+from kvcopy.integrations._offload_stats import OffloadDecision, OffloadStats
 
 __all__ = ["POLICIES", "SUPPORTED_RANGE", "OffloadDecision", "OffloadStats", "model_spec", "offloading"]
 
@@ -172,7 +172,7 @@ def offloading(
     try:
         from transformers.generation.continuous_batching import continuous_api
 
-        from ._hf_manager import KvcopyOffloadingManager
+        from kvcopy.integrations._hf_manager import KvcopyOffloadingManager
 
         session = OffloadSession(
             host_bytes=int(host_gib * 2**30), policy=policy, live=live, method=method, profile=profile

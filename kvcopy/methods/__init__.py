@@ -6,10 +6,10 @@ Adding a method is one module that builds a :class:`CopyMethod` and calls :func:
 
 from __future__ import annotations
 
-from .builtin import CAPTURABLE_METHODS, DMA_MIN_BLOCK_BYTES, METHODS
-from .choice import available_methods, choose_method, unavailable_reason
-from .registry import CopyMethod, get, method_names, register, unregister
-from .sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA
+from kvcopy.methods.builtin import CAPTURABLE_METHODS, DMA_MIN_BLOCK_BYTES, METHODS
+from kvcopy.methods.choice import available_methods, choose_method, unavailable_reason
+from kvcopy.methods.registry import CopyMethod, get, method_names, register, unregister
+from kvcopy.methods.sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA
 
 __all__ = [
     "CAPTURABLE_METHODS",

@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ext
-from ..layout import PagedKV
-from .pairs import (
-    HOST_POINTER_PROBLEM,
-    both_on_host,
-    cuda_device,
-    gpu_kernel_problem,
-    kernels_reach_host,
-    pair_problem,
-    uses_cuda,
-)
-from .registry import CopyMethod, register
-from .sm_budget import TRITON_PROGRAMS_PER_CTA, cta_budget
-from .staging import ids_on
-from .torch_method import copy_blocks_torch
+from kvcopy import _ext
+from kvcopy.layout import PagedKV
+from kvcopy.methods.pairs import HOST_POINTER_PROBLEM, both_on_host, cuda_device, gpu_kernel_problem, kernels_reach_host, pair_problem, uses_cuda
+from kvcopy.methods.registry import CopyMethod, register
+from kvcopy.methods.sm_budget import TRITON_PROGRAMS_PER_CTA, cta_budget
+from kvcopy.methods.staging import ids_on
+from kvcopy.methods.torch_method import copy_blocks_torch
 
 __all__ = ["CAPTURABLE_METHODS", "DMA_MIN_BLOCK_BYTES", "METHODS"]
 
@@ -115,7 +107,7 @@ def _triton_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
 
 
 def _triton_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
-    from .triton_kernel import copy_blocks_triton  # importing triton takes seconds: only when first used
+    from kvcopy.methods.triton_kernel import copy_blocks_triton  # importing triton takes seconds: only when first used
 
     device = cuda_device(src, dst) if uses_cuda(src, dst) else src.device
     src_ids, dst_ids = ids_on(src_ids, dst_ids, device)

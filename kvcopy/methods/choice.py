@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..host import KVLike, as_paged
-from ..layout import PagedKV
-from ..profile import Profile, direction_of
-from . import registry
-from .registry import CopyMethod
+from kvcopy.host import KVLike, as_paged
+from kvcopy.layout import PagedKV
+from kvcopy.profile import Profile, direction_of
+from kvcopy.methods import registry
+from kvcopy.methods.registry import CopyMethod
 
 __all__ = ["available_methods", "choose_method", "unavailable_reason", "usable"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ext
-from ..layout import PagedKV
+from kvcopy import _ext
+from kvcopy.layout import PagedKV
 
 __all__ = ["HOST_POINTER_PROBLEM", "cuda_device", "kernels_reach_host", "pair_problem", "uses_cuda"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import PagedKV
+from kvcopy.layout import PagedKV
 
 __all__ = ["CopyMethod", "RunFn", "get", "method_names", "methods", "register", "unregister"]
 

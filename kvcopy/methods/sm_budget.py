@@ -3,7 +3,7 @@ from which the Triton kernel's program count is derived."""
 
 from __future__ import annotations
 
-from ..layout import PagedKV
+from kvcopy.layout import PagedKV
 
 __all__ = [
     "HOST_LINK_CTA_BUDGET",

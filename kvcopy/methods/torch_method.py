@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import PagedKV
+from kvcopy.layout import PagedKV
 
 __all__ = ["copy_blocks_torch", "word_views"]
 

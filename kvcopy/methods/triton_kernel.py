@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE, PLANE_TABLE_COLUMNS, PagedKV
-from .sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA, TRITON_WARPS
+from kvcopy.layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE, PLANE_TABLE_COLUMNS, PagedKV
+from kvcopy.methods.sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA, TRITON_WARPS
 
 __all__ = ["copy_blocks_triton"]
 

@@ -3,6 +3,6 @@ valid for a request (CacheKey, BlockIndex), what this machine measures (calibrat
 engine measures while it serves (OnlineProfile) and what to do with a prefix (Planner). Depends on the copy
 core; the core never imports it."""
 
-from .online import OnlineProfile
+from kvcopy.policy.online import OnlineProfile
 
 __all__ = ["OnlineProfile"]

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from .cachekey_fields import REPR_HASH_CHARS, hash_bytes
+from kvcopy.policy.cachekey_fields import REPR_HASH_CHARS, hash_bytes
 
 __all__ = ["BlockIndex"]
 

@@ -26,31 +26,8 @@ from typing import Any, Literal
 
 import torch
 
-from .block_index import BlockIndex
-from .cachekey_fields import (
-    DOMAIN,
-    FORMAT_VERSION,
-    FROM_MODEL,
-    REPR_HASH_CHARS,
-    SEPARATE_FIELDS,
-    TOKEN_DTYPE,
-    FromModel,
-    SupportsIdentity,
-    TokenIds,
-    canonical,
-    canonical_json,
-    check_block_tokens,
-    check_kv_dtype,
-    check_rope_scaling,
-    check_rope_theta,
-    check_str,
-    extra_digest,
-    fingerprint_of,
-    hash_bytes,
-    identity_of_model,
-    token_bytes,
-    weights_fingerprint,
-)
+from kvcopy.policy.block_index import BlockIndex
+from kvcopy.policy.cachekey_fields import DOMAIN, FORMAT_VERSION, FROM_MODEL, REPR_HASH_CHARS, SEPARATE_FIELDS, TOKEN_DTYPE, FromModel, SupportsIdentity, TokenIds, canonical, canonical_json, check_block_tokens, check_kv_dtype, check_rope_scaling, check_rope_theta, check_str, extra_digest, fingerprint_of, hash_bytes, identity_of_model, token_bytes, weights_fingerprint
 
 __all__ = [
     "BlockIndex",

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .kv_dtypes import torch_name
+from kvcopy.policy.kv_dtypes import torch_name
 
 __all__ = [
     "DOMAIN",

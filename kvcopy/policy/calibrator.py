@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import _ext
-from .._progress import progress_bar
-from ..host import HostKVPool
-from ..layout import PagedKV
-from ..ops import available_methods, copy_blocks
-from ..profile import LinkFit, MethodProfile, PrefillProfile, Profile
-from .fit import LinearFit, fit_alpha_beta
-from .machine import machine_identity
-from .timing import COLD_BYTES, measure
+from kvcopy import _ext
+from kvcopy._progress import progress_bar
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.ops import available_methods, copy_blocks
+from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.policy.fit import LinearFit, fit_alpha_beta
+from kvcopy.policy.machine import machine_identity
+from kvcopy.policy.timing import COLD_BYTES, measure
 
 if TYPE_CHECKING:
-    from .model import ModelSpec
+    from kvcopy.policy.model import ModelSpec
 
 __all__ = ["calibrate", "fit_links", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 
@@ -349,7 +349,7 @@ def calibrate(
     10 s on a 2-core CPU). ``model``: a ModelSpec (or preset name) whose
     layer shape times prefill (default: DEFAULT_MODEL).
     """
-    from .model import ModelSpec
+    from kvcopy.policy.model import ModelSpec
 
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

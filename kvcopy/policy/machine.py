@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .. import _ext
-from .._version import __version__
+from kvcopy import _ext
+from kvcopy._version import __version__
 
 __all__ = ["cpu_name", "machine_identity"]
 

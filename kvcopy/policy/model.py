@@ -27,17 +27,12 @@ from typing import Any
 
 import torch
 
-from ._args import non_negative_int, positive_int
-from .kv_dtypes import dtype_itemsize, kv_dtype_name
-from .model_checks import check_attention, check_experts, checked_layers
-from .model_config import (
-    DEFAULT_KV_DTYPE,
-    SLIDING_ATTENTION,
-    read_config,
-    spec_from_config,
-)
-from .model_families import SUPPORTED_FAMILIES
-from .model_presets import PRESETS
+from kvcopy.policy._args import non_negative_int, positive_int
+from kvcopy.policy.kv_dtypes import dtype_itemsize, kv_dtype_name
+from kvcopy.policy.model_checks import check_attention, check_experts, checked_layers
+from kvcopy.policy.model_config import DEFAULT_KV_DTYPE, SLIDING_ATTENTION, read_config, spec_from_config
+from kvcopy.policy.model_families import SUPPORTED_FAMILIES
+from kvcopy.policy.model_presets import PRESETS
 
 __all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "forward_costs"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._args import non_negative_int, positive_int
-from .model_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from kvcopy.policy._args import non_negative_int, positive_int
+from kvcopy.policy.model_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 
 if TYPE_CHECKING:
-    from .model import ModelSpec
+    from kvcopy.policy.model import ModelSpec
 
 __all__ = ["ATTENTION_KINDS", "check_attention", "check_experts", "checked_layers"]
 

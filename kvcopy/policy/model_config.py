@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .kv_dtypes import kv_dtype_name
-from .model_families import FAMILIES, MOE_STRUCTURE_KEYS, MOE_STYLES, ROPE_EXTRA_KEYS, SUPPORTED_FAMILIES, Family
+from kvcopy.policy.kv_dtypes import kv_dtype_name
+from kvcopy.policy.model_families import FAMILIES, MOE_STRUCTURE_KEYS, MOE_STYLES, ROPE_EXTRA_KEYS, SUPPORTED_FAMILIES, Family
 
 __all__ = [
     "CONFIG_FILE",

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ..profile import REMOTE_DIRECTION, LinkFit, MethodProfile, Profile
-from .model import ModelSpec
-from .online_fit import fit_max_linear, weighted_median
-from .online_observations import Stream, age_weights, checked_seconds, count, positive_int, token_counts
-from .online_prefill import ForwardLaw
+from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, Profile
+from kvcopy.policy.model import ModelSpec
+from kvcopy.policy.online_fit import fit_max_linear, weighted_median
+from kvcopy.policy.online_observations import Stream, age_weights, checked_seconds, count, positive_int, token_counts
+from kvcopy.policy.online_prefill import ForwardLaw
 
 __all__ = [
     "BANDWIDTH_CAP_FACTOR",

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..profile import PrefillProfile
-from .model import ModelSpec, forward_costs
-from .online_fit import fit_max_linear
-from .online_observations import age_weights
+from kvcopy.profile import PrefillProfile
+from kvcopy.policy.model import ModelSpec, forward_costs
+from kvcopy.policy.online_fit import fit_max_linear
+from kvcopy.policy.online_observations import age_weights
 
 __all__ = ["FLOPS_CAP_FACTOR", "PRIOR_FORWARD_TOKENS", "ForwardLaw"]
 

@@ -39,18 +39,18 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..profile import DISK_READ_DIRECTION, REMOTE_DIRECTION
-from .decision import ACTIONS, Action, Decision
-from .model import forward_costs
-from .pipeline import pipelined_seconds
-from .planner_checks import check_costs
-from .scan import first_winning
-from .split import best_split
-from .timing import seconds_text
+from kvcopy.profile import DISK_READ_DIRECTION, REMOTE_DIRECTION
+from kvcopy.policy.decision import ACTIONS, Action, Decision
+from kvcopy.policy.model import forward_costs
+from kvcopy.policy.pipeline import pipelined_seconds
+from kvcopy.policy.planner_checks import check_costs
+from kvcopy.policy.scan import first_winning
+from kvcopy.policy.split import best_split
+from kvcopy.policy.timing import seconds_text
 
 if TYPE_CHECKING:
-    from ..profile import Profile
-    from .model import ModelSpec
+    from kvcopy.profile import Profile
+    from kvcopy.policy.model import ModelSpec
 
 __all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "ACTIONS"]
 

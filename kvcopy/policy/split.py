@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .planner import Planner
+    from kvcopy.policy.planner import Planner
 
 __all__ = ["best_split", "cached_bytes_after", "split_seconds"]
 

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .._progress import progress_bar
-from ..host import HostKVPool
-from ..layout import PagedKV
-from ..policy.calibrator import fit_links
-from ..policy.kv_dtypes import torch_name
-from ..policy.timing import measure
-from ..profile import REMOTE_DIRECTION, Profile
-from .descriptor import decode
-from .peer import KVPeer, RemotePool
+from kvcopy._progress import progress_bar
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.policy.calibrator import fit_links
+from kvcopy.policy.kv_dtypes import torch_name
+from kvcopy.policy.timing import measure
+from kvcopy.profile import REMOTE_DIRECTION, Profile
+from kvcopy.remote.descriptor import decode
+from kvcopy.remote.peer import KVPeer, RemotePool
 
 __all__ = [
     "CALIBRATION_UNIT_BYTES",

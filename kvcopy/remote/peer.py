@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._ids import BlockIds, as_ids, check_host_pair
-from ..host import HostKVPool
-from ..layout import PagedKV
-from ..policy.cachekey import context_hash_of
-from ..ranges import plan_table_ranges
-from .descriptor import PoolLayout, decode, encode
-from .quarantine import Quarantine
-from .registration import registration_of
-from .transfer import RemoteTransfer, RemoteTransferError, RemoteTransferTimeout, _Blocks
+from kvcopy._ids import BlockIds, as_ids, check_host_pair
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.policy.cachekey import context_hash_of
+from kvcopy.ranges import plan_table_ranges
+from kvcopy.remote.descriptor import PoolLayout, decode, encode
+from kvcopy.remote.quarantine import Quarantine
+from kvcopy.remote.registration import registration_of
+from kvcopy.remote.transfer import RemoteTransfer, RemoteTransferError, RemoteTransferTimeout, _Blocks
 
 __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .transfer import RemoteTransfer
+from kvcopy.remote.transfer import RemoteTransfer
 
 __all__ = ["Quarantine"]
 

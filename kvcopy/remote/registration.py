@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..host import HostKVPool
-from ..layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE, PagedKV
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE, PagedKV
 
 __all__ = ["DEVICE_LAYOUT", "Registration", "registration_of"]
 

@@ -13,6 +13,6 @@ engine's prefix cache that survives a restart through it. NIXL is needed
 
 from __future__ import annotations
 
-from .disk import CorruptBlockError, DiskKVStore, DiskTransfer
+from kvcopy.storage.disk import CorruptBlockError, DiskKVStore, DiskTransfer
 
 __all__ = ["CorruptBlockError", "DiskKVStore", "DiskTransfer"]

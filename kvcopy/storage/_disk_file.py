@@ -19,8 +19,8 @@ import shutil
 import subprocess
 from typing import Any
 
-from ..layout import PLANE_BLOCK_BYTES, PagedKV
-from ..policy.kv_dtypes import torch_name
+from kvcopy.layout import PLANE_BLOCK_BYTES, PagedKV
+from kvcopy.policy.kv_dtypes import torch_name
 
 __all__ = [
     "BACKENDS",
@@ -135,7 +135,7 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
     GDS for a store laid out like a GPU cache (``gpu``) where it starts, else POSIX."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    from ..remote.peer import nixl_module
+    from kvcopy.remote.peer import nixl_module
 
     nixl_agent, nixl_agent_config = nixl_module()
     agent = nixl_agent(name, nixl_agent_config(backends=[]))

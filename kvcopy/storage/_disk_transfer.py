@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from ..remote.transfer import RemoteTransfer
+from kvcopy.remote.transfer import RemoteTransfer
 
 __all__ = ["DiskTransfer"]
 

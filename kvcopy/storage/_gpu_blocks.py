@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from ..layout import PagedKV
+from kvcopy.layout import PagedKV
 
 __all__ = ["paged_block_bytes", "paged_checksums"]
 

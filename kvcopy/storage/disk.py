@@ -36,17 +36,17 @@ import numpy as np
 import torch
 import xxhash
 
-from .._ids import BlockIds, as_ids, check_side
-from ..host import HostKVPool
-from ..layout import PagedKV
-from ..policy.cachekey import context_hash_of
-from ..ranges import plan_table_ranges
-from ..remote.registration import registration_of
-from ..remote.transfer import RemoteTransfer, _Blocks
-from ._commit_log import Batch, CommitLog, Entry
-from ._disk_file import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
-from ._disk_transfer import DiskTransfer
-from ._gpu_blocks import paged_checksums
+from kvcopy._ids import BlockIds, as_ids, check_side
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.policy.cachekey import context_hash_of
+from kvcopy.ranges import plan_table_ranges
+from kvcopy.remote.registration import registration_of
+from kvcopy.remote.transfer import RemoteTransfer, _Blocks
+from kvcopy.storage._commit_log import Batch, CommitLog, Entry
+from kvcopy.storage._disk_file import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
+from kvcopy.storage._disk_transfer import DiskTransfer
+from kvcopy.storage._gpu_blocks import paged_checksums
 
 __all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
 

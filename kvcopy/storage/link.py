@@ -20,14 +20,14 @@ import tempfile
 
 import torch
 
-from .._progress import progress_bar
-from ..host import HostKVPool
-from ..policy.calibrator import fit_links
-from ..policy.timing import measure
-from ..profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
-from ..remote.link import LinkSweep, calibration_pool, run_ids
-from ._disk_file import filesystem_of, fill_with_zeros
-from .disk import DiskKVStore
+from kvcopy._progress import progress_bar
+from kvcopy.host import HostKVPool
+from kvcopy.policy.calibrator import fit_links
+from kvcopy.policy.timing import measure
+from kvcopy.profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
+from kvcopy.remote.link import LinkSweep, calibration_pool, run_ids
+from kvcopy.storage._disk_file import filesystem_of, fill_with_zeros
+from kvcopy.storage.disk import DiskKVStore
 
 __all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_link", "measure_disk"]
 

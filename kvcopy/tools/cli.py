@@ -8,17 +8,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import cli_commands, cli_remote
-from .cli_args import CliError, Parser, fraction, int_list, non_negative_int, positive_int
-from .cli_commands import DEFAULT_PLAN_MODEL
-from .cli_remote import LOOPBACK_ARG
+from kvcopy.tools import cli_commands, cli_remote
+from kvcopy.tools.cli_args import CliError, Parser, fraction, int_list, non_negative_int, positive_int
+from kvcopy.tools.cli_commands import DEFAULT_PLAN_MODEL
+from kvcopy.tools.cli_remote import LOOPBACK_ARG
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .._version import __version__
-    from ..policy.model import ModelSpec
+    from kvcopy._version import __version__
+    from kvcopy.policy.model import ModelSpec
 
     presets = ", ".join(ModelSpec.preset_names())
     parser = Parser(prog="kvcopy", description="Paged KV-cache block copies between GPU and host.")

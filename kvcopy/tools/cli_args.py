@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
-    from ..policy.model import ModelSpec
+    from kvcopy.policy.model import ModelSpec
 
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists() or "/" in name_or_path:
@@ -50,7 +50,7 @@ def load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
 
 
 def load_profile(path: str | None):  # noqa: ANN202 - a Profile
-    from ..profile import DEFAULT_PROFILE_PATH, Profile
+    from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile
 
     where = Path(path) if path else DEFAULT_PROFILE_PATH
     if not where.exists():

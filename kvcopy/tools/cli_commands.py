@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from .._ext import build_info
-from . import cli_disk, cli_remote
-from .cli_args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
+from kvcopy._ext import build_info
+from kvcopy.tools import cli_disk, cli_remote
+from kvcopy.tools.cli_args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
 
 __all__ = ["DEFAULT_PLAN_MODEL", "bench", "calibrate", "info", "plan"]
 
@@ -18,10 +18,10 @@ DEFAULT_PLAN_MODEL = "llama-3.1-8b"
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from ..methods import method_names
-    from ..policy import calibrator
-    from ..policy.planner import Planner
-    from ..profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
+    from kvcopy.methods import method_names
+    from kvcopy.calibration import local as calibrator
+    from kvcopy.policy.planner import Planner
+    from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
 
     spec = load_model(args.model)
     if args.out:
@@ -105,7 +105,7 @@ def calibrate(args: argparse.Namespace) -> int:
     profile.save(out)
     print(f"profile saved to {out}")
     if args.plot:
-        from .plots import plot_calibration
+        from kvcopy.tools.plots import plot_calibration
 
         plot_calibration(profile, args.plot)
         print(f"plot saved to {args.plot}")
@@ -114,7 +114,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 def is_poor(path: Path) -> bool:
     """Whether the profile at ``path`` is unreadable or poorly fitted."""
-    from ..profile import Profile, fit_problems
+    from kvcopy.profile import Profile, fit_problems
 
     try:
         return bool(fit_problems(Profile.load(path)))
@@ -123,8 +123,8 @@ def is_poor(path: Path) -> bool:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from ..policy.planner import Planner
-    from ..policy.timing import seconds_text
+    from kvcopy.policy.planner import Planner
+    from kvcopy.policy.timing import seconds_text
 
     spec = load_model(args.model)
     profile = load_profile(args.profile)
@@ -175,7 +175,7 @@ def plan(args: argparse.Namespace) -> int:
     keep = "recompute wins at the longest prefix" if threshold is None else f"{kept} from {threshold} tokens"
     print(f"threshold: {keep}")
     if args.plot:
-        from .plots import plot_plan
+        from kvcopy.tools.plots import plot_plan
 
         plot_plan(
             planner,
@@ -202,9 +202,9 @@ _BENCH_FLAGS = {
 
 
 def bench(args: argparse.Namespace) -> int:
-    from .._progress import progress_bar
-    from ..policy.machine import machine_identity
-    from .bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
+    from kvcopy._progress import progress_bar
+    from kvcopy.policy.machine import machine_identity
+    from kvcopy.tools.bench import BenchConfig, CsvWriter, format_tables, num_points, point_specs, run_benchmarks, with_ratios
 
     overrides: dict[str, object] = {"ids": args.ids}
     for name in ("blocks", "counts", "block_tokens", "sweep_blocks", "repeats"):
@@ -253,7 +253,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.csv:
         print(f"\ncsv saved to {args.csv}")
     if args.plot:
-        from .plots import plot_bench
+        from kvcopy.tools.plots import plot_bench
 
         plot_bench(with_ratios(rows), args.plot, title=f"kvcopy bench: {identity['device_name']} ({identity['date']})")
         print(f"plot saved to {args.plot}")

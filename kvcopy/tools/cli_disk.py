@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .cli_args import CliError
-from .cli_remote import need_nixl
+from kvcopy.tools.cli_args import CliError
+from kvcopy.tools.cli_remote import need_nixl
 
 __all__ = ["add_disk_link", "check_disk_arg", "print_disk_link"]
 
@@ -20,7 +20,7 @@ def check_disk_arg(value: str | None) -> None:
 
 
 def add_disk_link(profile: object, directory: str, *, quick: bool, progress: bool) -> None:
-    from ..storage.link import add_disk_link as measure
+    from kvcopy.storage.link import add_disk_link as measure
 
     try:
         measure(profile, directory, quick=quick, progress=progress)  # type: ignore[arg-type]
@@ -30,7 +30,7 @@ def add_disk_link(profile: object, directory: str, *, quick: bool, progress: boo
 
 def print_disk_link(profile: object) -> None:
     """The disk's writes and reads per range size (what a disk reload would use), below calibrate's table."""
-    from ..storage.link import DISK_METHOD, DISK_READ, DISK_WRITE
+    from kvcopy.storage.link import DISK_METHOD, DISK_READ, DISK_WRITE
 
     where = profile.hardware.get("disk")  # type: ignore[attr-defined]
     if where is None:

@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from .cli_args import CliError, check_folder
+from kvcopy.tools.cli_args import CliError, check_folder
 
 __all__ = ["LOOPBACK_ARG", "add_remote_link", "peer", "print_remote_link", "remote_descriptor"]
 
@@ -34,7 +34,7 @@ def remote_descriptor(value: str | None) -> bytes | None:
     need_nixl("--remote")
     if value == LOOPBACK_ARG:
         return None
-    from ..remote.link import check_calibration_descriptor
+    from kvcopy.remote.link import check_calibration_descriptor
 
     try:
         data = Path(value).read_bytes()
@@ -48,7 +48,7 @@ def remote_descriptor(value: str | None) -> bytes | None:
 
 
 def add_remote_link(profile: object, descriptor: bytes | None, *, quick: bool, progress: bool) -> None:
-    from ..remote.link import add_remote_link as measure
+    from kvcopy.remote.link import add_remote_link as measure
 
     try:
         measure(profile, descriptor, quick=quick, progress=progress)  # type: ignore[arg-type]
@@ -60,8 +60,8 @@ def add_remote_link(profile: object, descriptor: bytes | None, *, quick: bool, p
 
 def print_remote_link(profile: object) -> None:
     """The link to the peer, per range size (what the planner's fetch uses), below calibrate's table."""
-    from ..profile import REMOTE_DIRECTION
-    from ..remote.link import REMOTE_METHOD
+    from kvcopy.profile import REMOTE_DIRECTION
+    from kvcopy.remote.link import REMOTE_METHOD
 
     link = profile.links.get(REMOTE_DIRECTION, {}).get(REMOTE_METHOD)  # type: ignore[attr-defined]
     if link is None:
@@ -79,7 +79,7 @@ def peer(args: argparse.Namespace) -> int:
     """Serves a calibration pool: writes its descriptor to --descriptor, then waits (Ctrl-C, or --seconds)."""
     check_folder("--descriptor", args.descriptor, make=True)
     need_nixl("kvcopy peer")
-    from ..remote.link import serve_calibration_peer
+    from kvcopy.remote.link import serve_calibration_peer
 
     name = args.name or f"kvcopy-peer-{os.uname().nodename}-{os.getpid()}"
     with serve_calibration_peer(name) as served:

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..policy.planner import Planner
-from ..profile import PER_SIZE_JUDGED_DIRECTIONS, LinkFit, Profile
+from kvcopy.policy.planner import Planner
+from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, LinkFit, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]
 

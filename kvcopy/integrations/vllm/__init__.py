@@ -15,8 +15,8 @@ without it is an ImportError saying how to install it, and with a vLLM outside
 
 from __future__ import annotations
 
-from ._compat import INSTALL, SUPPORTED_RANGE
-from ._config import KEYS, POLICIES, ProfileNotFoundError
+from kvcopy.integrations.vllm._compat import INSTALL, SUPPORTED_RANGE
+from kvcopy.integrations.vllm._config import KEYS, POLICIES, ProfileNotFoundError
 
 __all__ = [
     "INSTALL",
@@ -52,8 +52,8 @@ except ImportError:
     )
 else:
     try:  # the spec itself checks the version when it is built (a RuntimeError naming the range)
-        from .connector import KVCopyOffloadingConnector
-        from .spec import KVCopyOffloadingSpec
+        from kvcopy.integrations.vllm.connector import KVCopyOffloadingConnector
+        from kvcopy.integrations.vllm.spec import KVCopyOffloadingSpec
     except (ImportError, AttributeError) as err:  # a vLLM whose modules moved: another version
         KVCopyOffloadingSpec, KVCopyOffloadingConnector = _stand_ins(
             RuntimeError(f"kvcopy.integrations.vllm was tested with vLLM {SUPPORTED_RANGE}; this one lacks {err}")

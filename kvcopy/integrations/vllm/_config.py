@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ...methods import METHODS  # the copy methods a TransferEngine accepts, besides "auto"
+from kvcopy.methods import METHODS  # the copy methods a TransferEngine accepts, besides "auto"
 
 __all__ = ["KEYS", "POLICIES", "ProfileNotFoundError", "SpecConfig", "read_config"]
 

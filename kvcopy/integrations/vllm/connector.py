@@ -26,8 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
-from .manager import KVCopyOffloadingManager
-from .worker import CopyObservation, KVCopyOffloadingWorker
+from kvcopy.integrations.vllm.manager import KVCopyOffloadingManager
+from kvcopy.integrations.vllm.worker import CopyObservation, KVCopyOffloadingWorker
 
 __all__ = ["KVCopyOffloadingConnector", "KVCopyWorkerMetadata"]
 

@@ -18,9 +18,9 @@ against plain indexing before it is timed (a call over 1 GiB on its first
 ids).
 """
 
-from .report import CSV_COLUMNS, IDENTITY_COLUMNS, CsvWriter, format_tables, read_csv, with_ratios, write_csv
-from .runner import LIMIT, BenchConfig, BenchRow, check_output, num_points, point_specs, run_benchmarks
-from .workloads import DEFAULT_WORKLOAD, WORKLOADS, Workload
+from kvcopy.tools.bench.report import CSV_COLUMNS, IDENTITY_COLUMNS, CsvWriter, format_tables, read_csv, with_ratios, write_csv
+from kvcopy.tools.bench.runner import LIMIT, BenchConfig, BenchRow, check_output, num_points, point_specs, run_benchmarks
+from kvcopy.tools.bench.workloads import DEFAULT_WORKLOAD, WORKLOADS, Workload
 
 __all__ = [
     "CSV_COLUMNS",

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from ... import _ext
-from ...layout import PagedKV
-from ...methods.torch_method import word_views
+from kvcopy import _ext
+from kvcopy.layout import PagedKV
+from kvcopy.methods.torch_method import word_views
 
 __all__ = ["per_layer_index_loop", "per_block_copy_loop", "dma_baseline", "contiguous_copy", "DMA_BASELINES"]
 

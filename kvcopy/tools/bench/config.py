@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .baselines import DMA_BASELINES
-from .workloads import WORKLOADS
+from kvcopy.tools.bench.baselines import DMA_BASELINES
+from kvcopy.tools.bench.workloads import WORKLOADS
 
 __all__ = ["BenchConfig", "BenchRow", "LIMIT", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "PER_LAYER_LOOP", "UNMERGED_BATCH"]
 

@@ -9,8 +9,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from .runner import LIMIT, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, BenchRow
-from .workloads import MIXED_PLANE_WORKLOADS
+from kvcopy.tools.bench.runner import LIMIT, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, BenchRow
+from kvcopy.tools.bench.workloads import MIXED_PLANE_WORKLOADS
 
 __all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "CsvWriter", "with_ratios", "format_tables", "write_csv", "read_csv"]
 

@@ -26,31 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import _ext
-from ...host import HostKVPool
-from ...layout import PagedKV
-from ...methods.torch_method import word_views
-from ...ops import available_methods, copy_blocks
-from ...policy.timing import COLD_BYTES, measure
-from ...profile import Profile, direction_of
-from .baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
-from .config import (
-    CACHE_BLOCKS_PER_MOVED_BLOCK,
-    LIMIT,
-    MAX_CHECKED_BYTES,
-    MAX_ID_SETS,
-    MAX_PYTHON_LOOP_COPIES,
-    MAX_WHOLE_CHECKED_BYTES,
-    PER_BLOCK_LOOP,
-    PER_BLOCK_MEMCPY,
-    PER_LAYER_LOOP,
-    SLOW_CALL_S,
-    SLOW_ROW_REPEATS,
-    UNMERGED_BATCH,
-    BenchConfig,
-    BenchRow,
-)
-from .workloads import DEFAULT_WORKLOAD, ONE_PLANE_32K, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
+from kvcopy import _ext
+from kvcopy.host import HostKVPool
+from kvcopy.layout import PagedKV
+from kvcopy.methods.torch_method import word_views
+from kvcopy.ops import available_methods, copy_blocks
+from kvcopy.policy.timing import COLD_BYTES, measure
+from kvcopy.profile import Profile, direction_of
+from kvcopy.tools.bench.baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
+from kvcopy.tools.bench.config import CACHE_BLOCKS_PER_MOVED_BLOCK, LIMIT, MAX_CHECKED_BYTES, MAX_ID_SETS, MAX_PYTHON_LOOP_COPIES, MAX_WHOLE_CHECKED_BYTES, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, SLOW_CALL_S, SLOW_ROW_REPEATS, UNMERGED_BATCH, BenchConfig, BenchRow
+from kvcopy.tools.bench.workloads import DEFAULT_WORKLOAD, ONE_PLANE_32K, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
 
 __all__ = [
     "AUTO",

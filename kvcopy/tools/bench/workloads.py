@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...layout import PagedKV
-from ...policy.model import ModelSpec
+from kvcopy.layout import PagedKV
+from kvcopy.policy.model import ModelSpec
 
 __all__ = [
     "Workload",
