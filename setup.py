@@ -12,6 +12,7 @@ Install with `pip install --no-build-isolation .` so the build sees your torch.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -85,9 +86,10 @@ def _cuda_arch_list(cuda_home: str) -> str:
 
 
 def _write_build_config(**config: object) -> None:
-    with open(os.path.join(ROOT, "kvcopy", "_build_config.py"), "w") as f:
-        f.write('"""Written by setup.py: what this build of kvcopy compiled."""\n\n')
-        f.write(f"BUILD_CONFIG = {config!r}\n")
+    """Records what this build compiled in kvcopy/_build_config.json (kvcopy.build_info() reads it)."""
+    with open(os.path.join(ROOT, "kvcopy", "_build_config.json"), "w") as f:
+        json.dump(config, f, indent=1, sort_keys=True)
+        f.write("\n")
 
 
 def _extensions() -> tuple[list, dict]:

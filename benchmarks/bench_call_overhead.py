@@ -19,7 +19,7 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.policy.machine import machine_identity
+from kvcopy.calibration.machine import machine_identity
 
 PLANE_BLOCK_BYTES = 32 * 1024
 CACHE_BLOCKS = 8

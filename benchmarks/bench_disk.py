@@ -46,9 +46,9 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.policy.machine import machine_identity
+from kvcopy.calibration.machine import machine_identity
 from kvcopy.storage import DiskKVStore, _disk_file
-from kvcopy.storage._disk_file import filesystem_of
+from kvcopy.storage.files import filesystem_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
@@ -56,7 +56,7 @@ READS = ("read", "read-random")  # a put's blocks read back in its order, and in
 THREADS = 8  # the threaded per-block loop: as many requests in flight as a small io_uring queue would keep
 THREADED = f"per-block, {THREADS} threads"
 # the limit's read or write, into or from memory of 4 KiB pages: a pool's memory asks for huge pages, which a DMA
-# meets as 2 MiB physically contiguous runs (kvcopy._host_memory._ask_for_huge_pages)
+# meets as 2 MiB physically contiguous runs (kvcopy.host.memory._ask_for_huge_pages)
 SMALL_PAGES = "contiguous, 4 KiB pages"
 UNVERIFIED = "kvcopy, verify=False"  # a get without its checksum check (DiskKVStore.get's verify)
 COLUMNS = (

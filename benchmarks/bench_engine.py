@@ -52,8 +52,8 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import offloading_manager
 
 import kvcopy
+from kvcopy.calibration.machine import machine_identity
 from kvcopy.integrations import transformers as kvt
-from kvcopy.policy.machine import machine_identity
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, crowding_summary, error_summary
 

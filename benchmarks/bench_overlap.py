@@ -24,8 +24,8 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.policy.machine import machine_identity
-from kvcopy.policy.timing import measure
+from kvcopy.calibration.machine import machine_identity
+from kvcopy.calibration.timing import measure
 from kvcopy.tools.bench import IDENTITY_COLUMNS, WORKLOADS
 
 GEMM_SIZE_GPU = 8192  # 8192^3 bf16: ~1.1 TFLOP per GEMM, milliseconds on an H100/H200

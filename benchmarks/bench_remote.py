@@ -32,10 +32,10 @@ from multiprocessing.connection import Connection
 import torch
 
 import kvcopy
-from kvcopy.policy.machine import machine_identity
+from kvcopy.calibration.machine import machine_identity
+from kvcopy.calibration.network import interface_rx_bytes
+from kvcopy.nixl.registration import registration_of
 from kvcopy.remote import KVPeer
-from kvcopy.remote.link import interface_rx_bytes
-from kvcopy.remote.registration import registration_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 from kvcopy.tools.netns import RATES_BIT_S, NetnsUnavailable, netns_link
 

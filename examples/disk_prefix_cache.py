@@ -39,9 +39,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvcopy
+from kvcopy.calibration.disk import add_disk_link
 from kvcopy.integrations import transformers as kvt
 from kvcopy.storage import DiskKVStore
-from kvcopy.storage.link import add_disk_link
 
 PAGE_TOKENS = 16
 PREFIX_TOKENS = 512  # the shared prefix: 32 full pages

@@ -41,8 +41,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcopy
+from kvcopy.calibration.machine import machine_identity
 from kvcopy.integrations import transformers as kvt
-from kvcopy.policy.machine import machine_identity
 from kvcopy.tools.bench.engine_errors import DEFAULT_SKIP, compare_paths, crowding_summary, error_summary
 
 NUM_REQUESTS = 64  # some 30 preemptions on the tight cache

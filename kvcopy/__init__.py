@@ -10,21 +10,19 @@ on one side.
 from __future__ import annotations
 
 from kvcopy._ext import build_info  # importing _ext loads the compiled ops and their fakes
-from kvcopy._version import __version__
-from kvcopy.block_allocator import BlockAllocator
-from kvcopy.engine import TransferConflictError, TransferEngine
-from kvcopy.host import HostKVPool
+from kvcopy._version import __version__, deprecated_module
+from kvcopy.cachekey import BlockIndex, CacheKey
+from kvcopy.calibration import calibrate
+from kvcopy.engine import Transfer, TransferConflictError, TransferEngine
+from kvcopy.host import BlockAllocator, HostKVPool
 from kvcopy.layout import PagedKV
 from kvcopy.methods import CAPTURABLE_METHODS, METHODS
+from kvcopy.model import ModelSpec
+from kvcopy.online import OnlineProfile
 from kvcopy.ops import available_methods, copy_blocks, gather, scatter
-from kvcopy.policy.cachekey import BlockIndex, CacheKey
-from kvcopy.policy.calibrator import calibrate
-from kvcopy.policy.model import ModelSpec
-from kvcopy.policy.online import OnlineProfile
-from kvcopy.policy.planner import Decision, Planner
+from kvcopy.planner import Decision, Planner
 from kvcopy.profile import Profile, set_default_profile
 from kvcopy.ranges import ByteRange, copy_ranges
-from kvcopy.transfer import Transfer
 
 __all__ = [
     "CAPTURABLE_METHODS",
@@ -53,3 +51,6 @@ __all__ = [
     "scatter",
     "set_default_profile",
 ]
+
+# kvcopy.policy was split into kvcopy.model, .cachekey, .calibration, .online and .planner (0.2.0).
+policy = deprecated_module("kvcopy.policy", {"OnlineProfile": "kvcopy.online"})

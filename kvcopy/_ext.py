@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import os
 import platform
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -100,10 +102,9 @@ def triton_available() -> bool:
 
 def _recorded_build_config() -> dict[str, Any]:
     try:
-        from kvcopy._build_config import BUILD_CONFIG
-    except ImportError:
-        return {"extension": False, "reason": "not built (no kvcopy/_build_config.py from setup.py)"}
-    return dict(BUILD_CONFIG)
+        return json.loads((Path(__file__).parent / "_build_config.json").read_text())
+    except FileNotFoundError:
+        return {"extension": False, "reason": "not built (no kvcopy/_build_config.json from setup.py)"}
 
 
 def build_info() -> dict[str, Any]:

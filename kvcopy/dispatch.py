@@ -2,7 +2,7 @@
 TransferEngine both go through the functions here.
 
 1. ``as_paged`` / ``check_pair``: the two sides as PagedKV, with one layout.
-2. ``prepare_pair``: both id lists validated (kvcopy._ids) before any byte moves.
+2. ``prepare_pair``: both id lists validated (kvcopy.ids) before any byte moves.
 3. ``resolve``: the method to run (a registered CopyMethod), "auto" through kvcopy.methods.choice.
 4. ``run``: the method's eager entry point, or its traced one under torch.compile.
 
@@ -20,9 +20,9 @@ import weakref
 import torch
 
 from kvcopy import _ext
-from kvcopy._block_order import any_watched, check_caller
-from kvcopy._ids import BlockIds, as_ids, check_host_pair, check_lengths, check_side
-from kvcopy.host import HostKVPool, KVLike, as_paged
+from kvcopy.conflicts import any_watched, check_caller
+from kvcopy.host.pool import HostKVPool, KVLike, as_paged
+from kvcopy.ids import BlockIds, as_ids, check_host_pair, check_lengths, check_side
 from kvcopy.layout import PagedKV
 from kvcopy.methods import registry
 from kvcopy.methods.choice import available_methods, choose_method, unavailable_reason, usable
@@ -121,7 +121,7 @@ def resolve(
 def prepare_pair(
     src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, names: tuple[str, str] = ("src_ids", "dst_ids")
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Both id lists validated (kvcopy._ids: the compiled check for host ids), of one length, on an allowed
+    """Both id lists validated (kvcopy.ids: the compiled check for host ids), of one length, on an allowed
     device; and whether both are on the host. Host ids that read and write one block of one cache are a
     ValueError too."""
     src_t = as_ids(src_ids, names[0], src.num_blocks)

@@ -24,7 +24,7 @@ PLANE_ADDRESS, PLANE_BLOCK_STRIDE, PLANE_BLOCK_BYTES = range(len(PLANE_TABLE_COL
 
 
 class HostMemory(Protocol):
-    """The host allocation a PagedKV's planes view (kvcopy._host_memory.HostRegion): whether it is pinned now."""
+    """The host allocation a PagedKV's planes view (kvcopy.host.memory.HostRegion): whether it is pinned now."""
 
     @property
     def pinned(self) -> bool: ...

@@ -1,7 +1,7 @@
 """copy_blocks, gather and scatter: the public copy API over kvcopy.dispatch's pipeline.
 
 Everything a user can get wrong is checked before any byte moves, without a
-device synchronisation: see kvcopy._ids for what "fully validated" means for
+device synchronisation: see kvcopy.ids for what "fully validated" means for
 host-resident versus device-resident ids.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from kvcopy import dispatch
-from kvcopy._ids import BlockIds
 from kvcopy.dispatch import KVLike
-from kvcopy.host import HostKVPool
+from kvcopy.host.pool import HostKVPool
+from kvcopy.ids import BlockIds
 from kvcopy.methods.choice import available_methods
 from kvcopy.methods.sm_budget import check_num_ctas
 
@@ -41,7 +41,7 @@ def copy_blocks(
     (default: the current stream); keep both sides alive and unchanged until
     that stream has reached the copy. "cpu" and "torch" return when the copy
     is done. Host-resident ids are validated in full before anything is
-    written; CUDA-resident ids only for dtype and shape (see kvcopy._ids).
+    written; CUDA-resident ids only for dtype and shape (see kvcopy.ids).
     Raises IndexError, TypeError or ValueError for bad input.
 
     ``num_ctas``: the SM budget of the "cuda" kernel (Triton gets

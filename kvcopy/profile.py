@@ -35,9 +35,10 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = 1
-# The direction of the network link to a peer: its pool read into this host's (kvcopy.remote.link).
+# The direction of the network link to a peer: its pool read into this host's (kvcopy.calibration.network).
 REMOTE_DIRECTION = "r2h"
-# The disk's directions (kvcopy.storage.link, `kvcopy calibrate --disk`): host to file (a put), file to host (a get).
+# The disk's directions (kvcopy.calibration.disk, `kvcopy calibrate --disk`): host to file (a put), file to
+# host (a get).
 DISK_WRITE_DIRECTION, DISK_READ_DIRECTION = "h2f", "f2h"
 DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcopy" / "profile.json"
 
@@ -265,8 +266,8 @@ POOR_FIT_RESIDUAL = 1.5
 # machine (its index_select temporaries fault pages in: R^2 0.75-0.85 seen on the CPU VM).
 UNJUDGED_METHODS = ("torch",)
 # Directions judged by their fit per block size instead of the line over all sizes: the link to a peer
-# (kvcopy.remote.link) and the disk (kvcopy.storage.link), where each range is one descriptor with its own fixed
-# cost, so the time per byte depends on the range size by design and one line through every size does not
+# (kvcopy.calibration.network) and the disk (kvcopy.calibration.disk), where each range is one descriptor with
+# its own fixed cost, so the time per byte depends on the range size by design and one line through every size does not
 # describe it.
 PER_SIZE_JUDGED_DIRECTIONS = (REMOTE_DIRECTION, DISK_WRITE_DIRECTION, DISK_READ_DIRECTION)
 

@@ -16,8 +16,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from kvcopy import _ext
-from kvcopy._ids import BlockIds
 from kvcopy.dispatch import KVLike, as_paged, check_pair, prepare_pair
+from kvcopy.ids import BlockIds
 
 __all__ = ["ByteRange", "copy_ranges", "plan_table_ranges"]
 

@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kvcopy import Profile
-from kvcopy.engine import TransferEngine
+from kvcopy.engine.engine import TransferEngine
 from kvcopy.integrations import transformers as kvt
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile
 

@@ -16,7 +16,7 @@ MAX_LINES = 400  # docs/architecture.md: a file holds one concern
 
 
 def _room(module: str) -> str:
-    """ "kvcopy.policy.model" -> "policy"; the package facade (kvcopy/__init__.py) is its own room."""
+    """ "kvcopy.model.spec" -> "policy"; the package facade (kvcopy/__init__.py) is its own room."""
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in LAYERS:
         return parts[1]

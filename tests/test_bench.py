@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.policy.machine import machine_identity
+from kvcopy.calibration.machine import machine_identity
 from kvcopy.profile import LinkFit, MethodProfile, Profile
 from kvcopy.tools.bench import (
     CSV_COLUMNS,

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcopy.policy.cachekey import FORMAT_VERSION, BlockIndex, CacheKey, SupportsIdentity
+from kvcopy.cachekey.key import FORMAT_VERSION, BlockIndex, CacheKey, SupportsIdentity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ class _Spec:
 # must change FORMAT_VERSION (and these digests), never silently alter hashes.
 _STABLE_SCRIPT = """
 import json
-from kvcopy.policy.cachekey import CacheKey
+from kvcopy.cachekey.key import CacheKey
 m = {"name": "llama-3-8b", "num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "kv_dtype": "bfloat16",
      "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
@@ -317,7 +317,7 @@ def test_a_name_with_a_revision_identifies_the_weights():
 
 
 def test_weights_fingerprint_tells_checkpoints_apart(tmp_path):
-    from kvcopy.policy.cachekey import weights_fingerprint
+    from kvcopy.cachekey.key import weights_fingerprint
 
     base, tuned = tmp_path / "base", tmp_path / "tuned"
     for folder, seed in ((base, 0), (tuned, 1)):

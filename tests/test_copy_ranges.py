@@ -12,7 +12,7 @@ import torch
 
 import kvcopy
 from kvcopy import _ext
-from kvcopy._host_memory import MAX_REGISTER_BYTES, registration_chunks
+from kvcopy.host.memory import MAX_REGISTER_BYTES, registration_chunks
 
 from conftest import make_layout
 

@@ -197,7 +197,7 @@ def test_pinned_pool_defaults_on_a_gpu(res):
     assert pool.pinned and pool.paged.is_pinned
     assert pool.buffer.numel() == 7 * kv.nbytes_per_block
     assert pool.alloc_seconds >= 0
-    assert pool.numa_node == kvcopy._host_memory.gpu_numa_node(kv.device)
+    assert pool.numa_node == kvcopy.host.memory.gpu_numa_node(kv.device)
     pool.close()
     assert not pool.pinned
 

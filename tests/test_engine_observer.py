@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.transfer import ThreadSignal
+from kvcopy.engine.transfer import ThreadSignal
 
 from conftest import CPU_METHODS, HANG_TIMEOUT_S, assert_same_bytes, dst_bytes, reference_copy
 
@@ -245,7 +245,7 @@ def test_failing_observer_is_logged_and_breaks_no_copy(engines, caplog):
     kv, host = _cache()
     recorder = Recorder(fail=True)
     engine = engines(kv, host, observer=recorder)
-    with caplog.at_level(logging.ERROR, logger="kvcopy.transfer"):
+    with caplog.at_level(logging.ERROR, logger="kvcopy.engine.transfer"):
         expected_host = reference_copy(kv, [0, 1], host, [2, 3])
         engine.offload([0, 1], [2, 3]).wait()
         assert_same_bytes(dst_bytes(host), expected_host)
@@ -255,7 +255,7 @@ def test_failing_observer_is_logged_and_breaks_no_copy(engines, caplog):
             assert_same_bytes(dst_bytes(kv), expected_kv)
         engine.close()
     assert len(recorder.calls) == 3  # every transfer was observed: the first failure stopped nothing
-    logged = [r for r in caplog.records if r.name == "kvcopy.transfer"]
+    logged = [r for r in caplog.records if r.name == "kvcopy.engine.transfer"]
     assert len(logged) == 3
     for record in logged:
         assert record.levelno == logging.ERROR

@@ -65,7 +65,7 @@ def test_fast_path_within_one_cache(general_path_calls):
 
 
 def _without_extension(src_blocks, dst_blocks, src_ids, dst_ids, *, same_cache):
-    """kvcopy._ids' checks as a build without the compiled extension runs them (its Python fallback)."""
+    """kvcopy.ids' checks as a build without the compiled extension runs them (its Python fallback)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_ext, "extension", lambda: None)
         src_t = _ids.as_ids(src_ids, "src_ids", src_blocks)

@@ -1,4 +1,4 @@
-"""kvcopy.policy.fit.fit_alpha_beta: the robust ``t = alpha + x / beta`` fit behind every profile.
+"""kvcopy.calibration.fit.fit_alpha_beta: the robust ``t = alpha + x / beta`` fit behind every profile.
 
 Synthetic timings with known alpha and beta: exact, with multiplicative noise,
 with gross outliers (a page fault, another tenant), with a fixed cost below
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from kvcopy.policy.fit import LinearFit, fit_alpha_beta
+from kvcopy.calibration.fit import LinearFit, fit_alpha_beta
 
 # Sizes like the calibrator's: bytes per call from 64 KiB to 256 MiB, two repeats each.
 SIZES = np.repeat(np.geomspace(64 << 10, 256 << 20, 14), 2)

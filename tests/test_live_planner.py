@@ -29,15 +29,15 @@ import torch
 import kvcopy
 from kvcopy import Planner
 from kvcopy.integrations import _path_clock
-from kvcopy.integrations._live_planner import (
+from kvcopy.integrations.common.live_planner import (
     REFIT_EVERY,
     LivePlanner,
     forward_seconds,
     own_share,
     predict_paths,
 )
-from kvcopy.integrations._offload_stats import OffloadDecision
-from kvcopy.integrations._path_clock import ForwardRequest, PathClock
+from kvcopy.integrations.common.offload_stats import OffloadDecision
+from kvcopy.integrations.common.path_clock import ForwardRequest, PathClock
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
 
 from conftest import HANG_TIMEOUT_S

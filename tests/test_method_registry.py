@@ -9,8 +9,8 @@ import torch
 
 import kvcopy
 from kvcopy import methods
-from kvcopy.methods import CopyMethod
 from kvcopy.calibration import local as calibrator
+from kvcopy.methods import CopyMethod
 
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 

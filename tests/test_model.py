@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcopy.policy.model import ModelSpec
+from kvcopy.model.spec import ModelSpec
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.integrations._live_planner import LivePlanner
-from kvcopy.integrations._offload_session import OffloadSession
+from kvcopy.integrations.common.live_planner import LivePlanner
+from kvcopy.integrations.common.offload_session import OffloadSession
 
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy
 from test_planner_fetch import brute_fetch_threshold, planner

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
 import kvcopy  # noqa: E402
-from kvcopy.remote.link import REMOTE_METHOD  # noqa: E402
+from kvcopy.calibration.network import REMOTE_METHOD  # noqa: E402
 
 from conftest import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
 from netns_helpers import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import kvcopy
-import kvcopy.policy.online as online_mod
+import kvcopy.online.profile as online_mod
 from kvcopy import OnlineProfile, Planner
-from kvcopy.policy.online import BANDWIDTH_CAP_FACTOR, PRIOR_WEIGHT
+from kvcopy.online.profile import BANDWIDTH_CAP_FACTOR, PRIOR_WEIGHT
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
 
 from conftest import HANG_TIMEOUT_S
@@ -383,7 +383,7 @@ def test_a_profile_saved_before_the_work_per_request_loads_without_it():
 
 def test_with_no_observations_the_snapshot_is_the_base():
     base = Profile.load(CPU_PROFILE)
-    assert kvcopy.OnlineProfile is kvcopy.policy.online.OnlineProfile
+    assert kvcopy.OnlineProfile is kvcopy.online.profile.OnlineProfile
     online = OnlineProfile(LLAMA, base)
     assert online.num_observations == {"prefill": 0}
     assert online.profile().to_dict() == base.to_dict()

@@ -10,7 +10,7 @@ import pytest
 
 import kvcopy
 from kvcopy import Planner
-from kvcopy.policy.pipeline import MAX_PIPELINE_CHUNKS
+from kvcopy.planner.pipeline import MAX_PIPELINE_CHUNKS
 from kvcopy.profile import DISK_READ_DIRECTION, LinkFit, MethodProfile, PrefillProfile, Profile
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")

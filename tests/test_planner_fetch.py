@@ -12,7 +12,7 @@ import pytest
 
 import kvcopy
 from kvcopy import Planner
-from kvcopy.policy.pipeline import MAX_PIPELINE_CHUNKS, pipelined_seconds
+from kvcopy.planner.pipeline import MAX_PIPELINE_CHUNKS, pipelined_seconds
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")

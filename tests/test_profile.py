@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import kvcopy
-import kvcopy.policy.calibrator as calibrator
+import kvcopy.calibration.local as calibrator
 import kvcopy.profile as profile_mod
 from kvcopy import _ext
+from kvcopy.calibration.timing import Timing, measure
 from kvcopy.methods import available_methods, choose_method
-from kvcopy.policy.timing import Timing, measure
 from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
 
 from conftest import (

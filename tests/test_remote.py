@@ -283,7 +283,7 @@ def test_without_nixl_the_error_names_the_extra(monkeypatch):
 
 
 def test_an_engine_cache_registers_the_memory_under_its_planes_once():
-    from kvcopy.remote.registration import registration_of
+    from kvcopy.nixl.registration import registration_of
 
     # Two layers of one allocation with a gap between them; in each, K and V as its halves (their spans
     # touch) or interleaved per block (their spans overlap): one region per layer either way.
@@ -310,7 +310,7 @@ def test_an_engine_cache_registers_the_memory_under_its_planes_once():
 @requires_gpu
 def test_gpu_caches_exchange_blocks_between_two_agents():
     """GPU memory registered as NIXL VRAM: blocks move GPU to GPU, bitwise."""
-    from kvcopy.remote.registration import registration_of
+    from kvcopy.nixl.registration import registration_of
 
     def cache(seed: int) -> kvcopy.PagedKV:
         g = torch.Generator(device="cuda").manual_seed(seed)

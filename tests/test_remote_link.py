@@ -1,4 +1,4 @@
-"""Calibrating the network link to a peer (kvcopy.remote.link, `kvcopy calibrate --remote`, `kvcopy peer`) and
+"""Calibrating the network link to a peer (kvcopy.calibration.network, `kvcopy calibrate --remote`, `kvcopy peer`) and
 the planner's fetch option on the command line. Peers run in other processes of this machine (loopback)."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, PrefillProfile, Profile, fit_problems  # noqa: E402
-from kvcopy.remote.link import (  # noqa: E402
+from kvcopy.calibration.network import (  # noqa: E402
     CALIBRATION_UNIT_BYTES,
     LOOPBACK,
     QUICK_SWEEP,
     REMOTE_METHOD,
     add_remote_link,
 )
+from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, PrefillProfile, Profile, fit_problems  # noqa: E402
 from kvcopy.tools import cli  # noqa: E402
 
 from remote_helpers import remote_peer  # noqa: E402

@@ -1,4 +1,4 @@
-"""The disk store's commit log (kvcopy/storage/_commit_log.py): replayed as committed, a torn tail cut off at
+"""The disk store's commit log (kvcopy/storage/commit_log.py): replayed as committed, a torn tail cut off at
 every byte, compaction invisible, and a writer killed with SIGKILL at many points never leaves a log that
 fails to open or forgets a commit it reported."""
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvcopy.storage._commit_log import COMPACT_FACTOR, EXTEND_BYTES, MAGIC, RECORD_BYTES, CommitLog, Entry
+from kvcopy.storage.commit_log import COMPACT_FACTOR, EXTEND_BYTES, MAGIC, RECORD_BYTES, CommitLog, Entry
 
 
 def h(i: int) -> str:
@@ -163,7 +163,7 @@ def test_bad_hashes_are_value_errors(tmp_path):
 
 WRITER = """
 import hashlib, sys
-from kvcopy.storage._commit_log import CommitLog, Entry
+from kvcopy.storage.commit_log import CommitLog, Entry
 log = CommitLog(sys.argv[1], 64)
 for i in range(100000):
     slot = i % 64

@@ -1,4 +1,4 @@
-"""kvcopy.storage.disk.DiskKVStore on the CPU: bitwise round trips through NIXL's POSIX backend, persistence
+"""kvcopy.storage.store.DiskKVStore on the CPU: bitwise round trips through NIXL's POSIX backend, persistence
 across processes, refusal of another CacheKey or layout, eviction, coalescing, corruption found, bad input, and
 a writer killed with SIGKILL mid-put whose committed blocks all read back right; the GDS backend refused where
 there is no GPU, and the checksum of a PagedKV's blocks (tests/test_storage_gds.py runs GDS on a GPU)."""
@@ -19,9 +19,9 @@ import xxhash
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 import kvcopy  # noqa: E402
-from kvcopy.storage._disk_file import fill_with_zeros  # noqa: E402
-from kvcopy.storage._gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
-from kvcopy.storage.disk import CorruptBlockError, DiskKVStore  # noqa: E402
+from kvcopy.storage.files import fill_with_zeros  # noqa: E402
+from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
+from kvcopy.storage.store import CorruptBlockError, DiskKVStore  # noqa: E402
 
 from conftest import HAS_CUDA  # noqa: E402
 

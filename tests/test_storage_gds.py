@@ -14,8 +14,8 @@ pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip i
 from test_storage_disk import filled_pool, hashes, key, layout  # noqa: E402
 
 import kvcopy  # noqa: E402
-from kvcopy.storage._gpu_blocks import paged_block_bytes  # noqa: E402
-from kvcopy.storage.disk import CorruptBlockError, DiskKVStore  # noqa: E402
+from kvcopy.storage.gpu_blocks import paged_block_bytes  # noqa: E402
+from kvcopy.storage.store import CorruptBlockError, DiskKVStore  # noqa: E402
 
 from conftest import gpu, requires_gpu  # noqa: E402
 

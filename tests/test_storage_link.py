@@ -1,4 +1,4 @@
-"""Calibrating the disk (kvcopy/storage/link.py): a small sweep of DiskKVStore puts and gets lands in a
+"""Calibrating the disk (kvcopy/calibration/disk.py): a small sweep of DiskKVStore puts and gets lands in a
 Profile as directions h2f and f2h, fitted per range size, saved and loaded like the other links."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-from kvcopy.policy.timing import Timing  # noqa: E402
-from kvcopy.profile import Profile  # noqa: E402
-from kvcopy.remote.link import LinkSweep  # noqa: E402
 from kvcopy.calibration import disk as link  # noqa: E402
+from kvcopy.calibration.network import LinkSweep  # noqa: E402
+from kvcopy.calibration.timing import Timing  # noqa: E402
+from kvcopy.profile import Profile  # noqa: E402
 
 SMALL = LinkSweep((16384, 65536), (1, 4), 1 << 20, 2)
 # Real timings: 16 KiB to 1 MiB per call, a span no load on the machine flattens into one time.

@@ -1,4 +1,4 @@
-"""kvcopy.policy.timing.measure: warm-up and repeat counts, per-call division, percentiles, argument checks."""
+"""kvcopy.calibration.timing.measure: warm-up and repeat counts, per-call division, percentiles, argument checks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvcopy.policy.timing import measure
+from kvcopy.calibration.timing import measure
 
 
 def test_calls_warmup_then_repeats_times_inner():

@@ -59,7 +59,7 @@ IdProblem check_id_side(const int64_t* ids, int64_t n, int64_t num_blocks, bool 
 
 IdProblem check_ids(const int64_t* src_ids, int64_t src_len, const int64_t* dst_ids, int64_t dst_len,
                     int64_t src_num_blocks, int64_t dst_num_blocks, bool same_cache) {
-  // Each side, then the pair: the order the Python fallback (kvcopy/_ids.py) follows too.
+  // Each side, then the pair: the order the Python fallback (kvcopy/ids.py) follows too.
   IdProblem problem = check_id_side(src_ids, src_len, src_num_blocks, /*destination=*/false);
   if (problem.kind != IdProblem::kNone) return problem;
   problem = check_id_side(dst_ids, dst_len, dst_num_blocks, /*destination=*/true);

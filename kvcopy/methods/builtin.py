@@ -16,7 +16,15 @@ import torch
 
 from kvcopy import _ext
 from kvcopy.layout import PagedKV
-from kvcopy.methods.pairs import HOST_POINTER_PROBLEM, both_on_host, cuda_device, gpu_kernel_problem, kernels_reach_host, pair_problem, uses_cuda
+from kvcopy.methods.pairs import (
+    HOST_POINTER_PROBLEM,
+    both_on_host,
+    cuda_device,
+    gpu_kernel_problem,
+    kernels_reach_host,
+    pair_problem,
+    uses_cuda,
+)
 from kvcopy.methods.registry import CopyMethod, register
 from kvcopy.methods.sm_budget import TRITON_PROGRAMS_PER_CTA, cta_budget
 from kvcopy.methods.staging import ids_on

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvcopy.host import KVLike, as_paged
+from kvcopy.host.pool import KVLike, as_paged
 from kvcopy.layout import PagedKV
-from kvcopy.profile import Profile, direction_of
 from kvcopy.methods import registry
 from kvcopy.methods.registry import CopyMethod
+from kvcopy.profile import Profile, direction_of
 
 __all__ = ["available_methods", "choose_method", "unavailable_reason", "usable"]
 

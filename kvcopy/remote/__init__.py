@@ -10,7 +10,8 @@ needs NIXL; making a KVPeer without it is an ImportError naming the extra.
 
 from __future__ import annotations
 
+from kvcopy.nixl.transfer import NixlTransfer as RemoteTransfer
+from kvcopy.nixl.transfer import RemoteTransferError, RemoteTransferTimeout
 from kvcopy.remote.peer import KVPeer, RemotePool
-from kvcopy.remote.transfer import RemoteTransfer, RemoteTransferError, RemoteTransferTimeout
 
 __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcopy.layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE
-from kvcopy.policy.kv_dtypes import torch_name
-from kvcopy.remote.registration import Registration
+from kvcopy.model.dtypes import torch_name
+from kvcopy.nixl.registration import Registration
 
 __all__ = ["DESCRIPTOR_FORMAT", "PoolLayout", "decode", "encode"]
 

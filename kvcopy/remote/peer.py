@@ -7,26 +7,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcopy._ids import BlockIds, as_ids, check_host_pair
-from kvcopy.host import HostKVPool
+from kvcopy.cachekey.key import context_hash_of
+from kvcopy.host.pool import HostKVPool
+from kvcopy.ids import BlockIds, as_ids, check_host_pair
 from kvcopy.layout import PagedKV
-from kvcopy.policy.cachekey import context_hash_of
+from kvcopy.nixl.agent import nixl_module
+from kvcopy.nixl.registration import registration_of
+from kvcopy.nixl.transfer import NixlTransfer as RemoteTransfer
+from kvcopy.nixl.transfer import RemoteTransferError, RemoteTransferTimeout, WrittenBlocks
 from kvcopy.ranges import plan_table_ranges
 from kvcopy.remote.descriptor import PoolLayout, decode, encode
 from kvcopy.remote.quarantine import Quarantine
-from kvcopy.remote.registration import registration_of
-from kvcopy.remote.transfer import RemoteTransfer, RemoteTransferError, RemoteTransferTimeout, _Blocks
 
 __all__ = ["KVPeer", "RemotePool", "RemoteTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
-
-
-def nixl_module():  # noqa: ANN202 - the nixl module
-    """NIXL's agent and config classes; ImportError saying how to install NIXL without it."""
-    try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
-    except ImportError as err:
-        raise ImportError("kvcopy.remote needs NIXL: pip install 'kvcopy[nixl]' (nixl-cu13)") from err
-    return nixl_agent, nixl_agent_config
 
 
 @dataclass(frozen=True)
@@ -198,7 +191,7 @@ class KVPeer:
         here, there = self._layout, remote.layout
         local_ranges = [(d if reading else s, n, here.device_id) for s, d, n in ranges]
         remote_ranges = [(s if reading else d, n, there.device_id) for s, d, n in ranges]
-        written = _Blocks("local", local_t) if reading else _Blocks(remote.agent, remote_t)
+        written = WrittenBlocks("local", local_t) if reading else WrittenBlocks(remote.agent, remote_t)
         handle = self._agent.initialize_xfer(
             op,
             self._agent.get_xfer_descs(local_ranges, here.memory),

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcopy.remote.transfer import RemoteTransfer
+from kvcopy.nixl.transfer import NixlTransfer
 
 __all__ = ["Quarantine"]
 
 
 @dataclass(frozen=True)
 class _Held:
-    transfer: RemoteTransfer
+    transfer: NixlTransfer
     op: str  # "READ" or "WRITE"
     agent: str  # the remote agent's name
     local_ids: torch.Tensor
@@ -34,7 +34,7 @@ class Quarantine:
         self._held: list[_Held] = []
 
     def hold(
-        self, transfer: RemoteTransfer, op: str, agent: str, local_ids: torch.Tensor, remote_ids: torch.Tensor
+        self, transfer: NixlTransfer, op: str, agent: str, local_ids: torch.Tensor, remote_ids: torch.Tensor
     ) -> None:
         self._held.append(_Held(transfer, op, agent, local_ids, remote_ids))
 

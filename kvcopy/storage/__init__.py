@@ -1,10 +1,10 @@
 """Tiers below host RAM: a persistent disk store of KV blocks through NIXL's file backends.
 
-:class:`DiskKVStore` (kvcopy/storage/disk.py) keeps page-first blocks in a
+:class:`DiskKVStore` (kvcopy/storage/store.py) keeps page-first blocks in a
 directory (host pools' through NIXL's POSIX backend, a GPU cache's also
-through its GDS backend), committed to its index (kvcopy/storage/_commit_log.py) only
+through its GDS backend), committed to its index (kvcopy/storage/commit_log.py) only
 after their data is on disk, so a crash never leaves a torn or foreign block
-that matches. :mod:`kvcopy.storage.link` measures its writes and reads into a
+that matches. :mod:`kvcopy.calibration.disk` measures its writes and reads into a
 Profile (``kvcopy calibrate --disk``), for the Planner's
 ``decide(..., from_disk=True)``. examples/disk_prefix_cache.py is an
 engine's prefix cache that survives a restart through it. NIXL is needed
@@ -13,6 +13,6 @@ engine's prefix cache that survives a restart through it. NIXL is needed
 
 from __future__ import annotations
 
-from kvcopy.storage.disk import CorruptBlockError, DiskKVStore, DiskTransfer
+from kvcopy.storage.store import CorruptBlockError, DiskKVStore, DiskTransfer
 
 __all__ = ["CorruptBlockError", "DiskKVStore", "DiskTransfer"]

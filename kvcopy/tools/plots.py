@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy.policy.planner import Planner
+from kvcopy.planner.planner import Planner
 from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, LinkFit, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]

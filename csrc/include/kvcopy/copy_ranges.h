@@ -18,7 +18,7 @@ struct CopyRange {
 };
 
 // A HostKVPool registers its memory with CUDA in chunks that end at multiples of
-// this address (kvcopy/_host_memory.py, MAX_REGISTER_BYTES: one registration of
+// this address (kvcopy/host/memory.py, MAX_REGISTER_BYTES: one registration of
 // 512 GiB or more fails). One DMA copy must not span two registrations.
 constexpr int64_t kRegistrationChunkBytes = int64_t{64} << 30;
 

@@ -20,8 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, get_offload_group_idx
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvcopy.integrations._offload_session import OffloadSession
-from kvcopy.integrations._offload_stats import OffloadDecision
+from kvcopy.integrations.common.offload_session import OffloadSession
+from kvcopy.integrations.common.offload_stats import OffloadDecision
 
 __all__ = ["COUNTERS", "HitGeometry", "KVCopyOffloadingManager", "request_hit"]
 

@@ -24,16 +24,16 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvcopy.policy.model import ModelSpec
-from kvcopy.policy.planner import DEFAULT_BLOCK_TOKENS
-from kvcopy.profile import Profile, default_profile
-from kvcopy.integrations._live_planner import LivePlanner
-from kvcopy.integrations._offload_session import OffloadSession
-from kvcopy.integrations._offload_stats import OffloadStats
+from kvcopy.integrations.common.live_planner import LivePlanner
+from kvcopy.integrations.common.offload_session import OffloadSession
+from kvcopy.integrations.common.offload_stats import OffloadStats
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
 from kvcopy.integrations.vllm.manager import COUNTERS, HitGeometry, KVCopyOffloadingManager
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
+from kvcopy.model.spec import ModelSpec
+from kvcopy.planner.planner import DEFAULT_BLOCK_TOKENS
+from kvcopy.profile import Profile, default_profile
 
 __all__ = ["KVCopyOffloadingSpec"]
 

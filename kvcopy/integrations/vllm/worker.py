@@ -38,12 +38,12 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvcopy.engine import TransferEngine
+from kvcopy.engine.engine import TransferEngine
+from kvcopy.engine.transfer import Transfer
+from kvcopy.integrations.common.offload_session import OffloadSession
+from kvcopy.integrations.vllm._chunks import job_block_ids
 from kvcopy.layout import PagedKV
 from kvcopy.profile import Profile
-from kvcopy.transfer import Transfer
-from kvcopy.integrations._offload_session import OffloadSession
-from kvcopy.integrations.vllm._chunks import job_block_ids
 
 __all__ = ["CopyObservation", "KVCopyOffloadingWorker", "paged_kv_of"]
 

@@ -32,7 +32,7 @@ MAX_PYTHON_LOOP_COPIES = 1 << 16
 SLOW_CALL_S = 0.05
 SLOW_ROW_REPEATS = 3
 # Successive timed calls of a point cycle over id sets (and offsets of the
-# contiguous buffers) that together cover at least kvcopy.policy.timing.COLD_BYTES, as
+# contiguous buffers) that together cover at least kvcopy.calibration.timing.COLD_BYTES, as
 # the calibrator's do, up to this many sets.
 MAX_ID_SETS = 32
 # Each row's output is checked against plain indexing before it is timed, on

@@ -3,7 +3,7 @@
 Four suites, each a list of points (a cache, a block count, an id pattern),
 and at each point both directions (gather: cache -> host pool; scatter: host
 pool -> cache), each row checked against plain indexing and then timed with
-kvcopy.policy.timing:
+kvcopy.calibration.timing:
 - ``workloads``: each named workload (kvcopy.tools.bench.workloads) at ``blocks`` blocks;
 - ``count_sweep``: llama8b-16 at each of ``counts`` blocks (1 to thousands);
 - ``size_sweep``: Llama-3.1-8B's cache at each of ``block_tokens`` tokens per
@@ -27,15 +27,43 @@ from dataclasses import dataclass
 import torch
 
 from kvcopy import _ext
-from kvcopy.host import HostKVPool
+from kvcopy.calibration.timing import COLD_BYTES, measure
+from kvcopy.host.pool import HostKVPool
 from kvcopy.layout import PagedKV
 from kvcopy.methods.torch_method import word_views
 from kvcopy.ops import available_methods, copy_blocks
-from kvcopy.policy.timing import COLD_BYTES, measure
 from kvcopy.profile import Profile, direction_of
-from kvcopy.tools.bench.baselines import DMA_BASELINES, contiguous_copy, dma_baseline, per_block_copy_loop, per_layer_index_loop
-from kvcopy.tools.bench.config import CACHE_BLOCKS_PER_MOVED_BLOCK, LIMIT, MAX_CHECKED_BYTES, MAX_ID_SETS, MAX_PYTHON_LOOP_COPIES, MAX_WHOLE_CHECKED_BYTES, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, SLOW_CALL_S, SLOW_ROW_REPEATS, UNMERGED_BATCH, BenchConfig, BenchRow
-from kvcopy.tools.bench.workloads import DEFAULT_WORKLOAD, ONE_PLANE_32K, TINY_PLANES, WORKLOADS, Workload, llama8b_with_block_tokens
+from kvcopy.tools.bench.baselines import (
+    DMA_BASELINES,
+    contiguous_copy,
+    dma_baseline,
+    per_block_copy_loop,
+    per_layer_index_loop,
+)
+from kvcopy.tools.bench.config import (
+    CACHE_BLOCKS_PER_MOVED_BLOCK,
+    LIMIT,
+    MAX_CHECKED_BYTES,
+    MAX_ID_SETS,
+    MAX_PYTHON_LOOP_COPIES,
+    MAX_WHOLE_CHECKED_BYTES,
+    PER_BLOCK_LOOP,
+    PER_BLOCK_MEMCPY,
+    PER_LAYER_LOOP,
+    SLOW_CALL_S,
+    SLOW_ROW_REPEATS,
+    UNMERGED_BATCH,
+    BenchConfig,
+    BenchRow,
+)
+from kvcopy.tools.bench.workloads import (
+    DEFAULT_WORKLOAD,
+    ONE_PLANE_32K,
+    TINY_PLANES,
+    WORKLOADS,
+    Workload,
+    llama8b_with_block_tokens,
+)
 
 __all__ = [
     "AUTO",

@@ -1,6 +1,6 @@
 """Benchmark workloads: paged caches shaped like real models' KV caches, filled with random bytes.
 
-The shapes come from kvcopy's model presets (kvcopy.policy.model_presets), so a model's numbers are written once."""
+The shapes come from kvcopy's model presets (kvcopy.model.presets), so a model's numbers are written once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcopy.layout import PagedKV
-from kvcopy.policy.model import ModelSpec
+from kvcopy.model.spec import ModelSpec
 
 __all__ = [
     "Workload",

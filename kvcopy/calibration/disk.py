@@ -1,0 +1,127 @@
+"""Calibrating the disk: alpha and beta of a DiskKVStore's writes and reads, per range size, cold.
+
+Like the network link (kvcopy/calibration/network.py), with its LinkSweep. A shape is (range bytes, ranges per
+call); a range is one store block: each range size gets a store whose blocks are that size (page-first,
+one uint8 plane), as a model whose page-first block is that size would have, since a store's costs beside
+the transfer (a checksum, an index entry, a commit record) come per block. Its data file is written
+through once before anything is timed, as a store in service has been. Each timed put writes that many
+blocks from random, different pool ids (the store's own slot choice, its checksums, syncs and index commit
+included), and each timed get reads them back (O_DIRECT, or after dropping the file's pages: cold). The
+fits land in a Profile as directions DISK_WRITE ("h2f") and DISK_READ ("f2h"), method DISK_METHOD, keyed
+by range bytes; ``hardware["disk"]`` says where and how (filesystem, O_DIRECT, NIXL queue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+
+import torch
+
+from kvcopy.calibration.local import fit_links
+from kvcopy.calibration.network import LinkSweep, calibration_pool, run_ids
+from kvcopy.calibration.progress import progress_bar
+from kvcopy.calibration.timing import measure
+from kvcopy.host.pool import HostKVPool
+from kvcopy.profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
+from kvcopy.storage.files import filesystem_of, fill_with_zeros
+from kvcopy.storage.store import DiskKVStore
+
+__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_link", "measure_disk"]
+
+# Where the disk's fits go in a Profile: host to file (a put), file to host (a get), through NIXL's POSIX backend.
+DISK_WRITE, DISK_READ, DISK_METHOD = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION, "nixl_posix"
+
+
+# 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 64 per call.
+QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 64), 32 << 20, 3)
+FULL_SWEEP = LinkSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 5)
+
+
+class _Key:
+    """A CacheKey stand-in: the calibration store holds no model's blocks."""
+
+    context_hash = hashlib.sha256(b"kvcopy disk calibration").hexdigest()
+
+
+def measure_disk(directory: str, sweep: LinkSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
+    """Times puts and gets of a calibration store made in a temporary folder inside ``directory`` (removed
+    after): ``{"points": {direction: rows}, "direct": bool, "queue": str, "filesystem": str}``, each row (total
+    bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
+    os.makedirs(directory, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="kvcopy-calibrate-disk-", dir=directory)
+    shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_read if s * c <= sweep.max_read_bytes]
+    calls = 2 + sweep.repeats  # measure's warm-up and timed calls
+    points: dict[str, list[list[float]]] = {DISK_WRITE: [], DISK_READ: []}
+    generator = torch.Generator().manual_seed(0)
+    found = {"direct": True, "queue": ""}
+    bar = progress_bar(len(shapes), progress, "calibrating the disk", "shape")
+    try:
+        for size in sweep.range_nbytes:
+            counts = [c for s, c in shapes if s == size]
+            if not counts:
+                continue
+            pool = calibration_pool(sweep.pool_nbytes, block_nbytes=size)
+            # room for every put of this size: no put evicts (an eviction adds a sync, which would bend the line)
+            path = os.path.join(folder, f"store-{size}")
+            store = DiskKVStore.create(path, pool, calls * sum(counts), cache_key=_Key())
+            with store:
+                fill_with_zeros(path)
+                found = {"direct": store.direct, "queue": store.queue}
+                for count in counts:
+                    points_of = _time_shape(store, pool, size, count, calls, sweep.repeats, generator)
+                    for direction, row in points_of.items():
+                        points[direction].append(row)
+                    bar.update()
+            shutil.rmtree(path, ignore_errors=True)  # this size's disk space back before the next
+        bar.close()
+        return {"points": points, **found, "filesystem": filesystem_of(folder)}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _time_shape(
+    store: DiskKVStore, pool: HostKVPool, size: int, count: int, calls: int, repeats: int, generator: torch.Generator
+) -> dict[str, list[float]]:
+    """One point per direction for puts and gets of ``count`` blocks of ``size`` bytes at random pool ids:
+    (total bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
+    ids = [run_ids(pool.num_blocks, 1, count, generator) for _ in range(calls)]
+    hashes = [
+        [hashlib.sha256(f"{size}:{count}:{i}:{j}".encode()).hexdigest() for j in range(count)] for i in range(calls)
+    ]
+    written, read, descriptors = iter(range(calls)), iter(range(calls)), {DISK_WRITE: [], DISK_READ: []}
+
+    def put() -> None:
+        i = next(written)
+        transfer = store.put(hashes[i], pool, ids[i])
+        descriptors[DISK_WRITE].append(transfer.num_descriptors)
+        transfer.wait()
+
+    def get() -> None:
+        i = next(read)
+        store.drop_page_cache()
+        transfer = store.get(store.match(hashes[i]), pool, ids[i])
+        descriptors[DISK_READ].append(transfer.num_descriptors)
+        transfer.wait()
+
+    out = {}
+    for direction, call in ((DISK_WRITE, put), (DISK_READ, get)):
+        timing = measure(call, warmup=2, repeats=repeats)
+        mean = sum(descriptors[direction]) / len(descriptors[direction])
+        out[direction] = [size * count, mean, size, timing.median, timing.p20, timing.p80]
+    return out
+
+
+def add_disk_link(profile: Profile, directory: str, *, quick: bool = True, progress: bool = True) -> Profile:
+    """Measures the disk under ``directory`` and adds it to ``profile``: ``links["h2f"]`` and ``links["f2h"]``
+    (method "nixl_posix", fits per range size) and ``hardware["disk"]``."""
+    measured = measure_disk(directory, QUICK_SWEEP if quick else FULL_SWEEP, progress=progress)
+    fits = fit_links({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
+    profile.links.update(fits)
+    profile.hardware["disk"] = (
+        f"{os.path.abspath(directory)} ({measured['filesystem']}; "
+        f"{'O_DIRECT' if measured['direct'] else 'page cache dropped before reads'}; NIXL POSIX {measured['queue']})"
+    )
+    return profile

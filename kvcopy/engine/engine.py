@@ -1,0 +1,401 @@
+"""TransferEngine: asynchronous offload and reload with ordering that cannot corrupt.
+
+On CUDA the engine owns two low-priority copy streams on the cache's device,
+one per direction. Each transfer records an event on the caller's current
+stream and makes its copy stream wait on it, so the copy reads (offload) or
+writes (reload) device blocks only after all work the caller had already
+queued: the producer of an offloaded block has finished, and the readers of a
+reloaded block's old contents are done. Completion comes back as events in a
+:class:`~kvcopy.engine.transfer.Transfer`; nothing here synchronises the host.
+
+On CPU the same API runs on one worker thread per direction (FIFO, like a
+stream). Work the caller did before the call has finished by then, so the
+ordering guarantees hold as they are.
+
+The engine also orders its own transfers against each other, per block
+(kvcopy.engine.block_order): a transfer that reads a block an unfinished one
+writes, or writes a block an unfinished one reads or writes, on either side,
+starts after it (its copy stream waits on that transfer's event; on CPU its
+worker waits). Transfers that share no block overlap. Transfers captured in
+a CUDA graph are the exception: they run at replay, so they are neither
+ordered nor tracked; order replays against eager transfers yourself.
+
+What stays the caller's job (debug mode catches what it can see: the
+caller's own copy_blocks on the engine's cache or pool, and HostKVPool.free):
+not writing a block being offloaded, nor reading or writing a block being
+reloaded, with its own work until the transfer's ``wait``/``wait_stream``/
+``wait_layer`` says so; not freeing or reusing a host or device block before
+its transfer is done; keeping the cache tensors alive (the engine holds
+references).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from kvcopy import _ext, dispatch
+from kvcopy.conflicts import TransferConflictError, watch
+from kvcopy.engine.block_order import BlockOrder, Blocks
+from kvcopy.engine.cpu_worker import cpu_copy_job
+from kvcopy.engine.streams import COPY_STREAM_PRIORITY, EventPool, destroy_streams, new_copy_stream
+from kvcopy.engine.transfer import CudaSignal, ThreadSignal, Transfer
+from kvcopy.host.pool import HostKVPool
+from kvcopy.ids import BlockIds
+from kvcopy.layout import PagedKV
+from kvcopy.methods.registry import CopyMethod
+from kvcopy.methods.sm_budget import check_num_ctas
+from kvcopy.methods.staging import ids_on
+from kvcopy.profile import Profile, direction_of
+
+__all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
+
+
+class TransferEngine:
+    """Asynchronous offloads (device pages -> host pool) and reloads (host pool -> device pages).
+
+    ``method``: the copy method for both directions ("auto" by default, see
+    kvcopy.copy_blocks). ``profile``: the calibrated Profile "auto" consults
+    (default: kvcopy's default profile, see kvcopy.profile.default_profile).
+    Transfers that touch a common block, on either side, run in the order they
+    were submitted; others overlap. ``debug`` (or ``KVCOPY_DEBUG=1``): raise
+    TransferConflictError when the caller's own ``copy_blocks`` on this
+    engine's cache or pool, or ``HostKVPool.free``, would touch a block an
+    unfinished transfer uses (reads what it writes, or writes what it reads or
+    writes). A context manager: leaving it (or :meth:`close`) waits for every
+    transfer in flight. ``sm_budget``: the CTAs each SM-kernel copy may use (the
+    ``num_ctas`` of kvcopy.copy_blocks; None: its host-link default of 4).
+    ``observer``: called once with each transfer that finished without error
+    (its ``turnaround``, ``queued``, ``elapsed``, ``link``, ``method``, bytes
+    and blocks are set), e.g. ``OnlineProfile.observe_copy``'s feed. On a CPU
+    the worker that ran the copy calls it, before the transfer reads as done;
+    on CUDA whoever first finds the transfer done (its ``done()``, ``wait()``,
+    the engine's next submission). It must be quick; its errors are logged.
+    """
+
+    def __init__(
+        self,
+        kv: PagedKV,
+        host: HostKVPool,
+        *,
+        method: str = "auto",
+        profile: Profile | None = None,
+        debug: bool | None = None,
+        sm_budget: int | None = None,
+        observer: Callable[[Transfer], None] | None = None,
+    ) -> None:
+        if not isinstance(kv, PagedKV):
+            raise TypeError(f"kv: expected a PagedKV, got {type(kv).__name__}")
+        if not isinstance(host, HostKVPool):
+            raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
+        dispatch.check_pair(kv, host.paged)
+        self.kv = kv
+        self.host = host
+        self.profile = profile
+        self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
+        self.sm_budget = check_num_ctas(sm_budget, "sm_budget")
+        if observer is not None and not callable(observer):
+            raise TypeError(f"observer: expected a callable or None, got {type(observer).__name__}")
+        self.observer = observer
+        self._method = method
+        self._order = BlockOrder()  # the transfers in flight, by block
+        self._lock = threading.Lock()  # guards _order: transfers may come from many threads
+        self._closed = False
+        self._cuda = kv.device.type == "cuda"
+        # Resolve once, so that bad methods fail here and not on the first transfer.
+        for src, dst in ((kv, host.paged), (host.paged, kv)):
+            dispatch.resolve(method, src, dst, host_ids=True)
+        for i in range(kv.num_layers):  # layer views (and their plane tables) made now, off the hot path
+            kv.layer(i), host.paged.layer(i)
+        if self.debug:
+            watch(kv, "device", self)
+            watch(host.paged, "host", self)
+        if self._cuda:
+            self._streams = {direction: new_copy_stream(self.kv.device) for direction in ("offload", "reload")}
+            owned = [s.cuda_stream for s in self._streams.values() if isinstance(s, torch.cuda.ExternalStream)]
+            # Destroyed at close(), or when the engine is collected without one (CUDA frees a
+            # destroyed stream's resources once its queued work is done).
+            self._owned_streams = owned  # capture streams made later join them
+            self._stream_finalizer = weakref.finalize(self, destroy_streams, owned)
+            # Captures get streams of their own, per direction and capturing stream: eager transfers queued
+            # meanwhile on the shared copy streams must run, not join someone's graph.
+            self._capture_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+            self._captures: set[int] = set()  # caller streams seen capturing this engine's transfers
+            self._captures_lock = threading.Lock()
+            self._captured_any = False
+            self._signal_events = EventPool(enable_timing=False)
+            self._timing_events = EventPool(enable_timing=True)
+        else:
+            self._workers = {
+                direction: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-{direction}")
+                for direction in ("offload", "reload")
+            }
+
+    def _capture_in_progress(self) -> bool:
+        """Whether a caller stream is still capturing one of this engine's transfers. While one is
+        (global capture mode), a cudaEventQuery from any thread would invalidate that capture, so the
+        engine's transfers answer done() with False and wait() waits for the capture to end."""
+        if not self._captures:
+            return False
+        module = _ext.extension()
+        if module is None or not hasattr(module, "stream_is_capturing"):
+            return False  # built without CUDA kernels: no way to ask about another thread's stream
+        with self._captures_lock:  # done() may run in any thread, beside a submission adding a capture
+            for handle in [h for h in self._captures if not module.stream_is_capturing(h)]:
+                self._captures.discard(handle)
+            return bool(self._captures)
+
+    def _stream_for(self, direction: str, capturing: bool) -> torch.cuda.Stream:
+        if not capturing:
+            return self._streams[direction]
+        caller = torch.cuda.current_stream(self.kv.device).cuda_stream
+        with self._captures_lock:
+            self._captures.add(caller)
+        self._captured_any = True
+        key = (direction, caller)
+        if key not in self._capture_streams:
+            self._capture_streams[key] = new_copy_stream(self.kv.device)
+            if isinstance(self._capture_streams[key], torch.cuda.ExternalStream):
+                self._owned_streams.append(self._capture_streams[key].cuda_stream)
+        return self._capture_streams[key]
+
+    # ----------------------------------------------------------------- public API
+
+    def offload(self, block_ids: BlockIds, host_ids: BlockIds) -> Transfer:
+        """Copies device blocks ``block_ids`` to host blocks ``host_ids``; returns at once.
+
+        The device blocks are read only after all work already queued on the
+        caller's current stream has finished.
+        """
+        return self._submit("offload", self.kv, block_ids, "block_ids", self.host.paged, host_ids, "host_ids", False)
+
+    def reload(self, host_ids: BlockIds, block_ids: BlockIds, *, layerwise: bool = False) -> Transfer:
+        """Copies host blocks ``host_ids`` into device blocks ``block_ids``; returns at once.
+
+        The device blocks are written only after all work already queued on the
+        caller's current stream. ``layerwise``: copy layer by layer and signal
+        each (``Transfer.wait_layer``), so attention of layer l can start as soon
+        as layer l has arrived.
+        """
+        return self._submit("reload", self.host.paged, host_ids, "host_ids", self.kv, block_ids, "block_ids", layerwise)
+
+    def close(self) -> None:
+        """Waits for every transfer in flight (their errors stay with their handles), then frees the streams or
+        workers. If any transfer was captured in a CUDA graph, it also waits for the device, so replays queued
+        before the call are done; do not replay those graphs after it."""
+        with self._lock:  # from here on, new transfers are refused
+            if self._closed:
+                return
+            self._closed = True
+            in_flight = self._order.unfinished()
+        for transfer in in_flight:
+            with contextlib.suppress(Exception):
+                transfer.wait()
+        if not self._cuda:
+            for worker in self._workers.values():
+                worker.shutdown(wait=True)
+            return
+        for stream in self._streams.values():
+            stream.synchronize()  # every transfer was waited for above
+        if self._captured_any:
+            # A graph replays its captured copies on the stream that replays it, not on the engine's:
+            # wait for the device, so no replay queued before close still reads the pool (replaying such a
+            # graph after close is the caller's error: the pool may be unpinned by then).
+            torch.cuda.synchronize(self.kv.device)
+        self._streams.clear()
+        self._capture_streams.clear()
+        self._stream_finalizer()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers submitted and not yet seen done."""
+        with self._lock:
+            return len(self._order.unfinished())
+
+    # ----------------------------------------------------------------- submission
+
+    def _submit(
+        self,
+        direction: str,
+        src: PagedKV,
+        src_ids: BlockIds,
+        src_name: str,
+        dst: PagedKV,
+        dst_ids: BlockIds,
+        dst_name: str,
+        layerwise: bool,
+    ) -> Transfer:
+        if self._closed:
+            raise RuntimeError(f"{direction}: this TransferEngine is closed")
+        src_t, dst_t, host_ids = dispatch.prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        method = dispatch.resolve(
+            self._method,
+            src,
+            dst,
+            host_ids=host_ids,
+            capturing=capturing,
+            num_blocks=src_t.numel(),
+            profile=self.profile,
+        )
+        # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
+        num_blocks = src_t.numel()
+        nbytes = num_blocks * self.kv.nbytes_per_block
+        with self._lock:  # order, submit and record as one step, so two threads cannot interleave them
+            if self._closed:
+                raise RuntimeError(f"{direction}: this TransferEngine is closed")
+            reads, writes = self._blocks(direction, src_t, dst_t, host_ids)
+            # Same-direction transfers share a stream (worker): they already run in submission order.
+            after = (
+                [] if capturing else [t for t in self._order.dependencies(reads, writes) if t.direction != direction]
+            )
+            if self._cuda:
+                transfer = self._submit_cuda(
+                    direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, capturing, after
+                )
+            else:
+                transfer = self._submit_cpu(
+                    direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, after
+                )
+            if not capturing:
+                self._order.add(transfer, reads, writes)
+        return transfer
+
+    @staticmethod
+    def _blocks(
+        direction: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, host_ids: bool
+    ) -> tuple[Blocks | None, Blocks | None]:
+        """The blocks a transfer reads and writes, per side; None where the ids live on the GPU."""
+        if not host_ids:
+            return None, None
+        src_side, dst_side = ("device", "host") if direction == "offload" else ("host", "device")
+        return {src_side: set(src_ids.tolist())}, {dst_side: set(dst_ids.tolist())}
+
+    def caller_conflict(self, side: str, blocks: list[int], *, writes: bool) -> tuple[int, Transfer, str] | None:
+        """Debug mode (kvcopy.conflicts.check_caller asks): what the caller's own work on these blocks would
+        conflict with.
+        The caller's work is queued on its current stream, which wait_stream may have ordered already."""
+        stream = torch.cuda.current_stream(self.kv.device).cuda_stream if self._cuda else None
+        with self._lock:
+            return self._order.conflict(side, blocks, writes=writes, stream=stream)
+
+    def _labels(self, method: CopyMethod, src: PagedKV, dst: PagedKV) -> dict[str, object]:
+        """What a Transfer says of itself besides its size: method, link, and who observes it."""
+        link = direction_of(src.device.type, dst.device.type)
+        return {"method": method.name, "link": link, "observer": self.observer}
+
+    def _copy(
+        self,
+        method: CopyMethod,
+        src: PagedKV,
+        src_ids: torch.Tensor,
+        dst: PagedKV,
+        dst_ids: torch.Tensor,
+        layer: int | None,
+    ) -> None:
+        if layer is not None:
+            src, dst = src.layer(layer), dst.layer(layer)
+        dispatch.run(method, src, src_ids, dst, dst_ids, self.sm_budget)
+
+    def _submit_cuda(
+        self,
+        direction: str,
+        method: CopyMethod,
+        src: PagedKV,
+        src_ids: torch.Tensor,
+        dst: PagedKV,
+        dst_ids: torch.Tensor,
+        layerwise: bool,
+        num_blocks: int,
+        nbytes: int,
+        capturing: bool,
+        after: list[Transfer],
+    ) -> Transfer:
+        stream = self._stream_for(direction, capturing)
+        # Timed outside a capture: the submission on the caller's stream (see kvcopy.engine.transfer.Timer).
+        ready = self._signal_events.get() if capturing else self._timing_events.get()
+        ready.record(torch.cuda.current_stream(self.kv.device))
+        stream.wait_event(ready)  # the copy starts after the caller's queued work
+        if capturing:
+            self._signal_events.put([ready])  # the wait is bound: the event may be recorded again
+        for earlier in after:  # and after the engine's own transfers that touch its blocks
+            earlier.wait_stream(stream)
+        layer_events: list[torch.cuda.Event] = []
+        for ids in (src_ids, dst_ids):
+            if ids.is_cuda:  # made or given on the caller's stream, read on the copy stream: keep them until then
+                ids.record_stream(stream)
+        with torch.cuda.stream(stream):
+            if method.stages_ids:  # staged once on the copy stream, shared by every layer
+                src_ids, dst_ids = ids_on(src_ids, dst_ids, self.kv.device)
+            # Timing events are not recorded inside a graph capture: elapsed stays None there.
+            timer = None if capturing else (ready, self._timing_events.get(), self._timing_events.get())
+            if timer:
+                timer[1].record(stream)
+            for layer in range(self.kv.num_layers) if layerwise else [None]:
+                self._copy(method, src, src_ids, dst, dst_ids, layer)
+                if layerwise:
+                    layer_events.append(self._signal_events.get())
+                    layer_events[-1].record(stream)
+            if timer:
+                timer[2].record(stream)
+                done_event = timer[2]
+            else:
+                done_event = self._signal_events.get()
+                done_event.record(stream)
+                layer_events.append(done_event)  # back to the signal pool with the layers
+        unsafe = weakref.WeakMethod(self._capture_in_progress)
+        layers = [CudaSignal(e, unsafe) for e in layer_events[: self.kv.num_layers]] if layerwise else None
+        transfer = Transfer(
+            direction,
+            num_blocks,
+            nbytes,
+            CudaSignal(done_event, unsafe),
+            layers,
+            timer,
+            keepalive=(src, dst, src_ids, dst_ids),
+            **self._labels(method, src, dst),
+        )
+        weakref.finalize(transfer, self._signal_events.put, layer_events)
+        if timer:
+            weakref.finalize(transfer, self._timing_events.put, list(timer))
+        return transfer
+
+    def _submit_cpu(
+        self,
+        direction: str,
+        method: CopyMethod,
+        src: PagedKV,
+        src_ids: torch.Tensor,
+        dst: PagedKV,
+        dst_ids: torch.Tensor,
+        layerwise: bool,
+        num_blocks: int,
+        nbytes: int,
+        after: list[Transfer],
+    ) -> Transfer:
+        # The worker reads the ids later, and the caller may reuse its id buffers as soon as this returns.
+        src_ids, dst_ids = src_ids.clone(), dst_ids.clone()
+        done = ThreadSignal()
+        layers = [ThreadSignal() for _ in range(self.kv.num_layers)] if layerwise else None
+        stamps = [time.perf_counter()]  # submitted; the worker adds started and ended (kvcopy.engine.transfer.Timer)
+        transfer = Transfer(direction, num_blocks, nbytes, done, layers, stamps, **self._labels(method, src, dst))
+
+        def copy(layer: int | None) -> None:
+            self._copy(method, src, src_ids, dst, dst_ids, layer)
+
+        run = cpu_copy_job(copy, self.kv.num_layers, after, transfer, done, layers, stamps)
+        self._workers[direction].submit(run)
+        return transfer

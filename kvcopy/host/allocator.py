@@ -1,0 +1,66 @@
+"""BlockAllocator: hands out and takes back block ids of a pool, lowest free ids first."""
+
+from __future__ import annotations
+
+import heapq
+import threading
+
+import numpy as np
+import torch
+
+from kvcopy.ids import BlockIds, prepare_ids
+
+__all__ = ["BlockAllocator"]
+
+
+class BlockAllocator:
+    """Free-list of ids ``0 .. num_blocks-1``; thread-safe.
+
+    Lowest ids go out first, so blocks allocated together tend to be adjacent
+    and copy as coalesced runs. Errors are ValueError: asking for more blocks
+    than are free, freeing an id that is not allocated (double free), an id
+    outside the pool (foreign), or the same id twice in one call.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._allocated = np.zeros(num_blocks, dtype=bool)
+        self._free_heap = list(range(num_blocks))  # already a heap
+        self._lock = threading.Lock()
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_heap)
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """``n`` free ids as a 1-D int64 tensor, marked allocated."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        n = int(n)
+        with self._lock:
+            if n > len(self._free_heap):
+                raise ValueError(f"n: asked for {n} blocks, only {len(self._free_heap)} of {self._num_blocks} are free")
+            ids = [heapq.heappop(self._free_heap) for _ in range(n)]
+            self._allocated[ids] = True
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def free(self, ids: BlockIds) -> None:
+        """Returns allocated ids to the free list; all or nothing."""
+        try:
+            tensor = prepare_ids(ids, "ids", self._num_blocks, unique=True)
+        except IndexError as err:  # an id this pool never handed out
+            raise ValueError(f"{err} (not an id of this pool)") from None
+        if tensor.device.type != "cpu":
+            raise ValueError(f"ids: expected host ids, got ids on {tensor.device}")
+        values = tensor.numpy()
+        with self._lock:
+            not_allocated = values[~self._allocated[values]]
+            if not_allocated.size:
+                raise ValueError(f"ids: block {int(not_allocated[0])} is not allocated (double free?)")
+            self._allocated[values] = False
+            for value in values.tolist():
+                heapq.heappush(self._free_heap, value)

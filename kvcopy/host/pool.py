@@ -1,0 +1,218 @@
+"""HostKVPool: host storage shaped like a device PagedKV, page-first or layer-first."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal, Union
+
+import torch
+
+from kvcopy.conflicts import check_caller
+from kvcopy.host.allocator import BlockAllocator
+from kvcopy.host.memory import HostRegion, gpu_numa_node
+from kvcopy.ids import BlockIds
+from kvcopy.layout import PagedKV
+
+__all__ = ["HostKVPool", "HostLayout", "KVLike", "as_paged"]
+
+HostLayout = Literal["page_first", "layer_first"]
+_LAYOUTS = ("page_first", "layer_first")
+
+
+class HostKVPool:
+    """Host blocks for a cache shaped like ``like``, in one contiguous uint8 buffer.
+
+    ``page_first``: host block i is bytes ``[i * nbytes_per_block, (i + 1) * nbytes_per_block)``
+    of :attr:`buffer`, its planes in plane order with no padding, so a block is
+    one region to spill or send. ``layer_first``: plane p holds all blocks of
+    that plane contiguously, mirroring the device.
+
+    Memory (kvcopy.host.memory): one anonymous mapping of exactly the pool's
+    bytes (fresh pages, which read as zero), never rounded up, asking for
+    transparent huge pages (a DMA into it meets 2 MiB runs).
+    ``pin_memory=None`` pins when CUDA is available, registering with CUDA
+    in chunks of at most 64 GiB; ``pin_memory=True`` without CUDA raises
+    RuntimeError. ``numa_node``: bind the pages to that node; None binds them
+    to the GPU's node when ``like`` is on a GPU whose node the system reports.
+    A pool that would leave less than 2 GiB of available memory is a
+    MemoryError before anything is allocated. :attr:`alloc_seconds` says how
+    long allocation and pinning took. :meth:`close` (or ``with``) unpins.
+
+    A block allocator comes with it: :meth:`allocate`, :meth:`free`, :attr:`num_free`.
+    """
+
+    def __init__(
+        self,
+        like: PagedKV,
+        num_blocks: int,
+        *,
+        layout: HostLayout = "page_first",
+        pin_memory: bool | None = None,
+        numa_node: int | None = None,
+    ) -> None:
+        if not isinstance(like, PagedKV):
+            raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
+            raise ValueError(f"numa_node: expected a NUMA node number or None, got {numa_node!r}")
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        node = gpu_numa_node(like.device) if numa_node is None else numa_node
+        self.layout: HostLayout = layout
+        nbytes = num_blocks * like.nbytes_per_block
+        try:
+            self._region = HostRegion(nbytes, pin=pin, numa_node=node)
+        except (OSError, ValueError) as err:  # binding refused (e.g. mbind without CAP_SYS_NICE in a container)
+            if numa_node is not None or node is None:
+                raise  # asked for explicitly: the caller should know
+            warnings.warn(
+                f"HostKVPool: could not bind to the GPU's NUMA node {node} ({err}); left to the OS", stacklevel=2
+            )
+            self._region = HostRegion(nbytes, pin=pin, numa_node=None)
+        self.buffer: torch.Tensor = self._region.new_tensor()  # keeps the region alive, and its views do
+        self.allocator = BlockAllocator(num_blocks)
+        planes = (
+            _page_first_planes(self.buffer, like, num_blocks)
+            if layout == "page_first"
+            else (_layer_first_planes(self.buffer, like, num_blocks))
+        )
+        self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=self._region)
+        if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
+            self.paged.plane_table_on(like.device)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the pool is registered with CUDA (False after :meth:`close`)."""
+        return self._region.pinned
+
+    @property
+    def numa_node(self) -> int | None:
+        """The NUMA node the pages are bound to, or None."""
+        return self._region.numa_node
+
+    @property
+    def alloc_seconds(self) -> float:
+        """Seconds that allocating (and pinning) the pool took."""
+        return self._region.alloc_seconds
+
+    @property
+    def num_blocks(self) -> int:
+        return self.paged.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks the allocator has not handed out."""
+        return self.allocator.num_free
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """``n`` free host block ids (int64, lowest first); ValueError if fewer are free."""
+        return self.allocator.allocate(n)
+
+    def free(self, ids: BlockIds) -> None:
+        """Returns allocated ids; ValueError for a double free or an id not of this pool. With a debug-mode
+        TransferEngine on this pool: TransferConflictError for ids an unfinished transfer still uses."""
+        check_caller("HostKVPool.free", self.paged, ids if isinstance(ids, torch.Tensor) else list(ids), writes=True)
+        self.allocator.free(ids)
+
+    def close(self) -> None:
+        """Unpins the pool. Wait for transfers that use it first (TransferEngine.close does).
+
+        The memory itself is released when no tensor over it is left.
+        """
+        self._region.close()
+
+    def __enter__(self) -> HostKVPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def nbytes_per_block(self) -> int:
+        return self.paged.nbytes_per_block
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.buffer.numel()
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """The uint8 bytes of host block ``block_id`` (page_first pools only): one region."""
+        if self.layout != "page_first":
+            raise ValueError(f"block_bytes: needs a page_first pool, this one is {self.layout}")
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block_id: expected an id in [0, {self.num_blocks}), got {block_id}")
+        start = block_id * self.nbytes_per_block
+        return self.buffer[start : start + self.nbytes_per_block]
+
+    def __repr__(self) -> str:
+        return (
+            f"HostKVPool(num_blocks={self.num_blocks}, layout={self.layout!r}, pinned={self.pinned}, "
+            f"nbytes={self.nbytes})"
+        )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _plane_over(
+    buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks: int, offset: int, stride: int
+) -> torch.Tensor:
+    """A tensor shaped like ``like`` ([num_blocks, *block]) over ``buffer``'s storage.
+
+    Block b starts at byte ``offset + b * stride``. Made with ``set_`` rather
+    than a chain of views so that every plane is a plain alias of the storage:
+    torch.compile can then trace one op mutating several planes of one pool.
+    """
+    itemsize = like.element_size()
+    empty_blocks = math.prod(like.shape[1:]) == 0  # nothing to align
+    if not empty_blocks and (offset % itemsize or stride % itemsize):
+        raise ValueError(
+            f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "
+            f"not multiples of its {itemsize}-byte elements, in an unpadded host layout; order the planes by "
+            f"decreasing element size"
+        )
+    block_shape = tuple(like.shape[1:])
+    plane = torch.empty(0, dtype=like.dtype)
+    return plane.set_(
+        buffer.untyped_storage(),
+        offset // itemsize,
+        (num_blocks, *block_shape),
+        (stride // itemsize, *_contiguous_strides(block_shape)),
+    )
+
+
+def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
+    planes, offset = [], 0
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
+        planes.append(_plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
+        offset += nbytes
+    return planes
+
+
+def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
+    planes, offset = [], 0
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
+        planes.append(_plane_over(buffer, plane, index, num_blocks, offset, nbytes))
+        offset += num_blocks * nbytes
+    return planes
+
+
+KVLike = Union[PagedKV, HostKVPool]
+
+
+def as_paged(kv: KVLike, name: str) -> PagedKV:
+    """``kv`` as a PagedKV (a HostKVPool's ``paged``); TypeError naming ``name`` for anything else."""
+    if isinstance(kv, PagedKV):
+        return kv
+    if isinstance(kv, HostKVPool):
+        return kv.paged
+    raise TypeError(f"{name}: expected a PagedKV or HostKVPool, got {type(kv).__name__}")

@@ -1,0 +1,202 @@
+"""kvcopy as the KV offload path and judge of Hugging Face transformers' continuous batching.
+
+::
+
+    from kvcopy.integrations import transformers as kvt
+
+    with kvt.offloading(model, host_gib=1.0, policy="auto") as stats:
+        out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg)
+    stats.reloaded_requests, stats.recomputed_requests, stats.decisions
+
+When transformers' paged cache is full it preempts requests. Inside the
+context, what happens to a preempted request's KV is kvcopy's business: it is
+kept in a :class:`~kvcopy.HostKVPool` and reloaded when the request is
+scheduled again, or dropped and re-prefilled, as the ``policy`` says:
+
+- ``"auto"``: the :class:`~kvcopy.Planner` (the one ``kvcopy plan`` uses, from
+  the model's live config and a calibrated profile) compares reloading the
+  request's blocks with re-prefilling its tokens, per request. Without a
+  profile it behaves as ``"offload"`` (until it has learned one, with
+  ``learn=True``) and logs that once;
+- ``"offload"``: always keep the KV while the host pool has room;
+- ``"recompute"``: always drop it.
+
+A full host pool falls back to recompute for that request (counted). Copies
+run on a :class:`~kvcopy.TransferEngine`'s copy streams (worker threads on a
+CPU): an offload overlaps the next forward and is waited for only by work
+that would overwrite the blocks it reads; a reload is complete before the
+forward that reads it. Nothing in transformers is edited: its continuous
+batching builds kvcopy's manager instead of its own while the context is
+open, and leaving the context (also on an exception) puts everything back,
+finishes every copy and frees every host block.
+
+With ``learn=True`` (the default) the calibration is only where the
+judgment starts: every forward the engine runs (its requests' new and cached
+tokens, and its seconds) and every offload and reload (from submission to
+done) feed a :class:`~kvcopy.OnlineProfile`, and the Planner is rebuilt from
+it when its predictions move (kvcopy.integrations.common.live_planner).
+``stats.profile`` is the learned profile; ``save_profile`` writes it when the
+context closes, for the next start (``profile=``) or ``kvcopy plan --profile``.
+
+transformers is an optional extra (``pip install 'kvcopy[transformers]'``);
+this module imports without it, and :func:`offloading` then raises an
+ImportError naming the extra. A transformers outside
+:data:`SUPPORTED_RANGE`, or one whose continuous-batching internals moved, is
+a RuntimeError at :func:`offloading`, before anything is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from kvcopy.integrations.common.live_planner import LivePlanner
+from kvcopy.integrations.common.offload_session import POLICIES, OffloadSession, Policy
+from kvcopy.integrations.common.offload_stats import OffloadDecision, OffloadStats
+from kvcopy.integrations.transformers.compat import SUPPORTED_RANGE, check_internals, import_transformers
+from kvcopy.methods import method_names
+from kvcopy.model.spec import ModelSpec
+from kvcopy.profile import Profile, default_profile
+
+__all__ = ["POLICIES", "SUPPORTED_RANGE", "OffloadDecision", "OffloadStats", "model_spec", "offloading"]
+
+logger = logging.getLogger(__name__)
+
+# One context at a time in the process: it swaps a class in transformers' module for its duration.
+_ACTIVE = threading.Lock()
+
+
+def model_spec(model: Any) -> ModelSpec:
+    """The :class:`~kvcopy.ModelSpec` of a live transformers model, from ``model.config`` (not a path),
+    with the KV dtype the paged cache stores (the model's dtype)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"model: expected a transformers model with a .config, got {type(model).__name__}")
+    data = config.to_dict()
+    name = data.get("_name_or_path") or data.get("model_type") or type(model).__name__
+    return ModelSpec.from_hf_config(data, name=name, kv_dtype=getattr(model, "dtype", None))
+
+
+def _check_arguments(
+    model: object, host_gib: object, policy: object, profile: object, method: object, learn: object, save: object
+) -> None:
+    if not callable(getattr(model, "generate_batch", None)) or not hasattr(getattr(model, "config", None), "to_dict"):
+        raise TypeError(
+            f"model: expected a transformers model with continuous batching (generate_batch) and a "
+            f".config, got {type(model).__name__}"
+        )
+    if isinstance(host_gib, bool) or not isinstance(host_gib, (int, float)):
+        raise TypeError(f"host_gib: expected a number of GiB, got {type(host_gib).__name__}")
+    if not (math.isfinite(host_gib) and host_gib > 0):
+        raise ValueError(f"host_gib: expected a positive number of GiB, got {host_gib}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    if not (profile is None or isinstance(profile, (Profile, str, os.PathLike))):
+        raise TypeError(f"profile: expected a Profile, a path or None, got {type(profile).__name__}")
+    if method != "auto" and method not in method_names():
+        raise ValueError(f"method: expected 'auto' or one of {method_names()}, got {method!r}")
+    if not isinstance(learn, bool):
+        raise TypeError(f"learn: expected a bool, got {type(learn).__name__}")
+    if not (save is None or isinstance(save, (str, os.PathLike))):
+        raise TypeError(f"save_profile: expected a path or None, got {type(save).__name__}")
+    if save is not None and not learn:
+        raise ValueError("save_profile: with learn=False nothing is learned to save; pass learn=True")
+
+
+def _live_planner(model: Any, policy: Policy, profile: Profile | None, learn: bool) -> LivePlanner:
+    """The Planner for this model and profile, learning with ``learn``; logs where there is none yet."""
+    try:
+        spec = model_spec(model)
+    except ValueError as err:
+        if policy == "auto" and (profile is not None or learn):
+            raise ValueError(
+                f"model: policy 'auto' needs the model's shape, and its config cannot be read: {err}"
+            ) from None
+        logger.warning("kvcopy offloading: no predictions (the model's config cannot be read: %s)", err)
+        spec = None
+    if profile is None and policy == "auto":
+        logger.warning(
+            "kvcopy offloading: no calibrated profile (run `kvcopy calibrate`), so policy 'auto' keeps every "
+            "preempted request's KV while the host pool has room, as 'offload' does%s",
+            ", until it has learned this engine's costs (learn=True)" if learn else "",
+        )
+    return LivePlanner(spec, profile, learn=learn)
+
+
+@contextlib.contextmanager
+def offloading(
+    model: Any,
+    host_gib: float = 1.0,
+    policy: Policy = "auto",
+    profile: Profile | str | os.PathLike[str] | None = None,
+    method: str = "auto",
+    learn: bool = True,
+    save_profile: str | os.PathLike[str] | None = None,
+) -> Iterator[OffloadStats]:
+    """Makes kvcopy the offload path and judge of ``model``'s continuous batching while the context is open.
+
+    ``host_gib``: size of the host pool (pinned when CUDA is available, plain
+    memory otherwise), split between the cache's allocators. ``policy``:
+    ``"auto"``, ``"offload"`` or ``"recompute"`` (module docstring).
+    ``profile``: a :class:`~kvcopy.Profile`, a path to one, or None for the
+    default profile (``kvcopy calibrate``'s). ``method``: the copy method
+    (see :func:`kvcopy.copy_blocks`). ``learn``: learn the engine's own costs
+    while it serves and decide from them (module docstring; False: decide from
+    the calibration alone). ``save_profile``: write the learned profile there
+    when the context closes (also on an exception). Yields the live
+    :class:`OffloadStats`.
+
+    Errors, all before anything is patched: TypeError / ValueError for bad
+    arguments, FileNotFoundError for a profile path that does not exist,
+    ImportError (naming the extra) without transformers, RuntimeError for an
+    unsupported transformers or a context already open (nested, or in
+    another thread).
+    """
+    _check_arguments(model, host_gib, policy, profile, method, learn, save_profile)
+    if isinstance(profile, (str, os.PathLike)):
+        profile = Profile.load(profile)
+    import_transformers()
+    check_internals()
+    live = _live_planner(model, policy, profile if profile is not None else default_profile(), learn)
+    if not _ACTIVE.acquire(blocking=False):
+        raise RuntimeError(
+            "offloading: a kvcopy offloading context is already open in this process "
+            "(contexts do not nest and are not shared between threads)"
+        )
+    try:
+        from transformers.generation.continuous_batching import continuous_api
+
+        from kvcopy.integrations.transformers.manager import KvcopyOffloadingManager
+
+        session = OffloadSession(
+            host_bytes=int(host_gib * 2**30), policy=policy, live=live, method=method, profile=profile
+        )
+        # Weak: a finished generate_batch's cache (and its device memory) must not outlive its run.
+        managers: weakref.WeakSet[KvcopyOffloadingManager] = weakref.WeakSet()
+
+        def make_manager(*args: Any, **kwargs: Any) -> KvcopyOffloadingManager:
+            manager = KvcopyOffloadingManager(*args, session=session, **kwargs)
+            managers.add(manager)
+            return manager
+
+        original = continuous_api.OffloadingManager
+        continuous_api.OffloadingManager = make_manager
+        try:
+            yield session.stats
+        finally:
+            continuous_api.OffloadingManager = original
+            for manager in list(managers):
+                manager.detach()
+            session.close()
+            if save_profile is not None:
+                learned = session.stats.profile
+                if learned is not None:
+                    learned.save(save_profile)
+    finally:
+        _ACTIVE.release()

@@ -1,0 +1,137 @@
+"""NixlTransfer: one NIXL transfer in flight (a KVPeer's read or write, or a disk store's put or get), and
+the errors that name the blocks it leaves without valid data."""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+__all__ = ["NixlTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
+
+# Waiting for a transfer: poll without sleeping for this long (a small loopback transfer takes tens of
+# microseconds, less than one sleep), then sleep between polls for a pause that grows with the time waited,
+# _POLL_LATE_FRACTION of it, so a transfer is seen done at most ~2% of its duration late (a fixed back-off to
+# 5 ms saw a 10 ms disk read up to 50% late), between the shortest sleep worth making and the longest.
+_SPIN_S = 1e-3
+_POLL_MIN_S, _POLL_MAX_S = 5e-5, 5e-3
+_POLL_LATE_FRACTION = 0.02
+
+
+class WrittenBlocks:
+    """The blocks a transfer writes, said in an error (formatted only then: the hot path does not pay for it)."""
+
+    def __init__(self, owner: str, ids: torch.Tensor) -> None:
+        self.owner, self.ids = owner, ids
+
+    def __str__(self) -> str:
+        where = "local" if self.owner == "local" else f"{self.owner!r}'s"
+        return f"{where} blocks {self.ids.tolist()}"
+
+
+class _InvalidBlocks:
+    """What a failed or unfinished transfer leaves without valid data: ``side`` ("local", or the remote agent's
+    name) and ``block_ids`` there."""
+
+    side: str
+    block_ids: list[int]
+
+    def _name_blocks(self, written: WrittenBlocks) -> None:
+        self.side, self.block_ids = written.owner, written.ids.tolist()
+
+
+class RemoteTransferError(_InvalidBlocks, RuntimeError):
+    """A remote transfer failed (the peer disappeared, or NIXL reported an error). ``side`` and ``block_ids``:
+    the blocks it was writing ("local" ones for a read, the remote agent's for a write), which hold no valid
+    data."""
+
+    def __init__(self, message: str, written: WrittenBlocks) -> None:
+        super().__init__(message)
+        self._name_blocks(written)
+
+
+class RemoteTransferTimeout(_InvalidBlocks, TimeoutError):
+    """``NixlTransfer.wait`` reached its timeout; ``side`` and ``block_ids``: the blocks the transfer writes,
+    without valid data until it is done. It may still land later: a KVPeer keeps those blocks quarantined
+    (refuses another transfer that touches them) until NIXL reports the transfer ended."""
+
+    def __init__(self, message: str, written: WrittenBlocks) -> None:
+        super().__init__(message)
+        self._name_blocks(written)
+
+
+class NixlTransfer:
+    """One NIXL transfer in flight. ``done()`` polls; ``wait(timeout)`` blocks; both raise RemoteTransferError
+    when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged); ``nbytes``:
+    their bytes."""
+
+    def __init__(
+        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: WrittenBlocks
+    ) -> None:
+        self._agent, self._handle = agent, handle
+        self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
+        self._written = written  # which blocks are not valid if it fails, for the error
+        self._state, self._cause = "PROC", None
+        # The handle is released once: when NIXL reports the transfer ended, or when the last reference to an
+        # unfinished one goes (a KVPeer holds its own until they end: releasing a handle in flight does not
+        # stop its writes over a network).
+        self._release = weakref.finalize(self, _release_handle, agent, handle)
+
+    @property
+    def ended(self) -> bool:
+        """Whether NIXL reported it ended (done or failed) at the last poll; polls never raise here."""
+        return self._poll() != "PROC"
+
+    @property
+    def failed(self) -> bool:
+        """Whether NIXL reported it failed; never raises."""
+        return self._poll() == "ERR"
+
+    def done(self) -> bool:
+        if self._poll() == "ERR":
+            raise RemoteTransferError(
+                f"{self.direction} failed; {self._written} hold no valid data", self._written
+            ) from self._cause
+        return self._state == "DONE"
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Returns once the transfer is done; RemoteTransferTimeout (a TimeoutError) after ``timeout`` seconds
+        (the transfer may still land later). The deadline holds to within one NIXL poll."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
+            if not timeout >= 0:  # also NaN
+                raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout}")
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        while not self.done():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise RemoteTransferTimeout(
+                    f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is",
+                    self._written,
+                )
+            if now - started < _SPIN_S:
+                continue
+            pause = min(_POLL_MAX_S, max(_POLL_MIN_S, (now - started) * _POLL_LATE_FRACTION))
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+
+    def _poll(self) -> str:
+        """NIXL's state of it, "PROC", "DONE" or "ERR"; the handle released once it ended."""
+        if self._state == "PROC":
+            try:
+                state = self._agent.check_xfer_state(self._handle)
+            except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+                state, self._cause = "ERR", err
+            if state in ("DONE", "ERR"):
+                self._release()
+                self._state = state
+        return self._state
+
+
+def _release_handle(agent: object, handle: object) -> None:
+    try:
+        agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a handle of a vanished peer, or one NIXL could not abort: nothing to free
+        pass

@@ -1,0 +1,283 @@
+"""What each ``kvcopy`` subcommand does once its arguments are parsed (kvcopy.tools.cli parses them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import kvcopy.tools.cli.disk as cli_disk
+import kvcopy.tools.cli.remote as cli_remote
+from kvcopy._ext import build_info
+from kvcopy.tools.cli.args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
+
+__all__ = ["DEFAULT_PLAN_MODEL", "bench", "calibrate", "info", "plan"]
+
+# The model whose small-prefix threshold `kvcopy calibrate` prints.
+DEFAULT_PLAN_MODEL = "llama-3.1-8b"
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from kvcopy.calibration import local as calibrator
+    from kvcopy.methods import method_names
+    from kvcopy.planner.planner import Planner
+    from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
+
+    spec = load_model(args.model)
+    if args.out:
+        check_folder("--out", args.out, make=True)  # a profile's folder is made, as Profile.save does
+    check_plot(args.plot)
+    device = device_arg(args.device)
+    descriptor = cli_remote.remote_descriptor(args.remote)
+    cli_disk.check_disk_arg(args.disk)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    unknown = [m for m in methods or [] if m not in method_names()]
+    if unknown:
+        raise CliError(f"--methods: unknown method {unknown[0]!r}; known: {', '.join(method_names())}")
+
+    def measure() -> Profile:
+        try:
+            profile = calibrator.calibrate(
+                device, methods=methods, quick=args.quick, progress=not args.no_progress, model=spec
+            )
+        except ValueError as err:
+            raise CliError(str(err)) from None
+        if args.remote is not None:
+            cli_remote.add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
+        if args.disk is not None:
+            cli_disk.add_disk_link(profile, args.disk, quick=args.quick, progress=not args.no_progress)
+        return profile
+
+    profile = measure()
+    problems = fit_problems(profile)
+    if problems:  # once more: contention comes and goes
+        print(f"kvcopy calibrate: poor fit ({'; '.join(problems)}); measuring again", file=sys.stderr)
+        again = measure()
+        if len(fit_problems(again)) <= len(problems):
+            profile, problems = again, fit_problems(again)
+    hw = profile.hardware
+    print(f"kvcopy calibrate on {hw['device_name']} (torch {hw['torch']}, {hw['torch_threads']} threads), {hw['date']}")
+    header = (
+        f"{'direction':<9} {'method':<12} {'alpha us':>9} {'beta GB/s':>10} {'% of peak':>9} {'R^2':>7} "
+        f"{'max resid':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for direction in sorted(profile.links):
+        peak = profile.peaks.get(direction)
+        for method, mp in sorted(profile.links[direction].items()):
+            fit = mp.fit
+            share = f"{fit.beta_bytes_per_s / peak:9.0%}" if peak else f"{'':>9}"
+            print(
+                f"{direction:<9} {method:<12} {fit.alpha_s * 1e6:9.1f} {fit.beta_bytes_per_s / 1e9:10.2f} {share} "
+                f"{fit.r2:7.3f} {fit.max_abs_residual:9.0%}"
+            )
+        if peak:
+            print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
+    cli_remote.print_remote_link(profile)
+    cli_disk.print_disk_link(profile)
+    prefill = profile.prefill
+    floor = (
+        f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
+        if prefill.weight_bytes_per_s
+        else "no weight-read floor measurable"
+    )
+    print(
+        f"prefill ({prefill.model} layer shape): {prefill.flops_per_s / 1e12:.2f} TFLOP/s compute (R^2 "
+        f"{prefill.r2:.3f}), {floor}, {prefill.alpha_s * 1e3:.2f} ms fit intercept per forward"
+    )
+    threshold = Planner.from_profile(profile, spec).threshold_tokens()
+    reason = (
+        "recompute wins at the longest prefix"
+        if threshold is None
+        else f"keep a cached prefix from {threshold} tokens on"
+    )
+    print(f"small-prefix threshold for {spec.name}: {reason}")
+    out = Path(args.out) if args.out else DEFAULT_PROFILE_PATH
+    if problems:
+        print(
+            f"warning: the fit stayed poor ({'; '.join(problems)}). The likely cause is another process using "
+            f"the CPU or memory bandwidth while it measured; calibrate again on an idle machine."
+        )
+        if out.exists() and not args.force and not is_poor(out):
+            print(f"kept the good profile at {out} (pass --force to replace it with this one)")
+            return 1
+    profile.save(out)
+    print(f"profile saved to {out}")
+    if args.plot:
+        from kvcopy.tools.plots import plot_calibration
+
+        plot_calibration(profile, args.plot)
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+def is_poor(path: Path) -> bool:
+    """Whether the profile at ``path`` is unreadable or poorly fitted."""
+    from kvcopy.profile import Profile, fit_problems
+
+    try:
+        return bool(fit_problems(Profile.load(path)))
+    except (ValueError, KeyError, TypeError):
+        return True
+
+
+def plan(args: argparse.Namespace) -> int:
+    from kvcopy.calibration.timing import seconds_text
+    from kvcopy.planner.planner import Planner
+
+    spec = load_model(args.model)
+    profile = load_profile(args.profile)
+    check_plot(args.plot)
+    try:
+        planner = Planner.from_profile(
+            profile, spec, decode_share=args.decode_share, layerwise=args.layerwise, tp=args.tp
+        )
+    except ValueError as err:
+        raise CliError(f"--tp: {err}" if str(err).startswith("tp:") else str(err)) from None
+    if args.from_peer and args.from_disk:
+        raise CliError("--from-disk: a prefix is on a peer (--from-peer) or on the disk, not both")
+    if args.from_peer and planner.fetch_bytes_per_s is None:
+        raise CliError(
+            "--from-peer: the profile has no network link to a peer; measure one with `kvcopy calibrate --remote`"
+        )
+    if args.from_disk and planner.disk_bytes_per_s is None:
+        raise CliError("--from-disk: the profile has no disk link; measure one with `kvcopy calibrate --disk PATH`")
+    source = {"from_peer": args.from_peer, "from_disk": args.from_disk}
+    decision = planner.decide(args.prefix, args.new, **source)
+    threshold = planner.threshold_tokens(args.new, **source)
+    where = "cached tokens"
+    if args.from_peer:
+        where = f"tokens held by a peer ({profile.hardware.get('remote_link')})"
+    elif args.from_disk:
+        where = f"tokens in a disk store ({profile.hardware.get('disk')})"
+    print(f"{planner.spec.name} on {profile.hardware.get('device_name')}: {args.prefix} {where}, {args.new} new")
+    print(f"decision: {decision.action} ({decision.explanation})")
+    elsewhere = args.from_peer or args.from_disk
+    arrives = "is fetched" if elsewhere else "loads"
+    options = [
+        ("reload", decision.t_reload, "load the prefix, then compute the new tokens"),
+        ("layer-wise reload", decision.t_layerwise, "each layer's blocks load while earlier layers compute"),
+        (
+            "fetch",
+            decision.t_fetch,
+            f"read it from the {'disk' if args.from_disk else 'peer'} and reload it ({decision.fetch_chunks} "
+            "pipelined chunks), then compute",
+        ),
+        ("split", decision.t_split, f"compute the first {decision.split_tokens} tokens while the rest {arrives}"),
+        ("recompute", decision.t_recompute, "prefill the prefix and the new tokens"),
+    ]
+    for name, seconds, what in options:
+        if seconds is not None:
+            mark = "*" if name.startswith(decision.action.replace("layerwise", "layer-wise")) else " "
+            print(f"  {mark} {name:<18} {seconds_text(seconds):>10}  {what}")
+    kept = "fetch" if elsewhere else "keep"
+    keep = "recompute wins at the longest prefix" if threshold is None else f"{kept} from {threshold} tokens"
+    print(f"threshold: {keep}")
+    if args.plot:
+        from kvcopy.tools.plots import plot_plan
+
+        plot_plan(
+            planner,
+            args.plot,
+            max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
+            new_tokens=args.new,
+            prefix=args.prefix,
+            **source,
+        )
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+_BENCH_FLAGS = {
+    "device": "--device",
+    "workloads": "--workload",
+    "ids": "--ids",
+    "blocks": "--blocks",
+    "counts": "--counts",
+    "block_tokens": "--block-tokens",
+    "sweep_blocks": "--sweep-blocks",
+    "repeats": "--repeats",
+}
+
+
+def bench(args: argparse.Namespace) -> int:
+    from kvcopy.calibration.machine import machine_identity
+    from kvcopy.calibration.progress import progress_bar
+    from kvcopy.tools.bench import (
+        BenchConfig,
+        CsvWriter,
+        format_tables,
+        num_points,
+        point_specs,
+        run_benchmarks,
+        with_ratios,
+    )
+
+    overrides: dict[str, object] = {"ids": args.ids}
+    for name in ("blocks", "counts", "block_tokens", "sweep_blocks", "repeats"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.workload:
+        overrides["workloads"] = tuple(args.workload)
+    if args.no_sweeps:
+        overrides.update(counts=(), block_tokens=(), fixed_cost=False)
+    try:
+        config = BenchConfig.default(args.device, quick=args.quick, **overrides)
+    except ValueError as err:  # "field: ..." -> "--flag: ..."
+        field, _, rest = str(err).partition(":")
+        raise CliError(f"{_BENCH_FLAGS.get(field, field)}:{rest}") from None
+    if args.list:
+        print(
+            f"kvcopy bench on {config.device}: {config.ids} ids, {config.repeats} repeats after "
+            f"{config.warmup} warm-up calls"
+        )
+        for suite, workload, blocks in point_specs(config):
+            print(f"  {suite:<12} {workload:<20} {blocks:>6} blocks per call")
+        return 0
+    if args.plot and not (config.counts or config.block_tokens):
+        raise CliError("--plot: draws the sweeps; drop --no-sweeps")
+    check_plot(args.plot)
+    profile = load_profile(args.profile) if args.profile else None
+    identity = machine_identity(config.device)
+    try:  # opened first: a bad path fails before minutes of measuring, and each point is saved as it ends
+        csv_out = CsvWriter(args.csv, identity) if args.csv else None
+    except OSError as err:
+        raise CliError(f"--csv: cannot write {args.csv}: {err.strerror}") from None
+    bar = progress_bar(num_points(config), not args.no_progress, "benchmarking", "point")
+
+    def point_done(rows: list) -> None:
+        bar.update()
+        if csv_out is not None:
+            csv_out.write(rows)
+
+    try:
+        rows = run_benchmarks(config, profile=profile, on_point=point_done)
+    finally:
+        bar.close()
+        if csv_out is not None:
+            csv_out.close()
+    print(format_tables(rows, identity))
+    if args.csv:
+        print(f"\ncsv saved to {args.csv}")
+    if args.plot:
+        from kvcopy.tools.plots import plot_bench
+
+        plot_bench(with_ratios(rows), args.plot, title=f"kvcopy bench: {identity['device_name']} ({identity['date']})")
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+def info(args: argparse.Namespace) -> int:
+    import torch
+
+    info = build_info()
+    info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device visible)"
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
