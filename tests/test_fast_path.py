@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy import _ext, _ids, dispatch, layout
+from kvcopy import _ext, dispatch, layout
+from kvcopy import ids as _ids
 
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 

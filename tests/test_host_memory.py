@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.host.pool import memory as _host_memory
+from kvcopy.host import memory as _host_memory
 
 from conftest import HAS_CUDA, byte_rows, make_vllm
 

@@ -28,7 +28,7 @@ import torch
 
 import kvcopy
 from kvcopy import Planner
-from kvcopy.integrations import _path_clock
+from kvcopy.integrations.common import path_clock as _path_clock
 from kvcopy.integrations.common.live_planner import (
     REFIT_EVERY,
     LivePlanner,

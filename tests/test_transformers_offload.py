@@ -18,9 +18,9 @@ pytest.importorskip("transformers", reason="the transformers extra is part of th
 from transformers.generation.continuous_batching import continuous_api, offloading_manager  # noqa: E402
 
 import kvcopy  # noqa: E402
-from kvcopy.integrations import _hf_manager  # noqa: E402
 from kvcopy.integrations import transformers as kvt  # noqa: E402
 from kvcopy.integrations.common.live_planner import predict_paths  # noqa: E402
+from kvcopy.integrations.transformers import manager as _hf_manager  # noqa: E402
 
 from conftest import HAS_CUDA, gpu  # noqa: E402
 from hf_helpers import (  # noqa: E402

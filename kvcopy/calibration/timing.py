@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["COLD_BYTES", "Timing", "measure", "seconds_text"]
+__all__ = ["COLD_BYTES", "Timing", "measure"]
 
 # Successive timed calls should together touch at least this many bytes (the
 # calibrator and the benchmark cycle over id sets that cover it): twice a
@@ -74,12 +74,3 @@ def measure(
             samples.append((time.perf_counter() - begin) / inner)
     p20, p80 = np.percentile(samples, [20, 80])
     return Timing(median=statistics.median(samples), p20=float(p20), p80=float(p80), repeats=repeats)
-
-
-def seconds_text(seconds: float) -> str:
-    """Seconds in the unit that reads best: "12.3 us", "4.56 ms" or "7.89 s"."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} us"
-    if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"

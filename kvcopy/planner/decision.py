@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ACTIONS", "Action", "Decision"]
+__all__ = ["ACTIONS", "Action", "Decision", "seconds_text"]
 
 Action = Literal["reload", "layerwise", "split", "fetch", "recompute"]
 ACTIONS: tuple[Action, ...] = ("reload", "layerwise", "split", "fetch", "recompute")
@@ -37,3 +37,12 @@ class Decision:
     t_fetch: float | None = None
     fetch_chunks: int = 0
     t_transfer: float = 0.0
+
+
+def seconds_text(seconds: float) -> str:
+    """Seconds in the unit that reads best: "12.3 us", "4.56 ms" or "7.89 s"."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"

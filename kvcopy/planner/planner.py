@@ -39,9 +39,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvcopy.calibration.timing import seconds_text
 from kvcopy.model.spec import forward_costs
-from kvcopy.planner.decision import ACTIONS, Action, Decision
+from kvcopy.planner.decision import ACTIONS, Action, Decision, seconds_text
 from kvcopy.planner.pipeline import pipelined_seconds
 from kvcopy.planner.split import best_split
 from kvcopy.planner.threshold import first_winning

@@ -16,12 +16,12 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from kvcopy.calibration.timing import seconds_text
 from kvcopy.engine.transfer import Transfer
 from kvcopy.host.pool import HostKVPool
 from kvcopy.integrations.common.live_planner import LivePlanner, predict_paths
 from kvcopy.integrations.common.offload_stats import OffloadAction, OffloadDecision, OffloadStats
 from kvcopy.layout import PagedKV
+from kvcopy.planner.decision import seconds_text
 from kvcopy.profile import Profile
 
 __all__ = ["POLICIES", "Policy", "OffloadSession"]

@@ -1,18 +1,35 @@
-"""What each ``kvcopy`` subcommand does once its arguments are parsed (kvcopy.tools.cli parses them)."""
+"""What each ``kvcopy`` subcommand does once its arguments are parsed (kvcopy.tools.cli.parser parses them):
+``calibrate`` (with ``--remote``, the network link to a peer, and ``--disk``, a disk store), ``plan``,
+``bench``, ``peer`` (serve a calibration pool for another node's ``calibrate --remote``) and ``info``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
-import kvcopy.tools.cli.disk as cli_disk
-import kvcopy.tools.cli.remote as cli_remote
 from kvcopy._ext import build_info
-from kvcopy.tools.cli.args import CliError, check_folder, check_plot, device_arg, load_model, load_profile
+from kvcopy.tools.cli.parser import CliError, check_folder, check_plot, device_arg, load_model, load_profile
 
-__all__ = ["DEFAULT_PLAN_MODEL", "bench", "calibrate", "info", "plan"]
+__all__ = [
+    "DEFAULT_PLAN_MODEL",
+    "LOOPBACK_ARG",
+    "add_disk_link",
+    "add_remote_link",
+    "bench",
+    "calibrate",
+    "check_disk_arg",
+    "info",
+    "peer",
+    "plan",
+    "print_disk_link",
+    "print_remote_link",
+    "remote_descriptor",
+]
+
 
 # The model whose small-prefix threshold `kvcopy calibrate` prints.
 DEFAULT_PLAN_MODEL = "llama-3.1-8b"
@@ -29,8 +46,8 @@ def calibrate(args: argparse.Namespace) -> int:
         check_folder("--out", args.out, make=True)  # a profile's folder is made, as Profile.save does
     check_plot(args.plot)
     device = device_arg(args.device)
-    descriptor = cli_remote.remote_descriptor(args.remote)
-    cli_disk.check_disk_arg(args.disk)
+    descriptor = remote_descriptor(args.remote)
+    check_disk_arg(args.disk)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     unknown = [m for m in methods or [] if m not in method_names()]
     if unknown:
@@ -44,9 +61,9 @@ def calibrate(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise CliError(str(err)) from None
         if args.remote is not None:
-            cli_remote.add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
+            add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
         if args.disk is not None:
-            cli_disk.add_disk_link(profile, args.disk, quick=args.quick, progress=not args.no_progress)
+            add_disk_link(profile, args.disk, quick=args.quick, progress=not args.no_progress)
         return profile
 
     profile = measure()
@@ -75,8 +92,8 @@ def calibrate(args: argparse.Namespace) -> int:
             )
         if peak:
             print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
-    cli_remote.print_remote_link(profile)
-    cli_disk.print_disk_link(profile)
+    print_remote_link(profile)
+    print_disk_link(profile)
     prefill = profile.prefill
     floor = (
         f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
@@ -124,7 +141,7 @@ def is_poor(path: Path) -> bool:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from kvcopy.calibration.timing import seconds_text
+    from kvcopy.planner.decision import seconds_text
     from kvcopy.planner.planner import Planner
 
     spec = load_model(args.model)
@@ -281,3 +298,127 @@ def info(args: argparse.Namespace) -> int:
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+# --------------------------------------------------------------------------- --remote and peer
+
+# What --remote holds when given without a descriptor: measure the loopback path to a peer process here.
+LOOPBACK_ARG = ""
+# NIXL logs every agent's start at INFO on standard output; the command line keeps its output to its own lines.
+_NIXL_LOG_LEVEL = "WARN"
+
+
+def need_nixl(option: str) -> None:
+    """CliError for ``option`` unless NIXL imports (its log level set to the CLI's first)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", _NIXL_LOG_LEVEL)
+    try:
+        import nixl_cu13  # noqa: F401
+    except ImportError:
+        raise CliError(f"{option}: needs NIXL: pip install 'kvcopy[nixl]'") from None
+
+
+def remote_descriptor(value: str | None) -> bytes | None:
+    """Before any work: --remote's descriptor file read (None for the loopback path), and NIXL importable."""
+    if value is None:
+        return None
+    need_nixl("--remote")
+    if value == LOOPBACK_ARG:
+        return None
+    from kvcopy.calibration.network import check_calibration_descriptor
+
+    try:
+        data = Path(value).read_bytes()
+    except OSError as err:
+        raise CliError(f"--remote: cannot read the peer's descriptor {value}: {err.strerror}") from None
+    try:
+        check_calibration_descriptor(data)
+    except (TypeError, ValueError) as err:
+        raise CliError(f"--remote: {value}: {err}") from None
+    return data
+
+
+def add_remote_link(profile: object, descriptor: bytes | None, *, quick: bool, progress: bool) -> None:
+    from kvcopy.calibration.network import add_remote_link as measure
+
+    try:
+        measure(profile, descriptor, quick=quick, progress=progress)  # type: ignore[arg-type]
+    except ValueError as err:  # a descriptor that is not one, or of another calibration pool
+        raise CliError(f"--remote: {err}") from None
+    except (RuntimeError, TimeoutError) as err:  # the peer vanished, or never started (a loopback peer)
+        raise CliError(f"--remote: the link could not be measured: {err}") from None
+
+
+def print_remote_link(profile: object) -> None:
+    """The link to the peer, per range size (what the planner's fetch uses), below calibrate's table."""
+    from kvcopy.calibration.network import REMOTE_METHOD
+    from kvcopy.profile import REMOTE_DIRECTION
+
+    link = profile.links.get(REMOTE_DIRECTION, {}).get(REMOTE_METHOD)  # type: ignore[attr-defined]
+    if link is None:
+        return
+    print(f"remote link ({REMOTE_DIRECTION}): {profile.hardware.get('remote_link')}")  # type: ignore[attr-defined]
+    print(f"  carried by {profile.hardware.get('remote_transport', 'not recorded')}")  # type: ignore[attr-defined]
+    for size, fit in sorted(link.by_block_nbytes.items()):
+        print(
+            f"  {size // 1024:>6} KiB ranges: {fit.alpha_s * 1e6:7.1f} us + bytes at {fit.beta_bytes_per_s / 1e9:6.2f} "
+            f"GB/s (R^2 {fit.r2:.3f}, max resid {fit.max_abs_residual:.0%})"
+        )
+
+
+def peer(args: argparse.Namespace) -> int:
+    """Serves a calibration pool: writes its descriptor to --descriptor, then waits (Ctrl-C, or --seconds)."""
+    check_folder("--descriptor", args.descriptor, make=True)
+    need_nixl("kvcopy peer")
+    from kvcopy.calibration.network import serve_calibration_peer
+
+    name = args.name or f"kvcopy-peer-{os.uname().nodename}-{os.getpid()}"
+    with serve_calibration_peer(name) as served:
+        Path(args.descriptor).write_bytes(served.descriptor())
+        print(f"peer {name!r} serving {served.pool.nbytes >> 20} MiB; its descriptor is in {args.descriptor}")
+        print("copy that file to the other node and run there: kvcopy calibrate --remote <the file>")
+        until = None if args.seconds is None else time.monotonic() + args.seconds
+        try:
+            while until is None or time.monotonic() < until:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    print("peer closed")
+    return 0
+
+
+# --------------------------------------------------------------------------- --disk
+
+
+def check_disk_arg(value: str | None) -> None:
+    """Before any work: --disk names a directory (or one that can be made), and NIXL is importable."""
+    if value is None:
+        return
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise CliError(f"--disk: {value} is not a directory (give a folder on the disk to measure)")
+    need_nixl("--disk")
+
+
+def add_disk_link(profile: object, directory: str, *, quick: bool, progress: bool) -> None:
+    from kvcopy.calibration.disk import add_disk_link as measure
+
+    try:
+        measure(profile, directory, quick=quick, progress=progress)  # type: ignore[arg-type]
+    except OSError as err:  # no room, no permission
+        raise CliError(f"--disk: the disk under {directory} could not be measured: {err}") from None
+
+
+def print_disk_link(profile: object) -> None:
+    """The disk's writes and reads per range size (what a disk reload would use), below calibrate's table."""
+    from kvcopy.calibration.disk import DISK_METHOD, DISK_READ, DISK_WRITE
+
+    where = profile.hardware.get("disk")  # type: ignore[attr-defined]
+    if where is None:
+        return
+    print(f"disk: {where}")
+    for direction, what in ((DISK_WRITE, "write"), (DISK_READ, "read")):
+        link = profile.links.get(direction, {}).get(DISK_METHOD)  # type: ignore[attr-defined]
+        for size, fit in sorted(link.by_block_nbytes.items()) if link else ():
+            print(
+                f"  {what} ({direction}) {size // 1024:>6} KiB ranges: {fit.alpha_s * 1e6:8.1f} us + bytes at "
+                f"{fit.beta_bytes_per_s / 1e9:6.2f} GB/s (R^2 {fit.r2:.3f}, max resid {fit.max_abs_residual:.0%})"
+            )
