@@ -156,8 +156,10 @@ def _named_in_architecture() -> set[str]:
         match = re.match(r"( *)(\S+)", line)
         if not match:
             continue
+        if not match.group(1):
+            break  # the next tree (csrc/)
         depth = len(match.group(1)) // 2
-        folders = folders[: depth + 1]
+        folders = folders[:depth]  # a line indented 2 * depth sits in the folder `depth` deep
         name = match.group(2)
         if name.endswith("/"):
             folders.append(name.rstrip("/"))
