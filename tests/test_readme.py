@@ -1,9 +1,11 @@
-"""The README's Python blocks run as written, on whatever this machine has (a CPU here), from the
-repository root (where a clone's commands run)."""
+"""The Python blocks of the README and of docs/*.md run as written, on whatever this machine has (a CPU here),
+from the repository root (where a clone's commands run). Each block has its own test of what it shows; a block
+that is not meant to run is fenced as ```text, ```bash or ```console, never ```python."""
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,49 +13,96 @@ import pytest
 import kvcopy
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+
+# How many ```python blocks each file holds: a new block needs its own test below.
+PYTHON_BLOCKS = {
+    "README.md": 1,
+    "docs/engines.md": 3,
+    "docs/guide.md": 2,
+    "docs/remote.md": 1,
+    "docs/storage.md": 1,
+}
 
 
-def _python_blocks() -> list[tuple[str, str]]:
-    """(the heading above it, the code) of every ```python block, in order."""
-    text = README.read_text()
-    blocks = []
-    for match in re.finditer(r"```python\n(.*?)```", text, re.S):
-        heading = re.findall(r"^#+ .*$", text[: match.start()], re.M)[-1]
-        blocks.append((heading, match.group(1)))
+def _python_blocks(name: str) -> list[tuple[str, str]]:
+    """(the heading above it, the code) of every ```python block of ROOT / name, in order."""
+    blocks, heading, fence, code = [], "", None, []
+    for line in (ROOT / name).read_text().splitlines(keepends=True):
+        if fence is None and line.startswith("```"):
+            fence, code = line[3:].strip(), []
+        elif fence is not None and line.startswith("```"):
+            if fence == "python":
+                blocks.append((heading, "".join(code)))
+            fence = None
+        elif fence is not None:
+            code.append(line)
+        elif re.match(r"#+ ", line):  # a heading, not a comment inside a block
+            heading = line.strip()
     return blocks
 
 
-def _run(code: str, monkeypatch) -> dict:
+def _block(name: str, index: int, heading: str) -> str:
+    found_heading, code = _python_blocks(name)[index]
+    assert found_heading == heading, f"{name}'s python block {index} moved: it now sits under {found_heading!r}"
+    return code
+
+
+def _run(name: str, code: str, monkeypatch) -> dict:
     monkeypatch.chdir(ROOT)
     namespace: dict = {"__name__": "readme"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(code, name, "exec"), namespace)  # noqa: S102
     return namespace
 
 
 def test_every_python_block_is_tested_here():
-    assert len(_python_blocks()) == 6  # a new block needs its own test below
+    files = ["README.md", *sorted(f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md"))]
+    found = {name: len(_python_blocks(name)) for name in files}
+    assert {name: n for name, n in found.items() if n} == PYTHON_BLOCKS
+
+
+# README.md
+
+
+def test_the_readme_example_runs(monkeypatch, capsys):
+    code = _block("README.md", 0, "## One example")
+    namespace = _run("README.md", code, monkeypatch)
+    kv, host = namespace["kv"], namespace["host"]
+    assert kv.num_planes == 64
+    assert host.num_free == host.num_blocks  # every host block it allocated went back
+    for plane in kv.planes:  # the engine's reload too put blocks 3 and 4 in their new places
+        assert plane[60:62].equal(plane[[3, 4]])
+    decision = namespace["decision"]
+    assert decision.action == "reload"  # what its comment says of the CPU VM's profile
+    assert capsys.readouterr().out.strip() == decision.explanation
+    assert decision.explanation.startswith("reload: 4.30 s vs recompute 95.87 s")
+
+
+# docs/guide.md
 
 
 def test_the_api_example_runs(monkeypatch):
-    heading, code = _python_blocks()[0]
-    assert heading == "## The API in one example"
-    namespace = _run(code, monkeypatch)
+    code = _block("docs/guide.md", 0, "## The API in one example")
+    namespace = _run("docs/guide.md", code, monkeypatch)
     kv, host = namespace["kv"], namespace["host"]
     assert host.num_free == host.num_blocks  # every host block it allocated went back
     assert kv.num_planes == 64
 
 
 def test_the_planner_and_cache_key_example_runs(monkeypatch, capsys):
-    namespace = _run(_python_blocks()[1][1], monkeypatch)
+    code = _block("docs/guide.md", 1, "## The API in one example")
+    namespace = _run("docs/guide.md", code, monkeypatch)
     assert namespace["hits"] == [10, 11, 12, 13]  # the 4 full blocks the two prompts share
     assert namespace["decision"].prefix_tokens == 64
     assert "keep a cached prefix from" in capsys.readouterr().out
 
 
+# docs/engines.md
+
+
 def test_the_transformers_example_runs(monkeypatch):
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
-    namespace = _run(_python_blocks()[2][1], monkeypatch)
+    code = _block("docs/engines.md", 0, "## Hugging Face transformers (continuous batching)")
+    namespace = _run("docs/engines.md", code, monkeypatch)
     stats = namespace["stats"]
     assert stats.decisions, "the example's cache is meant to be too small: transformers should preempt"
     assert stats.host_blocks_in_use == 0
@@ -63,7 +112,8 @@ def test_the_transformers_example_runs(monkeypatch):
 
 
 def test_the_engine_example_runs(monkeypatch):
-    namespace = _run(_python_blocks()[3][1], monkeypatch)
+    code = _block("docs/engines.md", 1, "## Any other engine")
+    namespace = _run("docs/engines.md", code, monkeypatch)
     kv, host = namespace["kv"], namespace["host"]
     assert host.num_free == host.num_blocks
     copies = 0
@@ -75,11 +125,26 @@ def test_the_engine_example_runs(monkeypatch):
     assert sum(n for link, n in observed.items() if link != "prefill") == copies and observed["prefill"] == 1
 
 
+def test_the_between_nodes_example_runs(monkeypatch):
+    pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
+    code = _block("docs/engines.md", 2, "## Between nodes (NIXL)")
+    namespace = _run("docs/engines.md", code, monkeypatch)
+    kv, host, prefill_host = namespace["kv"], namespace["host"], namespace["prefill_host"]
+    assert namespace["decision"].action == "fetch"  # the CPU VM's loopback profile: fetching wins
+    assert host.num_free == host.num_blocks
+    check = kvcopy.HostKVPool(kv, 4, pin_memory=False)  # the reloaded pages hold the peer's blocks 4-7
+    kvcopy.gather(kv, namespace["new_blocks"], check, [0, 1, 2, 3])
+    for i, remote_id in enumerate(namespace["remote_blocks"]):
+        assert check.block_bytes(i).equal(prefill_host.block_bytes(remote_id))
+
+
+# docs/remote.md
+
+
 def test_the_remote_example_runs(monkeypatch, capsys):
     pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
-    heading, code = _python_blocks()[4]
-    assert heading == "## Beyond one machine"
-    namespace = _run(code, monkeypatch)
+    code = _block("docs/remote.md", 0, "## Peers")
+    namespace = _run("docs/remote.md", code, monkeypatch)
     assert namespace["fetch"].num_descriptors == 1
     printed = capsys.readouterr().out.splitlines()
     assert f"1 {32 << 20}" in printed  # (NIXL logs to stdout too)
@@ -88,14 +153,14 @@ def test_the_remote_example_runs(monkeypatch, capsys):
     assert f"{decision.action} {decision.explanation}" in printed
 
 
+# docs/storage.md
+
+
 def test_the_disk_store_example_runs(monkeypatch, capsys):
     pytest.importorskip("nixl_cu13", reason="kvcopy.storage needs the nixl extra (pip install 'kvcopy[nixl]')")
-    heading, code = _python_blocks()[5]
-    assert heading == "## Below host RAM"
-    import shutil
-
+    code = _block("docs/storage.md", 0, "## An example")
     shutil.rmtree(ROOT / "out" / "disk_store", ignore_errors=True)
-    namespace = _run(code, monkeypatch)
+    namespace = _run("docs/storage.md", code, monkeypatch)
     assert namespace["put"].num_descriptors == 1
     assert len(namespace["slots"]) == 4
     assert capsys.readouterr().out.strip().endswith("True")
