@@ -548,9 +548,11 @@ def test_block_nbytes_tensor_parallel():
     assert s.block_nbytes(16, tp=16) == 256 * KiB  # fewer heads than ranks: 1 replicated head per rank
     with pytest.raises(ValueError, match="tp"):
         s.block_nbytes(16, tp=3)  # 8 heads do not split over 3 ranks
-    for bad in (0, -1, True):
+    for bad in (0, -1):
         with pytest.raises(ValueError, match="tp"):
             s.block_nbytes(16, tp=bad)
+    with pytest.raises(TypeError, match="tp"):
+        s.block_nbytes(16, tp=True)  # a bool is not a rank count
     with pytest.raises(ValueError, match="block_tokens"):
         s.block_nbytes(0)
 
@@ -632,9 +634,11 @@ def test_prefill_and_kv_bytes_properties(cached, new):
     assert s.kv_bytes(new) <= s.kv_bytes(new + cached)
 
 
-@pytest.mark.parametrize("args", [(-1,), (1.5,), (10, -1), ("10",)])
-def test_prefill_flops_rejects_bad_counts(args):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("args", "error"), [((-1,), ValueError), ((10, -1), ValueError), ((1.5,), TypeError), (("10",), TypeError)]
+)
+def test_prefill_flops_rejects_bad_counts(args, error):
+    with pytest.raises(error):
         spec(small()).prefill_flops(*args)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from kvcopy._checks import positive_int
 from kvcopy.model.dtypes import torch_name
 
 __all__ = [
@@ -150,11 +151,7 @@ def check_str(value: object, name: str) -> str:
 
 
 def check_block_tokens(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"block_tokens: expected a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"block_tokens: expected a positive int, got {value!r}")
-    return int(value)
+    return positive_int("block_tokens", value)
 
 
 def check_rope_theta(value: object) -> float | None:

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import torch
 
+from kvcopy._checks import non_negative_int
 from kvcopy.ids import BlockIds, prepare_ids
 
 __all__ = ["BlockAllocator"]
@@ -38,9 +39,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> torch.Tensor:
         """``n`` free ids as a 1-D int64 tensor, marked allocated."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n: expected a non-negative int, got {n!r}")
-        n = int(n)
+        n = non_negative_int("n", n)
         with self._lock:
             if n > len(self._free_heap):
                 raise ValueError(f"n: asked for {n} blocks, only {len(self._free_heap)} of {self._num_blocks} are free")

@@ -8,6 +8,7 @@ from typing import Literal, Union
 
 import torch
 
+from kvcopy._checks import positive_int
 from kvcopy.conflicts import check_caller
 from kvcopy.host.allocator import BlockAllocator
 from kvcopy.host.memory import HostRegion, gpu_numa_node
@@ -53,8 +54,7 @@ class HostKVPool:
     ) -> None:
         if not isinstance(like, PagedKV):
             raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        num_blocks = positive_int("num_blocks", num_blocks)
         if layout not in _LAYOUTS:
             raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
         if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):

@@ -387,6 +387,8 @@ def check_attention(spec: ModelSpec) -> None:
             raise ValueError(f"{', '.join(given)}: only for attention='mla', this spec is 'mha'")
     elif spec.attention == "mla":
         for field in mla_fields:
+            if getattr(spec, field) is None:
+                raise ValueError(f"{field}: attention='mla' needs it, got None")
             positive_int(field, getattr(spec, field))
         latent = spec.kv_lora_rank + spec.qk_rope_head_dim
         if spec.num_kv_heads != 1 or spec.head_dim != latent:

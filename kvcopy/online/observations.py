@@ -11,18 +11,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MIN_SECONDS", "Stream", "age_weights", "checked_seconds", "count", "positive_int", "token_counts"]
+from kvcopy._checks import positive_int
+
+__all__ = ["MIN_SECONDS", "Stream", "age_weights", "checked_seconds", "count", "token_counts"]
 
 # A measured 0 s (below the clock's resolution) is taken as this, so that its logarithm exists.
 MIN_SECONDS = 1e-9
-
-
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
-    return int(value)
 
 
 def checked_seconds(value: object) -> float:

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy._checks import positive_int
 from kvcopy.model.spec import ModelSpec
 from kvcopy.online.fit import fit_max_linear, weighted_median
-from kvcopy.online.observations import Stream, age_weights, checked_seconds, count, positive_int, token_counts
+from kvcopy.online.observations import Stream, age_weights, checked_seconds, count, token_counts
 from kvcopy.online.prefill import ForwardLaw
 from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, Profile
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvcopy._checks import positive_int
 from kvcopy.cachekey.key import context_hash_of
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds, as_ids, check_side
@@ -122,8 +123,7 @@ class DiskKVStore:
         context_hash = context_hash_of(cache_key)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        positive_int("num_blocks", num_blocks)
         path = os.fspath(path)
         create_files(path, layout_of(paged), num_blocks, context_hash)
         try:
