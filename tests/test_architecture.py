@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"base"},
     "cachekey": {"base", "model"},
     "planner": {"base", "model"},
-    "online": {"base", "model"},
+    "online": {"base", "model", "calibration"},
     "nixl": {"base", "host"},
     "remote": {"base", "host", "core", "model", "cachekey", "nixl"},
     "storage": {"base", "host", "core", "model", "cachekey", "nixl"},

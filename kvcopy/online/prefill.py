@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy.calibration.fit import fit_max_linear
 from kvcopy.model.spec import ModelSpec, forward_costs
-from kvcopy.online.fit import fit_max_linear
 from kvcopy.online.observations import age_weights
 from kvcopy.profile import PrefillProfile
 

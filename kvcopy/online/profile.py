@@ -12,7 +12,7 @@ The model (docs/decisions.md, "Learning the engine's costs online"):
   the first decisions are the calibrator's and a few observations move them only part of the way;
 - observation k of a stream (a copy link, or prefill) weighs ``0.5 ** ((newest - k) / half_life)``: the
   fit follows drift, and what is HISTORY_HALF_LIVES half-lives old is forgotten;
-- the fit is robust (log-space residuals with bounded influence, kvcopy.online.fit) and bounded:
+- the fit is robust (log-space residuals with bounded influence, kvcopy.calibration.fit) and bounded:
   alpha >= 0, a copy's bandwidth at most BANDWIDTH_CAP_FACTOR x the calibrated peak.
 
 Observing is cheap (checks and an append; no lock, no fit): fits run in :meth:`profile`, only when
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from kvcopy._checks import positive_int
+from kvcopy.calibration.fit import fit_max_linear, weighted_median
 from kvcopy.model.spec import ModelSpec
-from kvcopy.online.fit import fit_max_linear, weighted_median
 from kvcopy.online.observations import Stream, age_weights, checked_seconds, count, token_counts
 from kvcopy.online.prefill import ForwardLaw
 from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, Profile
