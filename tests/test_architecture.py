@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "cachekey": {"base", "model"},
     "planner": {"base", "model"},
     "online": {"base", "model", "calibration"},
-    "nixl": {"base", "host"},
+    "nixl": {"base", "host", "engine"},
     "remote": {"base", "host", "core", "model", "cachekey", "nixl"},
     "storage": {"base", "host", "core", "model", "cachekey", "nixl"},
     "calibration": {"base", "host", "core", "model", "nixl", "remote", "storage"},

@@ -15,10 +15,15 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal"]
+__all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal", "wait_until"]
 
-# How often a host wait on a CUDA event with a timeout polls it.
-_POLL_SECONDS = 50e-6
+# Waiting on something that can only be polled: poll without sleeping for this long (a small transfer takes
+# tens of microseconds, less than one sleep), then sleep between polls for a pause that grows with the time
+# waited, _POLL_LATE_FRACTION of it, so a transfer is seen done at most ~2% of its duration late (a fixed
+# back-off to 5 ms saw a 10 ms disk read up to 50% late), between the shortest sleep worth making and the longest.
+_SPIN_SECONDS = 1e-3
+_POLL_MIN_SECONDS, _POLL_MAX_SECONDS = 5e-5, 5e-3
+_POLL_LATE_FRACTION = 0.02
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +32,21 @@ logger = logging.getLogger(__name__)
 # must follow anyway, is done), the others on the copy stream around the copy. On a CPU, perf_counter stamps
 # the submitting thread and the worker fill in.
 Timer = tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | list[float]
+
+
+def wait_until(done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], BaseException]) -> None:
+    """kvcopy's one wait loop: polls ``done()`` until it is true, and raises ``timed_out()`` once ``timeout``
+    seconds (None: never) have passed without it (to within one poll). ``done()``'s own errors propagate."""
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    while not done():
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise timed_out()
+        if now - started < _SPIN_SECONDS:
+            continue
+        pause = min(_POLL_MAX_SECONDS, max(_POLL_MIN_SECONDS, (now - started) * _POLL_LATE_FRACTION))
+        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
 
 
 class TransferSignal(Protocol):
@@ -65,21 +85,20 @@ class CudaSignal:
                 "invalidate (or, for a capture of this engine's transfers, never see end); use "
                 "wait_stream() inside a capture"
             )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._query_is_unsafe():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"transfer not known to be done after {timeout} s (a CUDA graph capture of its "
-                    f"engine's transfers is in progress)"
-                )
-            time.sleep(_POLL_SECONDS)
-        if deadline is None:
+        started = time.monotonic()
+        wait_until(
+            lambda: not self._query_is_unsafe(),
+            timeout,
+            lambda: TimeoutError(
+                f"transfer not known to be done after {timeout} s (a CUDA graph capture of its "
+                f"engine's transfers is in progress)"
+            ),
+        )
+        if timeout is None:
             self.event.synchronize()  # raises what the device reported, if anything
             return
-        while not self.event.query():
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"transfer not done after {timeout} s")
-            time.sleep(_POLL_SECONDS)
+        left = max(0.0, timeout - (time.monotonic() - started))
+        wait_until(self.event.query, left, lambda: TimeoutError(f"transfer not done after {timeout} s"))
 
     def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
         (stream or torch.cuda.current_stream(self.event.device)).wait_event(self.event)

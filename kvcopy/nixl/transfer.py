@@ -3,20 +3,13 @@ the errors that name the blocks it leaves without valid data."""
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
 
-__all__ = ["NixlTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
+from kvcopy.engine.transfer import wait_until
 
-# Waiting for a transfer: poll without sleeping for this long (a small loopback transfer takes tens of
-# microseconds, less than one sleep), then sleep between polls for a pause that grows with the time waited,
-# _POLL_LATE_FRACTION of it, so a transfer is seen done at most ~2% of its duration late (a fixed back-off to
-# 5 ms saw a 10 ms disk read up to 50% late), between the shortest sleep worth making and the longest.
-_SPIN_S = 1e-3
-_POLL_MIN_S, _POLL_MAX_S = 5e-5, 5e-3
-_POLL_LATE_FRACTION = 0.02
+__all__ = ["NixlTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
 
 
 class WrittenBlocks:
@@ -103,19 +96,14 @@ class NixlTransfer:
                 raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
             if not timeout >= 0:  # also NaN
                 raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout}")
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        while not self.done():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise RemoteTransferTimeout(
-                    f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is",
-                    self._written,
-                )
-            if now - started < _SPIN_S:
-                continue
-            pause = min(_POLL_MAX_S, max(_POLL_MIN_S, (now - started) * _POLL_LATE_FRACTION))
-            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+        wait_until(
+            self.done,
+            timeout,
+            lambda: RemoteTransferTimeout(
+                f"{self.direction}: not done after {timeout} s; {self._written} hold no valid data until it is",
+                self._written,
+            ),
+        )
 
     def _poll(self) -> str:
         """NIXL's state of it, "PROC", "DONE" or "ERR"; the handle released once it ended."""
