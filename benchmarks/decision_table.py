@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import kvcopy
-from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile
 
 # PCIe Gen5 x16, pinned host memory, per direction: 50-57 GB/s achieved (H100/H200).
 DMA_BYTES_PER_S = 55e9
@@ -42,7 +42,7 @@ NEW_TOKENS = 64
 
 
 def _fit(alpha: float, beta: float) -> MethodProfile:
-    return MethodProfile(LinkFit(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.1))
+    return MethodProfile(CostLine(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.1))
 
 
 def published_profile(reference: kvcopy.ModelSpec, network: str | None = None) -> Profile:
@@ -52,7 +52,7 @@ def published_profile(reference: kvcopy.ModelSpec, network: str | None = None) -
         links[REMOTE_DIRECTION] = {"nixl": _fit(*NETWORKS[network])}
     return Profile(
         hardware={"device_name": "H200 + PCIe Gen5 (published figures, NOT MEASURED)"},
-        links=links,
+        directions=links,
         prefill=PrefillProfile(
             model=reference.name,
             alpha_s=PREFILL_ALPHA_PER_LAYER_S * reference.num_layers,

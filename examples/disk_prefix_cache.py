@@ -39,7 +39,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvcopy
-from kvcopy.calibration.disk import add_disk_link
+from kvcopy.calibration.disk import add_disk_fits
 from kvcopy.integrations import transformers as kvt
 from kvcopy.storage import DiskKVStore
 
@@ -150,7 +150,7 @@ def _profile(args: argparse.Namespace, spec: kvcopy.ModelSpec) -> kvcopy.Profile
         return kvcopy.Profile.load(args.profile)
     print("calibrating this machine for this model (copies, one layer's prefill, the disk)...")
     profile = kvcopy.calibrate("cpu", quick=True, progress=False, model=spec)
-    return add_disk_link(profile, args.store, progress=False)
+    return add_disk_fits(profile, args.store, progress=False)
 
 
 def resume(args: argparse.Namespace) -> int:

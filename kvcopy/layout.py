@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from kvcopy._version import warn_renamed
+
 __all__ = ["PLANE_TABLE_COLUMNS", "HostMemory", "PagedKV"]
 
 # The plane table's columns, in order: block 0's address, bytes from one block to the next, bytes of one block.
@@ -203,7 +205,8 @@ class PagedKV:
 
     @property
     def block_nbytes(self) -> tuple[int, ...]:
-        """The same as :attr:`plane_block_nbytes` (its earlier name, kept for engines that use it)."""
+        """Deprecated: :attr:`plane_block_nbytes` (``ModelSpec.block_nbytes`` is a whole block's bytes)."""
+        warn_renamed("PagedKV.block_nbytes", "PagedKV.plane_block_nbytes")
         return self._plane_block_nbytes
 
     @property

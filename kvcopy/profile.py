@@ -12,16 +12,19 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvcopy._version import warn_renamed
 
 __all__ = [
     "DEFAULT_PROFILE_PATH",
     "PER_SIZE_JUDGED_DIRECTIONS",
     "POOR_FIT_R2",
     "POOR_FIT_RESIDUAL",
-    "LinkFit",
+    "CostLine",
     "MethodProfile",
     "PrefillProfile",
     "Profile",
@@ -34,7 +37,9 @@ __all__ = [
     "set_default_profile",
 ]
 
-PROFILE_FORMAT = 1
+# The file format Profile.save writes: 2 keys the fits by "directions" (format 1 called them "links"; read too).
+PROFILE_FORMAT = 2
+_READABLE_FORMATS = (1, 2)
 # The direction of the network link to a peer: its pool read into this host's (kvcopy.calibration.network).
 REMOTE_DIRECTION = "r2h"
 # The disk's directions (kvcopy.calibration.disk, `kvcopy calibrate --disk`): host to file (a put), file to
@@ -44,13 +49,15 @@ DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cac
 
 
 @dataclass(frozen=True)
-class LinkFit:
-    """``t = alpha_s + nbytes / beta_bytes_per_s`` with its quality."""
+class CostLine:
+    """kvcopy's one cost line: ``seconds = alpha_s + nbytes / beta_bytes_per_s``, a fixed cost per call and a
+    rate. A fitted line says how well it fit its points (``r2``, and ``max_abs_residual``: the largest
+    ``|measured - predicted| / predicted``); a line given by hand keeps the defaults (1.0 and 0.0)."""
 
     alpha_s: float
     beta_bytes_per_s: float
-    r2: float
-    max_abs_residual: float  # largest |measured - predicted| / predicted over the fitted points
+    r2: float = 1.0
+    max_abs_residual: float = 0.0
 
     def predict(self, nbytes: float) -> float:
         return self.alpha_s + nbytes / self.beta_bytes_per_s
@@ -60,12 +67,12 @@ class LinkFit:
 class MethodProfile:
     """One method in one direction."""
 
-    fit: LinkFit
-    by_block_nbytes: dict[int, LinkFit] = field(default_factory=dict)
+    fit: CostLine
+    by_block_nbytes: dict[int, CostLine] = field(default_factory=dict)
     # [total bytes, num_blocks, plane-block bytes, median s, p20 s, p80 s] per measured shape
     points: list[list[float]] = field(default_factory=list)
 
-    def link_at(self, block_nbytes: float | None) -> LinkFit:
+    def line_at(self, block_nbytes: float | None) -> CostLine:
         """The fit for plane-blocks of ``block_nbytes``, interpolated from the per-size fits.
 
         Each measured size gives a fixed cost alpha and a per-plane-block cost
@@ -95,16 +102,21 @@ class MethodProfile:
             alpha = alphas[hi - 1] + w * (alphas[hi] - alphas[hi - 1])
             cost = costs[hi - 1] + w * (costs[hi] - costs[hi - 1])
         nearest = self.by_block_nbytes[min(sizes, key=lambda size: abs(size - block_nbytes))]
-        return LinkFit(
+        return CostLine(
             alpha_s=alpha,
             beta_bytes_per_s=block_nbytes / cost,
             r2=nearest.r2,
             max_abs_residual=nearest.max_abs_residual,
         )
 
+    def link_at(self, block_nbytes: float | None) -> CostLine:
+        """Deprecated: :meth:`line_at`."""
+        warn_renamed("MethodProfile.link_at", "MethodProfile.line_at")
+        return self.line_at(block_nbytes)
+
     def predict(self, nbytes: float, block_nbytes: float | None = None) -> float:
         """Seconds for ``nbytes`` moved as plane-blocks of ``block_nbytes`` (None: the overall fit)."""
-        return self.link_at(block_nbytes).predict(nbytes)
+        return self.line_at(block_nbytes).predict(nbytes)
 
 
 @dataclass(frozen=True)
@@ -139,22 +151,54 @@ class PrefillProfile:
         return self.alpha_s * num_layers / self.num_layers
 
 
-@dataclass
+@dataclass(init=False)
 class Profile:
-    """Calibration results; see the module docstring. Save with :meth:`save`, read with :meth:`load`."""
+    """Calibration results; see the module docstring. Save with :meth:`save`, read with :meth:`load`.
+
+    ``hardware``: the machine it was measured on (kvcopy.calibration.machine) and the calibration's settings.
+    ``directions``: per direction ("d2h", "h2d", "h2h", "d2d", "r2h", "h2f", "f2h"), per method, its fits.
+    ``peaks``: per direction, the contiguous-copy bytes/s (the limit a method is judged against).
+    ``prefill``: the prefill's measured throughput, or None.
+    ``links``: deprecated spelling of ``directions``.
+    """
 
     hardware: dict[str, Any]
-    links: dict[str, dict[str, MethodProfile]] = field(default_factory=dict)
-    peaks: dict[str, float] = field(default_factory=dict)  # direction -> contiguous-copy bytes/s
-    prefill: PrefillProfile | None = None
+    directions: dict[str, dict[str, MethodProfile]]
+    peaks: dict[str, float]  # direction -> contiguous-copy bytes/s
+    prefill: PrefillProfile | None
+
+    def __init__(
+        self,
+        hardware: dict[str, Any],
+        directions: dict[str, dict[str, MethodProfile]] | None = None,
+        peaks: dict[str, float] | None = None,
+        prefill: PrefillProfile | None = None,
+        *,
+        links: dict[str, dict[str, MethodProfile]] | None = None,
+    ) -> None:
+        if links is not None:
+            warn_renamed("Profile(links=...)", "Profile(directions=...)")
+            if directions is not None:
+                raise TypeError("Profile: give directions (or its deprecated spelling links), not both")
+            directions = links
+        self.hardware = hardware
+        self.directions = {} if directions is None else directions
+        self.peaks = {} if peaks is None else peaks
+        self.prefill = prefill
+
+    @property
+    def links(self) -> dict[str, dict[str, MethodProfile]]:
+        """Deprecated: :attr:`directions`."""
+        warn_renamed("Profile.links", "Profile.directions")
+        return self.directions
 
     def methods(self, direction: str) -> list[str]:
-        return sorted(self.links.get(direction, {}))
+        return sorted(self.directions.get(direction, {}))
 
     def _measured(self, direction: str) -> dict[str, MethodProfile]:
-        measured = self.links.get(direction)
+        measured = self.directions.get(direction)
         if not measured:
-            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.links)}")
+            raise ValueError(f"direction: no measurements for {direction!r}; measured: {sorted(self.directions)}")
         return measured
 
     def _plane_block(self, nbytes: float, num_blocks: int, planes: int | None) -> float:
@@ -181,19 +225,34 @@ class Profile:
         plane_block = self._plane_block(nbytes, num_blocks, planes)
         return min(measured[m].predict(nbytes, plane_block) for m in ([method] if method else measured))
 
+    def best_method(
+        self,
+        direction: str,
+        block_nbytes: int,
+        num_blocks: int,
+        *,
+        planes: int | None = None,
+        candidates: Sequence[str] | None = None,
+    ) -> str | None:
+        """The measured method (among ``candidates``, default all) predicted fastest for ``num_blocks`` blocks
+        of ``block_nbytes`` (all planes; ``planes`` per block, default the calibration's); None when none of
+        the candidates was measured. ValueError when ``direction`` was never measured."""
+        nbytes = block_nbytes * num_blocks
+        return self._fastest(direction, nbytes, self._plane_block(nbytes, num_blocks, planes), candidates)
+
     def fastest_method(
         self, direction: str, nbytes: float, plane_block_nbytes: float, candidates: list[str] | None = None
     ) -> str | None:
-        """The measured method (among ``candidates``) predicted fastest for ``nbytes`` in plane-blocks of
-        ``plane_block_nbytes``; None when none of the candidates was measured."""
+        """Deprecated: :meth:`best_method`, which takes blocks as every other Profile method does."""
+        warn_renamed("Profile.fastest_method(direction, nbytes, plane_block_nbytes)", "Profile.best_method")
+        return self._fastest(direction, nbytes, plane_block_nbytes, candidates)
+
+    def _fastest(
+        self, direction: str, nbytes: float, plane_block_nbytes: float, candidates: Sequence[str] | None
+    ) -> str | None:
         measured = self._measured(direction)
         names = [m for m in measured if candidates is None or m in candidates]
         return min(names, key=lambda m: measured[m].predict(nbytes, plane_block_nbytes)) if names else None
-
-    def best_method(self, direction: str, block_nbytes: int, num_blocks: int, *, planes: int | None = None) -> str:
-        """The measured method predicted fastest for ``num_blocks`` blocks of ``block_nbytes`` (all planes)."""
-        nbytes = block_nbytes * num_blocks
-        return self.fastest_method(direction, nbytes, self._plane_block(nbytes, num_blocks, planes))  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ JSON
 
@@ -202,7 +261,7 @@ class Profile:
             "format": PROFILE_FORMAT,
             "hardware": self.hardware,
             "peaks": self.peaks,
-            "links": {
+            "directions": {
                 direction: {
                     method: {
                         "fit": asdict(mp.fit),
@@ -211,7 +270,7 @@ class Profile:
                     }
                     for method, mp in methods.items()
                 }
-                for direction, methods in self.links.items()
+                for direction, methods in self.directions.items()
             },
             "prefill": None if self.prefill is None else asdict(self.prefill),
         }
@@ -220,23 +279,25 @@ class Profile:
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         if not isinstance(data, dict):
             raise ValueError(f"profile: expected a JSON object, got {type(data).__name__}")
-        if data.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"profile: expected format {PROFILE_FORMAT}, got {data.get('format')!r}")
-        links = {
+        if data.get("format") not in _READABLE_FORMATS:
+            raise ValueError(f"profile: expected format {PROFILE_FORMAT} (or 1), got {data.get('format')!r}")
+        directions = {
             direction: {
                 method: MethodProfile(
-                    fit=LinkFit(**mp["fit"]),
-                    by_block_nbytes={int(b): LinkFit(**f) for b, f in mp.get("by_block_nbytes", {}).items()},
+                    fit=CostLine(**mp["fit"]),
+                    by_block_nbytes={int(b): CostLine(**f) for b, f in mp.get("by_block_nbytes", {}).items()},
                     points=[list(p) for p in mp.get("points", [])],
                 )
                 for method, mp in methods.items()
             }
-            for direction, methods in data.get("links", {}).items()
+            for direction, methods in data.get("directions" if data["format"] >= 2 else "links", {}).items()
         }
         prefill = data.get("prefill")
         if prefill is not None:
             prefill = PrefillProfile(**{**prefill, "points": tuple(tuple(p) for p in prefill.get("points", ()))})
-        return cls(hardware=dict(data["hardware"]), links=links, peaks=dict(data.get("peaks", {})), prefill=prefill)
+        return cls(
+            hardware=dict(data["hardware"]), directions=directions, peaks=dict(data.get("peaks", {})), prefill=prefill
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
@@ -276,7 +337,7 @@ def fit_problems(profile: Profile) -> list[str]:
     """The fits of ``profile`` that are poor (POOR_FIT_R2, POOR_FIT_RESIDUAL; not UNJUDGED_METHODS), described;
     [] when none is."""
     problems = []
-    for direction, methods in sorted(profile.links.items()):
+    for direction, methods in sorted(profile.directions.items()):
         for method, mp in sorted(methods.items()):
             if method in UNJUDGED_METHODS:
                 continue
@@ -330,3 +391,10 @@ def default_profile() -> Profile | None:
                 warnings.warn(f"kvcopy: ignoring the profile at {path}: {err}", stacklevel=2)
                 _default["profile"] = None
     return _default["profile"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LinkFit":  # renamed in 0.2.0
+        warn_renamed("kvcopy.profile.LinkFit", "kvcopy.profile.CostLine")
+        return CostLine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from kvcopy import Profile
 from kvcopy.engine.engine import TransferEngine
 from kvcopy.integrations import transformers as kvt
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile
 
 VOCAB = 512
 PAGE_TOKENS = 16
@@ -108,14 +108,14 @@ def crossover_profile(model: torch.nn.Module, crossover_tokens: int = 150) -> Pr
     """A profile under which reloading wins for prefixes above ``crossover_tokens`` and recompute below:
     a 1 ms fixed cost per reload at 10 GB/s, and prefill as fast as loading at the crossover."""
     spec = kvt.model_spec(model)
-    link = LinkFit(alpha_s=1e-3, beta_bytes_per_s=10e9, r2=1.0, max_abs_residual=0.0)
+    link = CostLine(alpha_s=1e-3, beta_bytes_per_s=10e9, r2=1.0, max_abs_residual=0.0)
     t_load = link.predict(spec.kv_bytes(crossover_tokens))
     prefill = PrefillProfile(
         model=spec.name, alpha_s=0.0, flops_per_s=spec.prefill_flops(crossover_tokens) / t_load, r2=1.0
     )
     return Profile(
         hardware={"device": "test"},
-        links={"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}},
+        directions={"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}},
         prefill=prefill,
     )
 

@@ -17,7 +17,7 @@ import torch
 
 import kvcopy
 from kvcopy.calibration.machine import machine_identity
-from kvcopy.profile import LinkFit, MethodProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, Profile
 from kvcopy.tools.bench import (
     CSV_COLUMNS,
     IDENTITY_COLUMNS,
@@ -57,14 +57,16 @@ TINY = dict(
 )
 
 
-def _link(alpha_s: float, beta: float) -> LinkFit:
-    return LinkFit(alpha_s=alpha_s, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
+def _link(alpha_s: float, beta: float) -> CostLine:
+    return CostLine(alpha_s=alpha_s, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
 
 
 # Per-size fits, so a prediction depends on the plane count passed (the plane-block size), not only on bytes.
 PROFILE = Profile(
     hardware={"device": "cpu", "device_name": "hand-made", "calibration_planes": 2},
-    links={"h2h": {"cpu": MethodProfile(_link(20e-6, 4e9), {2048: _link(10e-6, 1e9), 65536: _link(30e-6, 8e9)}, [])}},
+    directions={
+        "h2h": {"cpu": MethodProfile(_link(20e-6, 4e9), {2048: _link(10e-6, 1e9), 65536: _link(30e-6, 8e9)}, [])}
+    },
 )
 
 
@@ -278,7 +280,7 @@ def test_other_workloads_and_sequential_ids_run():
         warmup=0,
     )
     assert num_points(config) == 2
-    d2h_only = Profile(hardware={}, links={"d2h": {"cpu": MethodProfile(_link(1e-5, 1e9))}})
+    d2h_only = Profile(hardware={}, directions={"d2h": {"cpu": MethodProfile(_link(1e-5, 1e9))}})
     rows = run_benchmarks(config, profile=d2h_only)  # the profile never measured h2h: no predictions
     for name in config.workloads:
         built = WORKLOADS[name].build(1, CPU)

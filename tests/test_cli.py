@@ -139,7 +139,7 @@ def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
 
     loaded = Profile.load(profile_file)
     directions = {"h2h"} if loaded.hardware["device"] == "cpu" else {"d2h", "h2d"}  # the GPU if there is one
-    assert set(loaded.links) == directions
+    assert set(loaded.directions) == directions
     assert loaded.prefill is not None and loaded.prefill.flops_per_s > 0
     assert all(loaded.peaks[d] > 0 for d in directions)
     # The printed threshold is the saved profile's.
@@ -152,7 +152,7 @@ def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
     )
     assert threshold_line.group(1) == expected
     # Each measured method has a row with its fit.
-    for direction, method, mp in ((d, m, mp) for d in directions for m, mp in loaded.links[d].items()):
+    for direction, method, mp in ((d, m, mp) for d in directions for m, mp in loaded.directions[d].items()):
         row = re.search(rf"^{direction}\s+{method}\s+(\S+)\s+(\S+)", out, re.M)
         assert row, (direction, method)
         assert float(row.group(1)) == pytest.approx(mp.fit.alpha_s * 1e6, abs=0.06)
@@ -477,12 +477,12 @@ def test_version_and_help_say_what_each_command_does(env):
 
 
 def _profile_with(r2: float, residual: float, date: str = "new") -> Profile:
-    from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile
+    from kvcopy.profile import CostLine, MethodProfile, PrefillProfile
 
-    fit = LinkFit(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=r2, max_abs_residual=residual)
+    fit = CostLine(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=r2, max_abs_residual=residual)
     return Profile(
         hardware={"device_name": "test", "torch": "x", "torch_threads": 2, "date": date},
-        links={"h2h": {"cpu": MethodProfile(fit)}},
+        directions={"h2h": {"cpu": MethodProfile(fit)}},
         peaks={"h2h": 2e10},
         prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99),
     )
@@ -525,14 +525,14 @@ def test_a_poor_calibration_is_measured_again_and_does_not_replace_a_good_profil
 
 
 def test_the_torch_reference_loop_is_not_judged():
-    from kvcopy.profile import LinkFit, MethodProfile, fit_problems
+    from kvcopy.profile import CostLine, MethodProfile, fit_problems
 
     profile = _profile_with(*GOOD)
-    profile.links["h2h"]["torch"] = MethodProfile(
-        LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
+    profile.directions["h2h"]["torch"] = MethodProfile(
+        CostLine(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
     )
     assert fit_problems(profile) == []
-    profile.links["h2h"]["cpu"] = MethodProfile(
-        LinkFit(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
+    profile.directions["h2h"]["cpu"] = MethodProfile(
+        CostLine(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
     )
     assert fit_problems(profile) == ["h2h cpu: R^2 0.700, max resid 100%"]

@@ -38,7 +38,7 @@ from kvcopy.integrations.common.live_planner import (
 )
 from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.path_clock import ForwardRequest, PathClock
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
 from conftest import HANG_TIMEOUT_S
 
@@ -53,10 +53,10 @@ FLOPS_PER_S = 4e14
 WEIGHT_BYTES_PER_S = 4e12
 BASE = Profile(
     hardware={"device": "test"},
-    links={
+    directions={
         "h2h": {
             "cpu": MethodProfile(
-                fit=LinkFit(alpha_s=LOAD_ALPHA_S, beta_bytes_per_s=LOAD_BYTES_PER_S, r2=1.0, max_abs_residual=0.0)
+                fit=CostLine(alpha_s=LOAD_ALPHA_S, beta_bytes_per_s=LOAD_BYTES_PER_S, r2=1.0, max_abs_residual=0.0)
             )
         }
     },

@@ -120,13 +120,13 @@ def profiles(link, tmp_path_factory):
 @pytest.mark.parametrize("rate", ["1gbit", "250mbit"])
 def test_calibrate_remote_measures_the_shaped_rate(profiles, rate):
     profile = profiles[rate]
-    fit = profile.links["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]  # 2 MiB ranges: a llama-8b block
+    fit = profile.directions["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]  # 2 MiB ranges: a llama-8b block
     print(f"{rate}: 2 MiB ranges at {fit.beta_bytes_per_s * 8 / 1e9:.3f} Gbit/s + {fit.alpha_s * 1e3:.2f} ms; "
           f"{profile.hardware['remote_transport']}")  # fmt: skip
     shaped = RATES_BIT_S[rate] / 8
     if rate == "1gbit":
         assert CPU_BOUND_FLOOR * shaped <= fit.beta_bytes_per_s <= (1 + TOLERANCE) * shaped
-        slow = profiles["250mbit"].links["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]
+        slow = profiles["250mbit"].directions["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]
         assert fit.beta_bytes_per_s > 2 * slow.beta_bytes_per_s  # the shaping is what was measured
     else:
         assert fit.beta_bytes_per_s == pytest.approx(shaped, rel=TOLERANCE)

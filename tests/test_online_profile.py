@@ -28,7 +28,7 @@ import kvcopy
 import kvcopy.online.profile as online_mod
 from kvcopy import OnlineProfile, Planner
 from kvcopy.online.profile import BANDWIDTH_CAP_FACTOR, PRIOR_WEIGHT
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
 from conftest import HANG_TIMEOUT_S
 
@@ -123,8 +123,8 @@ def feed_forwards(online: OnlineProfile, observations) -> None:
             online.observe_forward(new, seconds, cached_tokens=cached)
 
 
-def _fit(alpha: float, beta: float) -> LinkFit:
-    return LinkFit(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
+def _fit(alpha: float, beta: float) -> CostLine:
+    return CostLine(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
 
 
 def hand_made_base(alpha: float, beta: float, *, peak: float, prefill: PrefillProfile | None = None) -> Profile:
@@ -139,7 +139,7 @@ def hand_made_base(alpha: float, beta: float, *, peak: float, prefill: PrefillPr
             "date": "2025-01-01T00:00:00+00:00",
             "calibration_planes": CAL_PLANES,
         },
-        links={"h2h": {"cpu": MethodProfile(fit, {BLOCK // CAL_PLANES: fit}, points)}},
+        directions={"h2h": {"cpu": MethodProfile(fit, {BLOCK // CAL_PLANES: fit}, points)}},
         peaks={"h2h": peak},
         prefill=prefill,
     )
@@ -171,7 +171,7 @@ def test_a_copy_law_is_recovered_with_noise_and_outliers():
     feed_copies(clean, copy_observations(1, count, law))
     feed_copies(dirty, copy_observations(1, count, law, outliers=True))
     for online in (clean, dirty):
-        mp = online.profile().links["h2h"]["cpu"]
+        mp = online.profile().directions["h2h"]["cpu"]
         per_size = mp.by_block_nbytes[BLOCK]  # no base: one plane per block, a plane-block is a block
         for fit in (mp.fit, per_size):
             assert fit.alpha_s == pytest.approx(ALPHA_S, rel=0.05)
@@ -241,8 +241,8 @@ def test_the_bandwidth_is_capped_at_a_multiple_of_the_calibrated_peak():
     online = OnlineProfile(LLAMA, base)
     feed_copies(online, copy_observations(6, 300, copy_law(ALPHA_S / 10, 10 * peak)))
     learned = online.profile()
-    mp = learned.links["h2h"]["cpu"]
-    calibrated = base.links["h2h"]["cpu"].fit.beta_bytes_per_s
+    mp = learned.directions["h2h"]["cpu"]
+    calibrated = base.directions["h2h"]["cpu"].fit.beta_bytes_per_s
     for fit in (mp.fit, *mp.by_block_nbytes.values()):
         assert fit.beta_bytes_per_s <= cap * (1 + 1e-9)
         assert fit.beta_bytes_per_s > calibrated  # capped, not frozen: it moved toward the data
@@ -259,7 +259,7 @@ def test_a_negative_intercept_shape_gives_no_negative_fixed_cost():
         online.observe_copy(
             "h2h", "cpu", nbytes, (nbytes / BETA - 1e-3) * float(rng.lognormal(0.0, NOISE)), num_blocks=int(n)
         )
-    mp = online.profile().links["h2h"]["cpu"]
+    mp = online.profile().directions["h2h"]["cpu"]
     for fit in (mp.fit, *mp.by_block_nbytes.values()):
         assert fit.alpha_s >= 0.0
         assert fit.beta_bytes_per_s > 0.0
@@ -405,11 +405,11 @@ def test_the_snapshot_is_a_copy_and_leaves_the_base_untouched(observed):
     first.hardware["device_name"] = "mutated"
     first.hardware.pop("calibration_planes")
     first.peaks["h2h"] = 1.0
-    mp = first.links["h2h"]["cpu"]
+    mp = first.directions["h2h"]["cpu"]
     mp.by_block_nbytes.clear()
     mp.points.append([1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    first.links["h2h"]["cpu"] = MethodProfile(_fit(1.0, 1.0))
-    first.links["d2h"] = {}
+    first.directions["h2h"]["cpu"] = MethodProfile(_fit(1.0, 1.0))
+    first.directions["d2h"] = {}
     first.prefill = None
     assert json.dumps(online.profile().to_dict(), sort_keys=True) == expected_json
     assert json.dumps(base.to_dict(), sort_keys=True) == base_before

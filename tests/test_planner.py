@@ -13,7 +13,7 @@ import pytest
 
 import kvcopy
 from kvcopy import Planner
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 B_TOK = LLAMA.kv_bytes_per_token()  # 131072 = 2^17 bytes per token, all layers
@@ -395,13 +395,13 @@ def test_decide_rejects_bad_token_counts(prefix, new):
 
 
 def _fit(alpha, beta):
-    return LinkFit(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
+    return CostLine(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
 
 
 def _profile(links, prefill=True, planes=16):
     return Profile(
         hardware={"device_name": "synthetic", "calibration_planes": planes},
-        links=links,
+        directions=links,
         prefill=PrefillProfile(model="llama-3.1-8b", alpha_s=0.03, flops_per_s=2e13, r2=1.0) if prefill else None,
     )
 

@@ -11,7 +11,7 @@ import pytest
 import kvcopy
 from kvcopy import Planner
 from kvcopy.planner.pipeline import MAX_PIPELINE_CHUNKS
-from kvcopy.profile import DISK_READ_DIRECTION, LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import DISK_READ_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 BLOCK = LLAMA.block_nbytes(16)
@@ -75,12 +75,12 @@ def test_without_a_disk_link_from_disk_is_a_value_error_naming_it():
 
 
 def test_from_profile_reads_the_disk_at_a_block_s_range_size():
-    fit = LinkFit(alpha_s=1e-4, beta_bytes_per_s=3e9, r2=1.0, max_abs_residual=0.0)
-    other = LinkFit(alpha_s=9e-3, beta_bytes_per_s=1e8, r2=1.0, max_abs_residual=0.0)
-    load = LinkFit(alpha_s=1e-5, beta_bytes_per_s=20e9, r2=1.0, max_abs_residual=0.0)
+    fit = CostLine(alpha_s=1e-4, beta_bytes_per_s=3e9, r2=1.0, max_abs_residual=0.0)
+    other = CostLine(alpha_s=9e-3, beta_bytes_per_s=1e8, r2=1.0, max_abs_residual=0.0)
+    load = CostLine(alpha_s=1e-5, beta_bytes_per_s=20e9, r2=1.0, max_abs_residual=0.0)
     profile = Profile(
         hardware={"device": "cpu"},
-        links={
+        directions={
             "h2h": {"cpu": MethodProfile(fit=load)},
             DISK_READ_DIRECTION: {"nixl_posix": MethodProfile(fit=other, by_block_nbytes={BLOCK: fit})},
         },
@@ -92,14 +92,14 @@ def test_from_profile_reads_the_disk_at_a_block_s_range_size():
 
 
 def _profile_with_disk(disk: bool) -> Profile:
-    load = LinkFit(alpha_s=1e-5, beta_bytes_per_s=20e9, r2=1.0, max_abs_residual=0.0)
+    load = CostLine(alpha_s=1e-5, beta_bytes_per_s=20e9, r2=1.0, max_abs_residual=0.0)
     links = {"h2h": {"cpu": MethodProfile(fit=load)}}
     if disk:
-        read = LinkFit(alpha_s=2e-4, beta_bytes_per_s=2e9, r2=0.99, max_abs_residual=0.1)
+        read = CostLine(alpha_s=2e-4, beta_bytes_per_s=2e9, r2=0.99, max_abs_residual=0.1)
         links[DISK_READ_DIRECTION] = {"nixl_posix": MethodProfile(fit=read)}
     hardware = {"device": "cpu", "device_name": "test", **({"disk": "/data (ext4; O_DIRECT)"} if disk else {})}
     prefill = PrefillProfile(model="llama-3.1-8b", alpha_s=0.0, flops_per_s=1e12, r2=1.0)
-    return Profile(hardware=hardware, links=links, prefill=prefill)
+    return Profile(hardware=hardware, directions=links, prefill=prefill)
 
 
 def test_plan_from_disk_prints_the_disk_read_against_recompute(tmp_path, capsys):

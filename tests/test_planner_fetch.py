@@ -13,7 +13,7 @@ import pytest
 import kvcopy
 from kvcopy import Planner
 from kvcopy.planner.pipeline import MAX_PIPELINE_CHUNKS, pipelined_seconds
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 BLOCK = LLAMA.block_nbytes(16)  # one page-first block of 16 tokens: one network range
@@ -154,14 +154,14 @@ def test_bad_fetch_parameters(kw, fragment):
 def _profile(with_remote: bool) -> Profile:
     def method(alpha: float, beta: float, sizes: dict[int, tuple[float, float]]) -> MethodProfile:
         return MethodProfile(
-            LinkFit(alpha, beta, 1.0, 0.0), {size: LinkFit(a, b, 1.0, 0.0) for size, (a, b) in sizes.items()}
+            CostLine(alpha, beta, 1.0, 0.0), {size: CostLine(a, b, 1.0, 0.0) for size, (a, b) in sizes.items()}
         )
 
     links = {"h2h": {"cpu": method(20e-6, 10e9, {})}}
     if with_remote:  # slower per byte for small ranges, as measured
         links["r2h"] = {"nixl": method(1e-4, 3e9, {16384: (1e-4, 0.5e9), 2 << 20: (2e-4, 4e9)})}
     prefill = PrefillProfile("llama-3.1-8b", 1e-3, 1e12, 1.0, weight_bytes_per_s=20e9, num_layers=32)
-    return Profile(hardware={"device_name": "test"}, links=links, prefill=prefill)
+    return Profile(hardware={"device_name": "test"}, directions=links, prefill=prefill)
 
 
 def test_from_profile_takes_the_link_at_one_page_first_block():

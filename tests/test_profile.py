@@ -2,7 +2,7 @@
 
 Three kinds of test:
 
-* synthetic profiles built by hand (LinkFit / MethodProfile): exact behaviour
+* synthetic profiles built by hand (CostLine / MethodProfile): exact behaviour
   of predict, best_method, JSON, load errors, and of "auto" with a profile;
 * the calibrator with its timer replaced by a synthetic one (exact alpha/beta
   known in advance): how sweeps become fits, independent of wall-clock;
@@ -27,7 +27,7 @@ import kvcopy.profile as profile_mod
 from kvcopy import _ext
 from kvcopy.calibration.timing import Timing, measure
 from kvcopy.methods import available_methods, choose_method
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
 from conftest import (
     HAS_CUDA,
@@ -48,11 +48,11 @@ CPU_CALIBRATED = {"torch", "cpu"} if _ext.has_cpu_kernels() else {"torch"}
 # --------------------------------------------------------------------------- helpers
 
 
-def _fit(alpha: float, beta: float) -> LinkFit:
-    return LinkFit(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
+def _fit(alpha: float, beta: float) -> CostLine:
+    return CostLine(alpha_s=alpha, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=0.0)
 
 
-def _points(fit: LinkFit, shapes) -> list[list[float]]:
+def _points(fit: CostLine, shapes) -> list[list[float]]:
     rows = []
     for block, count in shapes:
         nbytes = block * count * CAL_PLANES
@@ -83,7 +83,7 @@ def synthetic_profile(fast: str = "torch", slow: str = "cpu", direction: str = "
             "date": "2025-01-01T00:00:00+00:00",
             "host_cpu": "synthetic",
         },
-        links=links,
+        directions=links,
         peaks={direction: 5e10},
         prefill=PrefillProfile(
             model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e13, r2=0.99, points=((1e12, 0.11), (2e12, 0.21))
@@ -98,7 +98,7 @@ def size_dependent_profile() -> Profile:
     points = [row for b, f in per_block.items() for row in _points(f, [s for s in shapes if s[0] == b])]
     return Profile(
         hardware={"device": "cpu", "device_name": "synthetic", "calibration_planes": CAL_PLANES},
-        links={"h2h": {"cpu": MethodProfile(_fit(13e-6, 33e9), per_block, points)}},
+        directions={"h2h": {"cpu": MethodProfile(_fit(13e-6, 33e9), per_block, points)}},
         peaks={"h2h": 5e10},
     )
 
@@ -145,7 +145,7 @@ def alpha_at(mp, plane_block):
 
 def test_predict_interpolates_per_block_costs_between_measured_sizes():
     p = size_dependent_profile()
-    mp = p.links["h2h"]["cpu"]
+    mp = p.directions["h2h"]["cpu"]
     sizes = sorted(mp.by_block_nbytes)
     cost = {b: b / mp.by_block_nbytes[b].beta_bytes_per_s for b in sizes}  # seconds per plane-block
     assert all(cost[x] <= cost[y] for x, y in zip(sizes, sizes[1:])), "fixture: costs must already be monotone"
@@ -201,7 +201,7 @@ def test_best_method_follows_the_crossover():
     """A method with a low fixed cost wins small copies, one with high bandwidth big ones."""
     p = Profile(
         hardware={"calibration_planes": 1},
-        links={"h2d": {"cuda": MethodProfile(_fit(2e-6, 10e9)), "copy_engine": MethodProfile(_fit(20e-6, 50e9))}},
+        directions={"h2d": {"cuda": MethodProfile(_fit(2e-6, 10e9)), "copy_engine": MethodProfile(_fit(20e-6, 50e9))}},
     )
     # Equal at nbytes = 18e-6 / (1/10e9 - 1/50e9) = 225 kB.
     assert p.best_method("h2d", 4096, 1) == "cuda"
@@ -235,7 +235,9 @@ def test_synthetic_profile_round_trips_through_json(tmp_path, by_block):
     loaded = Profile.load(path)
     assert loaded.to_dict() == p.to_dict()
     assert loaded == p
-    assert loaded.links["h2h"]["torch"].by_block_nbytes.keys() == p.links["h2h"]["torch"].by_block_nbytes.keys()
+    assert (
+        loaded.directions["h2h"]["torch"].by_block_nbytes.keys() == p.directions["h2h"]["torch"].by_block_nbytes.keys()
+    )
     assert loaded.predict("h2h", 1 << 20, num_blocks=4) == p.predict("h2h", 1 << 20, num_blocks=4)
 
 
@@ -263,7 +265,18 @@ def test_load_malformed_json_is_a_value_error(tmp_path, text):
         Profile.load(path)
 
 
-@pytest.mark.parametrize("version", [0, 2, None, "1"])
+def test_a_format_1_file_loads_its_links_as_directions(tmp_path):
+    """Format 1 (kvcopy 0.1) keyed the fits by "links"; such a file still loads, the same profile."""
+    profile = synthetic_profile()
+    data = profile.to_dict()
+    assert data["format"] == 2 and "links" not in data
+    data["format"], data["links"] = 1, data.pop("directions")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert Profile.load(path) == profile
+
+
+@pytest.mark.parametrize("version", [0, 3, None, "2"])
 def test_load_wrong_format_version_is_a_value_error(tmp_path, version):
     data = synthetic_profile().to_dict()
     if version is None:
@@ -351,9 +364,9 @@ def fake_timer(monkeypatch):
 
 def test_calibrator_turns_timings_into_exact_fits(fake_timer):
     p = kvcopy.calibrate("cpu", quick=True, progress=False)
-    assert set(p.links) == {"h2h"}
+    assert set(p.directions) == {"h2h"}
     assert set(p.methods("h2h")) == CPU_CALIBRATED  # never the Triton interpreter
-    for method, mp in p.links["h2h"].items():
+    for method, mp in p.directions["h2h"].items():
         alpha, beta = FAKE_LINKS[method]
         assert mp.fit.alpha_s == pytest.approx(alpha, rel=1e-6)
         assert mp.fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
@@ -391,7 +404,7 @@ def test_calibrator_fits_each_block_size_separately(fake_timer):
     fake_timer["links"] = {(m, b): c for m in FAKE_LINKS for b, c in costs.items()}
     p = kvcopy.calibrate("cpu", quick=True, progress=False, methods=["torch"])
     assert p.methods("h2h") == ["torch"]
-    mp = p.links["h2h"]["torch"]
+    mp = p.directions["h2h"]["torch"]
     assert set(mp.by_block_nbytes) == {int(r[2]) for r in mp.points}
     for block, fit in mp.by_block_nbytes.items():
         alpha, beta = costs[block]
@@ -454,9 +467,9 @@ def real_profile() -> Profile:
 
 def test_real_calibration_fits_are_positive(real_profile):
     p = real_profile
-    assert set(p.links) == {"h2h"}
+    assert set(p.directions) == {"h2h"}
     assert set(p.methods("h2h")) == CPU_CALIBRATED
-    for method, mp in p.links["h2h"].items():
+    for method, mp in p.directions["h2h"].items():
         assert mp.fit.beta_bytes_per_s > 0, method
         # Every call has a fixed cost, but fit_alpha_beta clamps alpha at 0 when it drowns in noise
         # (seen with another process hogging both cores: r2 0.49). A clean fit finds it.
@@ -569,7 +582,7 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     seen = [f"{n} threads: p20 {t.p20 * 1e6:.0f} us, median {t.median * 1e6:.0f} us" for n, t in timings]
     # Still apart. Tell a calibration made noisy by load (or a machine whose load changed since)
     # from a prediction that does not match what was measured.
-    mp = real_profile.links["h2h"][method]
+    mp = real_profile.directions["h2h"][method]
     used = mp.by_block_nbytes.get(block, mp.fit)
     recorded = [row[3] for row in mp.points if row[1] == count and row[2] == block]
     fresh = min(t.p20 for _, t in timings)

@@ -19,7 +19,7 @@ from kvcopy.calibration.network import (  # noqa: E402
     REMOTE_METHOD,
     add_remote_link,
 )
-from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, PrefillProfile, Profile, fit_problems  # noqa: E402
+from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile, fit_problems  # noqa: E402
 from kvcopy.tools import cli  # noqa: E402
 
 from remote_helpers import remote_peer  # noqa: E402
@@ -34,10 +34,10 @@ def _point(nbytes: float, seconds: float) -> list[float]:
 
 
 def _local_profile() -> Profile:
-    fit = LinkFit(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=0.99, max_abs_residual=0.2)
+    fit = CostLine(alpha_s=1e-5, beta_bytes_per_s=2e10, r2=0.99, max_abs_residual=0.2)
     return Profile(
         hardware={"device_name": "test", "torch": "x", "torch_threads": 2, "date": "now"},
-        links={"h2h": {"cpu": MethodProfile(fit, points=[_point(n, fit.predict(n)) for n in (1e5, 1e7)])}},
+        directions={"h2h": {"cpu": MethodProfile(fit, points=[_point(n, fit.predict(n)) for n in (1e5, 1e7)])}},
         peaks={"h2h": 2e10},
         prefill=PrefillProfile(
             model="llama-3.1-8b", alpha_s=0.01, flops_per_s=1e12, r2=0.99, points=((1e11, 0.11), (2e11, 0.21))
@@ -46,7 +46,7 @@ def _local_profile() -> Profile:
 
 
 def _assert_link(profile: Profile, label: str) -> None:
-    link = profile.links[REMOTE_DIRECTION][REMOTE_METHOD]
+    link = profile.directions[REMOTE_DIRECTION][REMOTE_METHOD]
     shapes = {
         (size, count)
         for size in QUICK_SWEEP.range_nbytes
@@ -71,7 +71,7 @@ def _assert_link(profile: Profile, label: str) -> None:
 def test_loopback_calibration_measures_the_link_to_a_peer_process_and_says_so():
     profile = add_remote_link(_local_profile(), progress=False)
     _assert_link(profile, LOOPBACK)
-    assert "h2h" in profile.links  # the local links stay
+    assert "h2h" in profile.directions  # the local links stay
 
 
 def test_calibration_against_a_served_peer_reads_its_descriptor_file(tmp_path):
@@ -111,7 +111,7 @@ def test_calibrate_remote_adds_the_link_and_prints_it_per_range_size(monkeypatch
     saved = Profile.load(out)
     _assert_link(saved, LOOPBACK)
     assert f"remote link ({REMOTE_DIRECTION}): {LOOPBACK}" in printed
-    for size in saved.links[REMOTE_DIRECTION][REMOTE_METHOD].by_block_nbytes:
+    for size in saved.directions[REMOTE_DIRECTION][REMOTE_METHOD].by_block_nbytes:
         assert f"{size // 1024:>6} KiB ranges:" in printed
 
 
@@ -132,8 +132,8 @@ def test_calibrate_remote_refuses_a_bad_descriptor_before_measuring(monkeypatch,
 
 
 def _with_link(profile: Profile) -> Profile:
-    profile.links[REMOTE_DIRECTION] = {
-        REMOTE_METHOD: MethodProfile(LinkFit(alpha_s=1e-4, beta_bytes_per_s=1e9, r2=0.99, max_abs_residual=0.1))
+    profile.directions[REMOTE_DIRECTION] = {
+        REMOTE_METHOD: MethodProfile(CostLine(alpha_s=1e-4, beta_bytes_per_s=1e9, r2=0.99, max_abs_residual=0.1))
     }
     profile.hardware["remote_link"] = LOOPBACK
     return profile
@@ -162,9 +162,9 @@ def test_plan_from_peer_without_a_link_is_a_user_error(tmp_path, capsys):
 
 def test_the_link_to_a_peer_is_judged_per_range_size():
     profile = _with_link(_local_profile())
-    link = profile.links[REMOTE_DIRECTION][REMOTE_METHOD]
-    link.fit = LinkFit(alpha_s=1e-4, beta_bytes_per_s=1e9, r2=0.5, max_abs_residual=5.0)  # sizes differ per byte
-    link.by_block_nbytes = {CALIBRATION_UNIT_BYTES: LinkFit(1e-4, 2e8, 0.99, 0.1)}
+    link = profile.directions[REMOTE_DIRECTION][REMOTE_METHOD]
+    link.fit = CostLine(alpha_s=1e-4, beta_bytes_per_s=1e9, r2=0.5, max_abs_residual=5.0)  # sizes differ per byte
+    link.by_block_nbytes = {CALIBRATION_UNIT_BYTES: CostLine(1e-4, 2e8, 0.99, 0.1)}
     assert fit_problems(profile) == []
-    link.by_block_nbytes[2 << 20] = LinkFit(1e-4, 3e9, 0.4, 0.1)
+    link.by_block_nbytes[2 << 20] = CostLine(1e-4, 3e9, 0.4, 0.1)
     assert fit_problems(profile) == [f"{REMOTE_DIRECTION} {REMOTE_METHOD} 2097152 B ranges: R^2 0.400, max resid 10%"]

@@ -8,13 +8,13 @@ import pytest
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 
 from kvcopy.calibration import disk as link  # noqa: E402
-from kvcopy.calibration.network import LinkSweep  # noqa: E402
+from kvcopy.calibration.network import RangeSweep  # noqa: E402
 from kvcopy.calibration.timing import Timing  # noqa: E402
 from kvcopy.profile import Profile  # noqa: E402
 
-SMALL = LinkSweep((16384, 65536), (1, 4), 1 << 20, 2)
+SMALL = RangeSweep((16384, 65536), (1, 4), 1 << 20, 2)
 # Real timings: 16 KiB to 1 MiB per call, a span no load on the machine flattens into one time.
-WIDE = LinkSweep((16384, 65536), (1, 16), 1 << 20, 2)
+WIDE = RangeSweep((16384, 65536), (1, 16), 1 << 20, 2)
 # A known line per range size (alpha s, bytes/s), so the fit is checked exactly, whatever the machine's load.
 KNOWN = {16384: (50e-6, 0.5e9), 65536: (20e-6, 2e9)}
 
@@ -44,12 +44,12 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
         return create(path, like, num_blocks, **kwargs)
 
     monkeypatch.setattr(link.DiskKVStore, "create", staticmethod(recording_create))
-    profile = Profile(hardware={"device": "cpu"}, links={}, peaks={})
-    link.add_disk_link(profile, str(tmp_path / "disk"), progress=False)
+    profile = Profile(hardware={"device": "cpu"}, directions={}, peaks={})
+    link.add_disk_fits(profile, str(tmp_path / "disk"), progress=False)
     assert calls == ["put", "get"] * len(shapes)  # every shape was written and read through the store
     assert block_sizes == [16384, 65536]  # a store per range size, one block per range: per-block costs count once
     for direction in (link.DISK_WRITE, link.DISK_READ):
-        fits = profile.links[direction][link.DISK_METHOD]
+        fits = profile.directions[direction][link.DISK_METHOD]
         assert sorted(fits.by_block_nbytes) == [16384, 65536]
         for size, (alpha, beta) in KNOWN.items():
             fit = fits.by_block_nbytes[size]
@@ -61,16 +61,18 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
     assert list((tmp_path / "disk").iterdir()) == []  # the calibration store is gone
     profile.save(tmp_path / "p.json")
     again = Profile.load(tmp_path / "p.json")
-    assert again.links[link.DISK_READ][link.DISK_METHOD].by_block_nbytes.keys() == {16384, 65536}
+    assert again.directions[link.DISK_READ][link.DISK_METHOD].by_block_nbytes.keys() == {16384, 65536}
 
 
 def test_the_measured_disk_gives_usable_fits(tmp_path, monkeypatch):
     """Real timings: every point is a positive time, and every fit the sizes allowed is a usable line (a
     size whose times were flat within noise on a busy machine is left to the overall fit)."""
     monkeypatch.setattr(link, "QUICK_SWEEP", WIDE)
-    profile = link.add_disk_link(Profile(hardware={"device": "cpu"}, links={}, peaks={}), str(tmp_path), progress=False)
+    profile = link.add_disk_fits(
+        Profile(hardware={"device": "cpu"}, directions={}, peaks={}), str(tmp_path), progress=False
+    )
     for direction in (link.DISK_WRITE, link.DISK_READ):
-        fits = profile.links[direction][link.DISK_METHOD]
+        fits = profile.directions[direction][link.DISK_METHOD]
         assert len(fits.points) == 4 and all(row[3] > 0 for row in fits.points)
         assert set(fits.by_block_nbytes) <= {16384, 65536}
         assert all(f.alpha_s >= 0 and f.beta_bytes_per_s > 0 for f in [fits.fit, *fits.by_block_nbytes.values()])

@@ -87,12 +87,12 @@ def layer_specs(num_layers: int, sliding_window: int | None, mla: bool = False) 
 
 def write_profile(path, model: str, *, load_alpha_s: float, load_bytes_per_s: float, prefill_flops_per_s: float) -> str:
     """A Profile file: host copies of ``load_alpha_s`` + bytes / ``load_bytes_per_s``, prefill at that FLOP rate."""
-    from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+    from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
-    link = LinkFit(alpha_s=load_alpha_s, beta_bytes_per_s=load_bytes_per_s, r2=1.0, max_abs_residual=0.0)
+    link = CostLine(alpha_s=load_alpha_s, beta_bytes_per_s=load_bytes_per_s, r2=1.0, max_abs_residual=0.0)
     profile = Profile(
         hardware={"device": "test"},
-        links={"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}},
+        directions={"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}},
         prefill=PrefillProfile(model=model, alpha_s=0.0, flops_per_s=prefill_flops_per_s, r2=1.0),
     )
     profile.save(path)

@@ -1,6 +1,6 @@
 """Calibrating the disk: alpha and beta of a DiskKVStore's writes and reads, per range size, cold.
 
-Like the network link (kvcopy/calibration/network.py), with its LinkSweep. A shape is (range bytes, ranges per
+Like the network link (kvcopy/calibration/network.py), with its RangeSweep. A shape is (range bytes, ranges per
 call); a range is one store block: each range size gets a store whose blocks are that size (page-first,
 one uint8 plane), as a model whose page-first block is that size would have, since a store's costs beside
 the transfer (a checksum, an index entry, a commit record) come per block. Its data file is written
@@ -20,8 +20,8 @@ import tempfile
 
 import torch
 
-from kvcopy.calibration.local import fit_links
-from kvcopy.calibration.network import LinkSweep, calibration_pool, run_ids
+from kvcopy.calibration.local import fit_lines
+from kvcopy.calibration.network import RangeSweep, calibration_pool, run_ids
 from kvcopy.calibration.progress import progress_bar
 from kvcopy.calibration.timing import measure
 from kvcopy.host.pool import HostKVPool
@@ -29,15 +29,15 @@ from kvcopy.profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
 from kvcopy.storage.files import filesystem_of, fill_with_zeros
 from kvcopy.storage.store import DiskKVStore
 
-__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_link", "measure_disk"]
+__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_fits", "measure_disk"]
 
 # Where the disk's fits go in a Profile: host to file (a put), file to host (a get), through NIXL's POSIX backend.
 DISK_WRITE, DISK_READ, DISK_METHOD = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION, "nixl_posix"
 
 
 # 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 64 per call.
-QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 64), 32 << 20, 3)
-FULL_SWEEP = LinkSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 5)
+QUICK_SWEEP = RangeSweep((16384, 262144, 2 << 20), (1, 8, 64), 32 << 20, 3)
+FULL_SWEEP = RangeSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 5)
 
 
 class _Key:
@@ -46,7 +46,7 @@ class _Key:
     context_hash = hashlib.sha256(b"kvcopy disk calibration").hexdigest()
 
 
-def measure_disk(directory: str, sweep: LinkSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
+def measure_disk(directory: str, sweep: RangeSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
     """Times puts and gets of a calibration store made in a temporary folder inside ``directory`` (removed
     after): ``{"points": {direction: rows}, "direct": bool, "queue": str, "filesystem": str}``, each row (total
     bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
@@ -114,12 +114,12 @@ def _time_shape(
     return out
 
 
-def add_disk_link(profile: Profile, directory: str, *, quick: bool = True, progress: bool = True) -> Profile:
-    """Measures the disk under ``directory`` and adds it to ``profile``: ``links["h2f"]`` and ``links["f2h"]``
+def add_disk_fits(profile: Profile, directory: str, *, quick: bool = True, progress: bool = True) -> Profile:
+    """Measures the disk under ``directory`` and adds it to ``profile``: ``directions["h2f"]`` and ``directions["f2h"]``
     (method "nixl_posix", fits per range size) and ``hardware["disk"]``."""
     measured = measure_disk(directory, QUICK_SWEEP if quick else FULL_SWEEP, progress=progress)
-    fits = fit_links({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
-    profile.links.update(fits)
+    fits = fit_lines({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
+    profile.directions.update(fits)
     profile.hardware["disk"] = (
         f"{os.path.abspath(directory)} ({measured['filesystem']}; "
         f"{'O_DIRECT' if measured['direct'] else 'page cache dropped before reads'}; NIXL POSIX {measured['queue']})"

@@ -27,12 +27,12 @@ from kvcopy.calibration.timing import COLD_BYTES, measure
 from kvcopy.host.pool import HostKVPool
 from kvcopy.layout import PagedKV
 from kvcopy.ops import available_methods, copy_blocks
-from kvcopy.profile import LinkFit, MethodProfile, PrefillProfile, Profile
+from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
 if TYPE_CHECKING:
     from kvcopy.model.spec import ModelSpec
 
-__all__ = ["calibrate", "fit_links", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
+__all__ = ["calibrate", "fit_lines", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
 
 # Planes of the synthetic cache: enough that per-plane costs show, as in a real
 # cache (a llama8b cache has 64), while keeping the largest shapes small.
@@ -82,8 +82,8 @@ def _hardware(device: torch.device) -> dict[str, object]:
     return {**machine_identity(device), "calibration_planes": CALIBRATION_PLANES}
 
 
-def _link_fit(fit: LinearFit) -> LinkFit:
-    return LinkFit(alpha_s=fit.alpha, beta_bytes_per_s=fit.beta, r2=fit.r2, max_abs_residual=fit.max_abs_residual)
+def _link_fit(fit: LinearFit) -> CostLine:
+    return CostLine(alpha_s=fit.alpha, beta_bytes_per_s=fit.beta, r2=fit.r2, max_abs_residual=fit.max_abs_residual)
 
 
 def _pairs(device: torch.device, plane_block_nbytes: int, num_blocks: int) -> dict[str, tuple[PagedKV, PagedKV]]:
@@ -156,14 +156,14 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
     return points
 
 
-def fit_links(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
+def fit_lines(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
     """Per direction and method: the fit over all points ``[bytes, blocks, plane-block bytes, median s, ...]``
     and one per plane-block size (where that size has two or more byte counts and the times grow)."""
     links: dict[str, dict[str, MethodProfile]] = {}
     for direction, methods in points.items():
         for method, rows in methods.items():
             overall = _link_fit(fit_alpha_beta([r[0] for r in rows], [r[3] for r in rows]))
-            by_block: dict[int, LinkFit] = {}
+            by_block: dict[int, CostLine] = {}
             for block_nbytes in sorted({int(r[2]) for r in rows}):
                 mine = [r for r in rows if int(r[2]) == block_nbytes]
                 if len({r[0] for r in mine}) < 2:
@@ -361,7 +361,7 @@ def calibrate(
     points = _time_links(device, sweep, methods, progress)
     if not points:
         raise ValueError(f"methods: none of {list(methods or [])} can run on {device}")
-    profile = Profile(hardware=_hardware(device), links=fit_links(points))
+    profile = Profile(hardware=_hardware(device), directions=fit_lines(points))
     profile.peaks = _contiguous_peaks(device, sweep.max_total_bytes // 2, sweep.repeats)
     profile.prefill = _time_prefill(spec, device, sweep, progress)
     return profile

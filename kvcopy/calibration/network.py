@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcopy.calibration.local import fit_links
+from kvcopy.calibration.local import fit_lines
 from kvcopy.calibration.progress import progress_bar
 from kvcopy.calibration.timing import measure
 from kvcopy.host.pool import HostKVPool
@@ -39,7 +39,7 @@ __all__ = [
     "LOOPBACK",
     "REMOTE_DIRECTION",
     "REMOTE_METHOD",
-    "LinkSweep",
+    "RangeSweep",
     "add_remote_link",
     "calibration_pool",
     "check_calibration_descriptor",
@@ -71,7 +71,7 @@ PEER_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
-class LinkSweep:
+class RangeSweep:
     """Range sizes x ranges per read (for the disk, kvcopy.calibration.disk: per put and get), capped in bytes per
     read; each side's pool holds twice the cap so that successive reads fetch different bytes."""
 
@@ -87,8 +87,8 @@ class LinkSweep:
 
 # 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 32 per read:
 # 32 of 2 MiB is one 64 MiB read, so the fit reaches the sizes a long prefix reads instead of extrapolating.
-QUICK_SWEEP = LinkSweep((16384, 262144, 2 << 20), (1, 8, 32), 64 << 20, 5)
-FULL_SWEEP = LinkSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 7)
+QUICK_SWEEP = RangeSweep((16384, 262144, 2 << 20), (1, 8, 32), 64 << 20, 5)
+FULL_SWEEP = RangeSweep((4096, 32768, 262144, 2 << 20), (1, 4, 16, 64, 256), 128 << 20, 7)
 
 
 def calibration_pool(nbytes: int, *, block_nbytes: int = CALIBRATION_UNIT_BYTES) -> HostKVPool:
@@ -116,7 +116,7 @@ def _range_ids(
 
 
 def measure_link(
-    peer: KVPeer, remote: RemotePool, sweep: LinkSweep = QUICK_SWEEP, *, progress: bool = True
+    peer: KVPeer, remote: RemotePool, sweep: RangeSweep = QUICK_SWEEP, *, progress: bool = True
 ) -> tuple[list[list[float]], float]:
     """Times reads of ``remote``'s blocks into ``peer``'s pool over ``sweep``: the points (total bytes, NIXL
     descriptors per read on average, range bytes, median s, p20 s, p80 s) per shape, and the contiguous peak in
@@ -177,7 +177,7 @@ def add_remote_link(
 ) -> Profile:
     """Measures the link to the peer whose calibration descriptor is ``remote_descriptor`` (from
     :func:`serve_calibration_peer` on the other node), or to a loopback peer in another process of this
-    machine when None, and adds it to ``profile``: ``links["r2h"]["nixl"]``, ``peaks["r2h"]`` and
+    machine when None, and adds it to ``profile``: ``directions["r2h"]["nixl"]``, ``peaks["r2h"]`` and
     ``hardware["remote_link"]`` (which peer; LOOPBACK on one machine) and ``hardware["remote_transport"]``
     (what carried the bytes: :func:`probe_transport`)."""
     sweep = QUICK_SWEEP if quick else FULL_SWEEP
@@ -193,7 +193,7 @@ def add_remote_link(
                 lambda: peer.read(remote, whole, whole).wait(READ_TIMEOUT_S), len(whole) * CALIBRATION_UNIT_BYTES
             )
             label = label or f"peer {remote.agent!r} (NIXL, {', '.join(peer.backends)})"
-    profile.links[REMOTE_DIRECTION] = fit_links({REMOTE_DIRECTION: {REMOTE_METHOD: points}})[REMOTE_DIRECTION]
+    profile.directions[REMOTE_DIRECTION] = fit_lines({REMOTE_DIRECTION: {REMOTE_METHOD: points}})[REMOTE_DIRECTION]
     profile.peaks[REMOTE_DIRECTION] = peak
     profile.hardware["remote_link"] = label
     profile.hardware["remote_transport"] = transport
@@ -232,7 +232,7 @@ def interface_rx_bytes() -> int | None:
 
 
 @contextmanager
-def _remote_descriptor(remote_descriptor: bytes | None, sweep: LinkSweep) -> Iterator[tuple[bytes, str | None]]:
+def _remote_descriptor(remote_descriptor: bytes | None, sweep: RangeSweep) -> Iterator[tuple[bytes, str | None]]:
     if remote_descriptor is not None:
         yield remote_descriptor, None
         return

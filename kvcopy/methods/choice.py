@@ -61,10 +61,13 @@ def choose_method(
     ]
     if profile is not None:
         direction = direction_of(src.device.type, dst.device.type)
-        if direction in profile.links:
-            nbytes = src.nbytes_per_block * max(num_blocks, 1)
-            measured = profile.fastest_method(
-                direction, nbytes, src.nbytes_per_block / src.num_planes, [m.name for m in candidates]
+        if direction in profile.directions:
+            measured = profile.best_method(
+                direction,
+                src.nbytes_per_block,
+                max(num_blocks, 1),
+                planes=src.num_planes,
+                candidates=[m.name for m in candidates],
             )
             if measured is not None:
                 return measured

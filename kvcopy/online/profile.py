@@ -35,7 +35,7 @@ from kvcopy.calibration.fit import fit_max_linear, weighted_median
 from kvcopy.model.spec import ModelSpec
 from kvcopy.online.observations import Stream, age_weights, checked_seconds, count, token_counts
 from kvcopy.online.prefill import ForwardLaw
-from kvcopy.profile import REMOTE_DIRECTION, LinkFit, MethodProfile, Profile
+from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, Profile
 
 __all__ = [
     "BANDWIDTH_CAP_FACTOR",
@@ -154,10 +154,10 @@ class OnlineProfile:
         counts: dict[str, int] = {}
         observed_directions = {direction for (direction, _), items in copies.items() if items}
         for direction in observed_directions:  # see _fit_link: unobserved methods are not comparable
-            profile.links[direction] = {}
+            profile.directions[direction] = {}
         for (direction, method), items in copies.items():
             if items:
-                profile.links[direction][method] = self._fit_link(direction, method, items)
+                profile.directions[direction][method] = self._fit_link(direction, method, items)
                 counts[f"{direction} {method}"] = count(items)
         if forwards:
             profile.prefill = self._prefill.fit(forwards, self._prior_prefill(), self.half_life, PRIOR_WEIGHT)
@@ -201,7 +201,7 @@ class OnlineProfile:
 
     def _prior_link(self, direction: str, method: str) -> MethodProfile | None:
         """The base's profile of this method in this direction; else its best method there; else None."""
-        measured = self.base.links.get(direction, {}) if self.base is not None else {}
+        measured = self.base.directions.get(direction, {}) if self.base is not None else {}
         if method in measured:
             return measured[method]
         if not measured:
@@ -216,7 +216,7 @@ class OnlineProfile:
             return BANDWIDTH_CAP_FACTOR * base.peaks[direction]
         fits = [
             f
-            for mp in (base.links.get(direction, {}) if base else {}).values()
+            for mp in (base.directions.get(direction, {}) if base else {}).values()
             for f in (mp.fit, *mp.by_block_nbytes.values())
         ]
         if fits:
@@ -244,7 +244,7 @@ class OnlineProfile:
         by_size = {}
         for size in sorted(set(sizes.tolist())):
             mine = sizes == size
-            prior_fit = prior.link_at(size) if prior else None
+            prior_fit = prior.line_at(size) if prior else None
             by_size[int(size)] = self._link_fit(
                 nbytes[mine], seconds[mine], weights[mine], prior_fit, cap, planes, size
             )
@@ -255,11 +255,11 @@ class OnlineProfile:
         nbytes: np.ndarray,
         seconds: np.ndarray,
         weights: np.ndarray,
-        prior: LinkFit | None,
+        prior: CostLine | None,
         cap: float,
         planes: int,
         size: float | None,
-    ) -> LinkFit:
+    ) -> CostLine:
         x, t, w = nbytes, seconds, weights
         is_data = np.ones(len(x), dtype=bool)
         if prior is not None:
@@ -274,7 +274,7 @@ class OnlineProfile:
             beta = min(_rate(x, t, w), cap)
             pred = x / beta
             rel = (t - pred) / pred
-            return LinkFit(alpha_s=0.0, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=float(np.max(np.abs(rel))))
+            return CostLine(alpha_s=0.0, beta_bytes_per_s=beta, r2=1.0, max_abs_residual=float(np.max(np.abs(rel))))
         else:
             start = np.array([float(t.min()) / 2, 1.0 / min(_rate(x, t, w), cap)])
         features = np.stack([np.ones_like(x), x], axis=1)[None]
@@ -282,7 +282,7 @@ class OnlineProfile:
             features, t, w, is_data, [start], lower=np.array([0.0, 1.0 / cap]), upper=np.array([np.inf, np.inf])
         )
         alpha, per_byte = fit.params
-        return LinkFit(
+        return CostLine(
             alpha_s=float(alpha),
             beta_bytes_per_s=float(1.0 / per_byte),
             r2=fit.r2,

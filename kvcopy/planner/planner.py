@@ -173,15 +173,15 @@ class Planner:
         costs, at the range size of one page-first block (one network descriptor per block).
         """
         spec = spec.shard(tp)
-        direction = "h2d" if "h2d" in profile.links else "h2h"
-        if direction not in profile.links:
-            raise ValueError(f"profile: no host->device or host->host measurements (has {sorted(profile.links)})")
+        direction = "h2d" if "h2d" in profile.directions else "h2h"
+        if direction not in profile.directions:
+            raise ValueError(f"profile: no host->device or host->host measurements (has {sorted(profile.directions)})")
         prefill = profile.prefill
         if prefill is None:
             raise ValueError("profile: no prefill measurement")
         planes = spec.num_layers * (1 if spec.attention == "mla" else 2)
         plane_block = spec.block_nbytes(block_tokens) / planes
-        fits = [mp.link_at(plane_block) for mp in profile.links[direction].values()]
+        fits = [mp.line_at(plane_block) for mp in profile.directions[direction].values()]
         model = spec.name.split("@")[0]
         alpha = prefill.alpha_for(model, spec.num_layers)
         note = ""
@@ -193,7 +193,7 @@ class Planner:
         block = spec.block_nbytes(block_tokens)
         fetch, disk = (
             min(
-                (mp.link_at(block) for mp in profile.links.get(link, {}).values()),
+                (mp.line_at(block) for mp in profile.directions.get(link, {}).values()),
                 key=lambda fit: fit.predict(block),
                 default=None,
             )

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy.planner.planner import Planner
-from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, LinkFit, Profile
+from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, CostLine, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]
 
@@ -61,14 +61,14 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     """Per direction: measured copy time against bytes (medians, p20-p80 bars) and each method's fitted line;
     and the prefill panel: one layer's forward time against its FLOPs, with the fitted roofline."""
     plt = _pyplot()
-    directions = sorted(profile.links)
+    directions = sorted(profile.directions)
     panels = len(directions) + (profile.prefill is not None)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
     for ax, direction in zip(axes[0], directions):
         if direction in PER_SIZE_JUDGED_DIRECTIONS:
             _per_size_panel(ax, profile, direction)
             continue
-        for method, mp in sorted(profile.links[direction].items()):
+        for method, mp in sorted(profile.directions[direction].items()):
             if not mp.points:  # a profile written by hand: a fit without the points it came from
                 continue
             label = f"{method}: alpha {mp.fit.alpha_s * 1e6:.1f} us, beta {mp.fit.beta_bytes_per_s / 1e9:.1f} GB/s"
@@ -89,7 +89,7 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     )
 
 
-def _points_and_fit(ax: Any, pts: np.ndarray, fit: LinkFit, label: str) -> None:
+def _points_and_fit(ax: Any, pts: np.ndarray, fit: CostLine, label: str) -> None:
     """Calibration points ``[bytes, blocks, plane-block bytes, median, p20, p80]`` (medians, p20-p80 bars) and
     the fitted line through their range, in one color."""
     line = ax.errorbar(
@@ -102,7 +102,7 @@ def _points_and_fit(ax: Any, pts: np.ndarray, fit: LinkFit, label: str) -> None:
 def _per_size_panel(ax: Any, profile: Profile, direction: str) -> None:
     """The link to a peer: one color per range size (each range is one network descriptor), each with its fit
     (what the planner's fetch uses); the title says which peer (a loopback is labelled so)."""
-    for method, mp in sorted(profile.links[direction].items()):
+    for method, mp in sorted(profile.directions[direction].items()):
         pts = np.array(mp.points) if mp.points else np.zeros((0, 6))
         for size in sorted({int(p) for p in pts[:, 2]}):
             fit = mp.by_block_nbytes.get(size, mp.fit)

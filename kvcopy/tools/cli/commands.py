@@ -17,7 +17,7 @@ from kvcopy.tools.cli.parser import CliError, check_folder, check_plot, device_a
 __all__ = [
     "DEFAULT_PLAN_MODEL",
     "LOOPBACK_ARG",
-    "add_disk_link",
+    "add_disk_fits",
     "add_remote_link",
     "bench",
     "calibrate",
@@ -25,7 +25,7 @@ __all__ = [
     "info",
     "peer",
     "plan",
-    "print_disk_link",
+    "print_disk_fits",
     "print_remote_link",
     "remote_descriptor",
 ]
@@ -63,7 +63,7 @@ def calibrate(args: argparse.Namespace) -> int:
         if args.remote is not None:
             add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
         if args.disk is not None:
-            add_disk_link(profile, args.disk, quick=args.quick, progress=not args.no_progress)
+            add_disk_fits(profile, args.disk, quick=args.quick, progress=not args.no_progress)
         return profile
 
     profile = measure()
@@ -81,9 +81,9 @@ def calibrate(args: argparse.Namespace) -> int:
     )
     print(header)
     print("-" * len(header))
-    for direction in sorted(profile.links):
+    for direction in sorted(profile.directions):
         peak = profile.peaks.get(direction)
-        for method, mp in sorted(profile.links[direction].items()):
+        for method, mp in sorted(profile.directions[direction].items()):
             fit = mp.fit
             share = f"{fit.beta_bytes_per_s / peak:9.0%}" if peak else f"{'':>9}"
             print(
@@ -93,7 +93,7 @@ def calibrate(args: argparse.Namespace) -> int:
         if peak:
             print(f"{direction:<9} {'contiguous':<12} {'':>9} {peak / 1e9:10.2f} {'100%':>9}")
     print_remote_link(profile)
-    print_disk_link(profile)
+    print_disk_fits(profile)
     prefill = profile.prefill
     floor = (
         f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
@@ -353,7 +353,7 @@ def print_remote_link(profile: object) -> None:
     from kvcopy.calibration.network import REMOTE_METHOD
     from kvcopy.profile import REMOTE_DIRECTION
 
-    link = profile.links.get(REMOTE_DIRECTION, {}).get(REMOTE_METHOD)  # type: ignore[attr-defined]
+    link = profile.directions.get(REMOTE_DIRECTION, {}).get(REMOTE_METHOD)  # type: ignore[attr-defined]
     if link is None:
         return
     print(f"remote link ({REMOTE_DIRECTION}): {profile.hardware.get('remote_link')}")  # type: ignore[attr-defined]
@@ -398,8 +398,8 @@ def check_disk_arg(value: str | None) -> None:
     need_nixl("--disk")
 
 
-def add_disk_link(profile: object, directory: str, *, quick: bool, progress: bool) -> None:
-    from kvcopy.calibration.disk import add_disk_link as measure
+def add_disk_fits(profile: object, directory: str, *, quick: bool, progress: bool) -> None:
+    from kvcopy.calibration.disk import add_disk_fits as measure
 
     try:
         measure(profile, directory, quick=quick, progress=progress)  # type: ignore[arg-type]
@@ -407,7 +407,7 @@ def add_disk_link(profile: object, directory: str, *, quick: bool, progress: boo
         raise CliError(f"--disk: the disk under {directory} could not be measured: {err}") from None
 
 
-def print_disk_link(profile: object) -> None:
+def print_disk_fits(profile: object) -> None:
     """The disk's writes and reads per range size (what a disk reload would use), below calibrate's table."""
     from kvcopy.calibration.disk import DISK_METHOD, DISK_READ, DISK_WRITE
 
@@ -416,7 +416,7 @@ def print_disk_link(profile: object) -> None:
         return
     print(f"disk: {where}")
     for direction, what in ((DISK_WRITE, "write"), (DISK_READ, "read")):
-        link = profile.links.get(direction, {}).get(DISK_METHOD)  # type: ignore[attr-defined]
+        link = profile.directions.get(direction, {}).get(DISK_METHOD)  # type: ignore[attr-defined]
         for size, fit in sorted(link.by_block_nbytes.items()) if link else ():
             print(
                 f"  {what} ({direction}) {size // 1024:>6} KiB ranges: {fit.alpha_s * 1e6:8.1f} us + bytes at "
