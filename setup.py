@@ -27,11 +27,11 @@ CPU_SOURCES = [
     "csrc/python/fast_path.cpp",
     "csrc/common/block_ids.cpp",
     "csrc/ops/check_ids.cpp",
-    "csrc/ops/copy_blocks_cpu.cpp",
+    "csrc/ops/launch_cpu.cpp",
     "csrc/cpu/block_copy_cpu.cpp",
 ]
 CUDA_SOURCES = [
-    "csrc/ops/copy_blocks_cuda.cpp",
+    "csrc/ops/launch_cuda.cpp",
     "csrc/kernels/block_copy_kernel.cu",
     "csrc/kernels/block_copy_dma.cpp",
     "csrc/kernels/dma_baselines.cpp",

@@ -1,4 +1,5 @@
-// Thin ATen launchers for the CUDA block copies: device guard, current stream.
+// The ops' CUDA launchers: kvcopy::copy_blocks (SM kernel) and kvcopy::copy_blocks_dma (copy
+// engines) with a CUDA tensor involved, as thin ATen calls: device guard, current stream.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
