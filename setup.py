@@ -28,12 +28,12 @@ CPU_SOURCES = [
     "csrc/common/block_ids.cpp",
     "csrc/ops/check_ids.cpp",
     "csrc/ops/launch_cpu.cpp",
-    "csrc/cpu/block_copy_cpu.cpp",
+    "csrc/cpu/copy_blocks_cpu.cpp",
 ]
 CUDA_SOURCES = [
     "csrc/ops/launch_cuda.cpp",
-    "csrc/kernels/block_copy_kernel.cu",
-    "csrc/kernels/block_copy_dma.cpp",
+    "csrc/kernels/copy_blocks_sm.cu",
+    "csrc/kernels/copy_blocks_dma.cpp",
     "csrc/kernels/dma_baselines.cpp",
 ]
 

@@ -1,4 +1,4 @@
-// Submitting planned byte ranges to the copy engines (block_copy_dma.cpp),
+// Submitting planned byte ranges to the copy engines (copy_blocks_dma.cpp),
 // shared by the production path and the benchmark baselines. Torch-free.
 #pragma once
 

@@ -2,7 +2,7 @@
 // ATen calls of the torch-free CPU copy.
 #include <ATen/Parallel.h>
 
-#include "../cpu/block_copy_cpu.h"
+#include "../cpu/copy_blocks_cpu.h"
 #include "aten_planes.h"
 #include "ops.h"
 

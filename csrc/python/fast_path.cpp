@@ -17,13 +17,14 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu/block_copy_cpu.h"
+#include "cpu/copy_blocks_cpu.h"
 #include "kvcopy/block_ids.h"
 #include "kvcopy/copy_ranges.h"
 #include "kvcopy/plane_copy.h"
 #include "kvcopy/plane_table.h"
 #ifdef KVCOPY_WITH_CUDA
-#include "kernels/block_copy_cuda.h"
+#include "kernels/copy_blocks_dma.h"
+#include "kernels/copy_blocks_sm.h"
 #include "kernels/dma_baselines.h"
 #endif
 
@@ -145,9 +146,8 @@ void py_copy_blocks_cuda(Address src_table, Address dst_table, int64_t num_plane
   cudaError_t err = cudaSuccess;
   {
     py::gil_scoped_release release;  // the launch touches no Python object: other threads run meanwhile
-    err = launch_block_copy_kernel(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                   as_ptr<const int64_t>(dst_ids), num_ids, src_blocks, dst_blocks, num_ctas,
-                                   as_ptr<CUstream_st>(stream));
+    err = copy_blocks_sm(planes.data(), num_planes, as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids),
+                         num_ids, src_blocks, dst_blocks, num_ctas, as_ptr<CUstream_st>(stream));
   }
   check_cuda(err, "block copy kernel launch");
 }
@@ -160,8 +160,8 @@ void py_copy_blocks_dma(Address src_table, Address dst_table, int64_t num_planes
   cudaError_t err = cudaSuccess;
   {
     py::gil_scoped_release release;  // planning the ranges and submitting them touch no Python object
-    err = submit_block_copy_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                as_ptr<const int64_t>(dst_ids), num_ids, as_ptr<CUstream_st>(stream));
+    err = copy_blocks_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids),
+                          num_ids, as_ptr<CUstream_st>(stream));
   }
   check_cuda(err, "copy-engine submission");
 }
@@ -176,9 +176,9 @@ void py_copy_blocks_dma_baseline(Address src_table, Address dst_table, int64_t n
   }
   const std::vector<PlaneCopy> planes = planes_from_tables(src_table, dst_table, num_planes);
   check_device_is_current(device);
-  check_cuda(submit_block_copy_dma_baseline(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                            as_ptr<const int64_t>(dst_ids), num_ids, static_cast<DmaBaseline>(baseline),
-                                            as_ptr<CUstream_st>(stream)),
+  check_cuda(copy_blocks_dma_baseline(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                                      as_ptr<const int64_t>(dst_ids), num_ids, static_cast<DmaBaseline>(baseline),
+                                      as_ptr<CUstream_st>(stream)),
              "baseline copy-engine submission");
 }
 
@@ -211,7 +211,7 @@ int py_cuda_driver_version() {
 
 int py_sm_kernel_grid(int64_t num_items, int64_t num_planes, int requested) {
   int grid = 0;
-  check_cuda(block_copy_grid(num_items, num_planes, requested, &grid), "sizing the SM kernel's grid");
+  check_cuda(copy_blocks_sm_grid(num_items, num_planes, requested, &grid), "sizing the SM kernel's grid");
   return grid;
 }
 

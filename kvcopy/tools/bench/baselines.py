@@ -17,7 +17,7 @@ from kvcopy.methods.torch_method import word_views
 
 __all__ = ["per_layer_index_loop", "per_block_copy_loop", "dma_baseline", "contiguous_copy", "DMA_BASELINES"]
 
-# Baselines of the extension's copy_blocks_dma_baseline (csrc/kernels/block_copy_cuda.h, DmaBaseline).
+# Baselines of the extension's copy_blocks_dma_baseline (csrc/kernels/dma_baselines.h, DmaBaseline).
 DMA_BASELINES = {
     "per-block cudaMemcpyAsync": 0,  # one call per (block, plane): vLLM's old swap_blocks
     "batched DMA, unmerged": 1,  # one cudaMemcpyBatchAsync of every (block, plane), no coalescing

@@ -1,9 +1,10 @@
 // Copy-engine (DMA) submission of block copies. Torch-free host code.
+#include "copy_blocks_dma.h"
+
 #include <atomic>
 #include <unordered_map>
 #include <vector>
 
-#include "block_copy_cuda.h"
 #include "dma_submit.h"
 #include "kvcopy/copy_ranges.h"
 
@@ -131,8 +132,8 @@ cudaError_t submit_batched(DmaCopies& copies, cudaStream_t stream) {
 
 int64_t dma_side_streams_alive() { return g_side_streams_alive.load(); }
 
-cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
+cudaError_t copy_blocks_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
+                            int64_t num_ids, cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
   return submit_copy_ranges(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids), /*batched=*/true, stream);
 }
