@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = ("8.0", "9.0", "10.0")  # A100, H100/H200, B200
 CPU_SOURCES = [
     "csrc/ops/registration.cpp",
-    "csrc/python/fast_path.cpp",
+    "csrc/python/module.cpp",
     "csrc/common/block_ids.cpp",
     "csrc/ops/check_ids.cpp",
     "csrc/ops/launch_cpu.cpp",

@@ -1,6 +1,7 @@
-// The Python module kvcopy._C, bound with pybind11: the eager fast path into
-// the same kernels as the kvcopy ops, entered with raw addresses instead of
-// tensor lists, plus the CUDA helpers the Python layer needs. Torch-free:
+// The whole Python module kvcopy._C, bound with pybind11: the eager entry
+// points into the same kernels as the kvcopy ops, entered with raw addresses
+// instead of tensor lists; HostCopyPlan, the host fast path's compiled side;
+// and the CUDA helpers the Python layer needs. Torch-free:
 // pybind11 is used directly (the copy torch ships), not through torch's
 // extension header, so this file compiles in seconds.
 //
