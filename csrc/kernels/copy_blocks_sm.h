@@ -16,12 +16,12 @@ namespace kvcopy {
 constexpr int64_t kMaxPlanesPerLaunch = 256;
 
 // The plane capacity of the launch that copies `num_planes` planes (<= kMaxPlanesPerLaunch):
-// 8, 64 or 256. Host code, for tests and the launch itself.
+// 8, 64 or 256. Host code, for the launch itself and copy_blocks_sm_grid.
 int64_t plane_table_capacity(int64_t num_planes);
 
 // The grid the SM kernel would launch with for `num_items` work items (warp-sized chunks) of a
 // launch of `num_planes` planes and a CTA budget (<= 0: one wave of resident CTAs), on the
-// current device. For tests and benchmarks.
+// current device. For tests (kvcopy._C.sm_kernel_grid).
 cudaError_t copy_blocks_sm_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas);
 
 // SM kernel: every (block, plane) pair, in chunks of at most 32 KiB, is copied

@@ -236,7 +236,7 @@ void py_destroy_stream(Address stream) {
 }  // namespace kvcopy
 
 // Importing the module also runs the op registrations of csrc/ops/registration.cpp (same library).
-// Which CUDA archs were built is recorded by setup.py in kvcopy/_build_config.py.
+// Which CUDA archs were built is recorded by setup.py in kvcopy/_build_config.json.
 PYBIND11_MODULE(_C, m) {
   using namespace kvcopy;
   m.doc() = "kvcopy's compiled ops and eager fast path";
