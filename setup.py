@@ -34,6 +34,7 @@ CUDA_SOURCES = [
     "csrc/ops/launch_cuda.cpp",
     "csrc/kernels/copy_blocks_sm.cu",
     "csrc/kernels/copy_blocks_dma.cpp",
+    "csrc/kernels/dma_submit.cpp",
     "csrc/kernels/dma_baselines.cpp",
 ]
 

@@ -18,8 +18,4 @@ namespace kvcopy {
 cudaError_t copy_blocks_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
                             int64_t num_ids, cudaStream_t stream);
 
-// Side streams the copy-engine path holds for host threads that submitted on the legacy default
-// stream (one per thread and device, destroyed when the thread exits). For tests.
-int64_t dma_side_streams_alive();
-
 }  // namespace kvcopy

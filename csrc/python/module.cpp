@@ -27,6 +27,7 @@
 #include "kernels/copy_blocks_dma.h"
 #include "kernels/copy_blocks_sm.h"
 #include "kernels/dma_baselines.h"
+#include "kernels/dma_submit.h"
 #endif
 
 namespace py = pybind11;
