@@ -23,7 +23,9 @@
 #include "kvcopy/copy_ranges.h"
 #include "kvcopy/plane_copy.h"
 #include "kvcopy/plane_table.h"
+#include "plane_tables.h"
 #ifdef KVCOPY_WITH_CUDA
+#include "cuda_checks.h"
 #include "kernels/copy_blocks_dma.h"
 #include "kernels/copy_blocks_sm.h"
 #include "kernels/dma_baselines.h"
@@ -34,27 +36,6 @@ namespace py = pybind11;
 
 namespace kvcopy {
 namespace {
-
-using Address = std::uintptr_t;  // a pointer passed from Python as an int
-
-template <typename T>
-T* as_ptr(Address address) {
-  return reinterpret_cast<T*>(address);
-}
-
-std::vector<PlaneCopy> planes_from_tables(Address src_table, Address dst_table, int64_t num_planes) {
-  const int64_t* src = as_ptr<const int64_t>(src_table);
-  const int64_t* dst = as_ptr<const int64_t>(dst_table);
-  std::vector<PlaneCopy> planes(static_cast<size_t>(num_planes));
-  for (int64_t p = 0; p < num_planes; ++p) {
-    const int64_t* s = src + p * kPlaneTableColumns;
-    const int64_t* d = dst + p * kPlaneTableColumns;
-    planes[p] = {as_ptr<const uint8_t>(static_cast<Address>(s[kPlaneAddress])),
-                 as_ptr<uint8_t>(static_cast<Address>(d[kPlaneAddress])), s[kPlaneBlockStride], d[kPlaneBlockStride],
-                 s[kPlaneBlockBytes]};
-  }
-  return planes;
-}
 
 // Throws `problem` (unless kNone) as IndexError / ValueError, worded as the Python checks and the ops word it.
 void throw_if_invalid(const IdProblem& problem, const IdNames& names, int64_t src_len, int64_t src_blocks,
@@ -119,26 +100,6 @@ std::vector<std::tuple<Address, Address, int64_t>> py_plan_copy_ranges(Address s
 }
 
 #ifdef KVCOPY_WITH_CUDA
-[[noreturn]] void throw_cuda(cudaError_t err, const char* what) {
-  cudaGetLastError();  // clear the runtime's sticky-until-read error, so torch's next check does not report it
-  throw std::runtime_error(std::string("kvcopy: ") + what + " failed: " + cudaGetErrorString(err));
-}
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw_cuda(err, what);
-}
-
-// The Python layer makes the copy's device current (torch.cuda.device); a mismatch here would
-// launch on the wrong GPU, so it is an error.
-void check_device_is_current(int device) {
-  int current = -1;
-  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != device) {
-    throw std::runtime_error("kvcopy: the current CUDA device is " + std::to_string(current) + ", the copy's is " +
-                             std::to_string(device));
-  }
-}
-
 // SM kernel; ids on the device.
 void py_copy_blocks_cuda(Address src_table, Address dst_table, int64_t num_planes, Address src_ids, Address dst_ids,
                          int64_t num_ids, int64_t src_blocks, int64_t dst_blocks, int num_ctas, Address stream,
