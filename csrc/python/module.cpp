@@ -28,7 +28,6 @@
 #include "cuda_checks.h"
 #include "kernels/copy_blocks_dma.h"
 #include "kernels/copy_blocks_sm.h"
-#include "kernels/dma_baselines.h"
 #include "kernels/dma_submit.h"
 #endif
 
@@ -129,22 +128,6 @@ void py_copy_blocks_dma(Address src_table, Address dst_table, int64_t num_planes
   check_cuda(err, "copy-engine submission");
 }
 
-// Benchmarks: baseline 0 is one cudaMemcpyAsync per (block, plane), 1 one unmerged cudaMemcpyBatchAsync.
-void py_copy_blocks_dma_baseline(Address src_table, Address dst_table, int64_t num_planes, Address src_ids,
-                                 Address dst_ids, int64_t num_ids, Address stream, int device, int baseline) {
-  if (baseline != static_cast<int>(DmaBaseline::kPerBlockMemcpy) &&
-      baseline != static_cast<int>(DmaBaseline::kUnmergedBatch)) {
-    throw py::value_error("kvcopy: baseline: expected 0 (per-block memcpy) or 1 (unmerged batch), got " +
-                          std::to_string(baseline));
-  }
-  const std::vector<PlaneCopy> planes = planes_from_tables(src_table, dst_table, num_planes);
-  check_device_is_current(device);
-  check_cuda(copy_blocks_dma_baseline(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                      as_ptr<const int64_t>(dst_ids), num_ids, static_cast<DmaBaseline>(baseline),
-                                      as_ptr<CUstream_st>(stream)),
-             "baseline copy-engine submission");
-}
-
 // A stream of the device's least priority, non-blocking (no implicit sync with the legacy default
 // stream: the engine orders it with events). Owned by the caller: destroy_stream.
 Address py_create_copy_stream(int device) {
@@ -242,8 +225,6 @@ PYBIND11_MODULE(_C, m) {
 #ifdef KVCOPY_WITH_CUDA
   m.def("copy_blocks_cuda", &py_copy_blocks_cuda, "SM-kernel block copy from plane-table addresses.");
   m.def("copy_blocks_dma", &py_copy_blocks_dma, "Copy-engine block copy from plane-table addresses.");
-  m.def("copy_blocks_dma_baseline", &py_copy_blocks_dma_baseline,
-        "Benchmark baselines: per-block cudaMemcpyAsync (0) or one unmerged cudaMemcpyBatchAsync (1).");
   m.def("create_copy_stream", &py_create_copy_stream, "A new least-priority non-blocking stream.");
   m.def("can_use_host_pointer", &py_can_use_host_pointer,
         "Whether kernels on the device may read registered host memory by its host address.");

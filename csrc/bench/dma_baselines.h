@@ -2,7 +2,8 @@
 // the same block copies with nothing merged, one range per (block, plane),
 // submitted either as one cudaMemcpyBatchAsync (the batched call without
 // kvcopy's coalescing) or as one cudaMemcpyAsync each (vLLM's old
-// swap_blocks). Torch-free; same pointer contract as copy_blocks_dma.
+// swap_blocks). Built into the benchmark's module (baselines_module.cpp), not
+// into kvcopy._C. Torch-free; same pointer contract as copy_blocks_dma.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "dma_submit.h"
+#include "kernels/dma_submit.h"
 
 namespace kvcopy {
 namespace {
