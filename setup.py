@@ -1,6 +1,8 @@
-"""Builds kvcopy's one extension, kvcopy._C, with torch.utils.cpp_extension.
+"""Builds kvcopy's extension, kvcopy._C, with torch.utils.cpp_extension.
 
-- CUDA + CPU kernels when nvcc and a CUDA build of torch are present;
+- CUDA + CPU kernels when nvcc and a CUDA build of torch are present, and beside
+  them the benchmark's own module, kvcopy.tools.bench._baselines (its copy-engine
+  baselines: no part of the copy core, so not in kvcopy._C);
 - CPU kernels only otherwise;
 - nothing with KVCOPY_NO_EXT=1 (kvcopy then runs through its "torch" method).
 
@@ -24,17 +26,23 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = ("8.0", "9.0", "10.0")  # A100, H100/H200, B200
 CPU_SOURCES = [
     "csrc/ops/registration.cpp",
-    "csrc/python/fast_path.cpp",
+    "csrc/python/module.cpp",
     "csrc/common/block_ids.cpp",
     "csrc/ops/check_ids.cpp",
-    "csrc/ops/copy_blocks_cpu.cpp",
-    "csrc/cpu/block_copy_cpu.cpp",
+    "csrc/ops/launch_cpu.cpp",
+    "csrc/cpu/copy_blocks_cpu.cpp",
 ]
 CUDA_SOURCES = [
-    "csrc/ops/copy_blocks_cuda.cpp",
-    "csrc/kernels/block_copy_kernel.cu",
-    "csrc/kernels/block_copy_dma.cpp",
-    "csrc/kernels/dma_baselines.cpp",
+    "csrc/ops/launch_cuda.cpp",
+    "csrc/kernels/copy_blocks_sm.cu",
+    "csrc/kernels/copy_blocks_dma.cpp",
+    "csrc/kernels/dma_submit.cpp",
+]
+# kvcopy.tools.bench._baselines: the benchmark's copy-engine baselines, over the same submission code.
+BENCH_BASELINES_SOURCES = [
+    "csrc/bench/baselines_module.cpp",
+    "csrc/bench/dma_baselines.cpp",
+    "csrc/kernels/dma_submit.cpp",
 ]
 
 
@@ -110,7 +118,7 @@ def _extensions() -> tuple[list, dict]:
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(cuda_home)
     from torch.utils import cpp_extension
 
-    # csrc/include: the torch-free headers (kvcopy/...); csrc: the rooms' own headers (cpu/, kernels/).
+    # csrc/include: the torch-free headers (kvcopy/...); csrc: the rooms' own headers (cpu/, kernels/, python/).
     common = dict(
         include_dirs=[os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"]
     )
@@ -124,6 +132,16 @@ def _extensions() -> tuple[list, dict]:
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
             **common,
         )
+        # The benchmark's module exports only its PyInit (hidden visibility), so its own copy of
+        # kernels/dma_submit.cpp, per-thread side streams included, binds within it, never to kvcopy._C's
+        # (not even where modules are loaded RTLD_GLOBAL).
+        baselines = cpp_extension.CUDAExtension(
+            "kvcopy.tools.bench._baselines",
+            BENCH_BASELINES_SOURCES,
+            include_dirs=common["include_dirs"],
+            extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"]},
+        )
+        extensions = [ext, baselines]
         _write_build_config(
             extension=True,
             cpu=True,
@@ -139,7 +157,8 @@ def _extensions() -> tuple[list, dict]:
         ext = cpp_extension.CppExtension("kvcopy._C", CPU_SOURCES, extra_compile_args={"cxx": cxx_flags}, **common)
         _write_build_config(extension=True, cpu=True, cuda=False, reason=why, torch_version=torch.__version__)
         _summary(f"CPU kernels only ({why})")
-    return [ext], {"build_ext": cpp_extension.BuildExtension}
+        extensions = [ext]
+    return extensions, {"build_ext": cpp_extension.BuildExtension}
 
 
 ext_modules, cmdclass = _extensions()

@@ -210,7 +210,7 @@ class _HostPlan:
         self.src_ref = weakref.ref(src_obj)
         self.dst_ref = weakref.ref(dst_obj)
         self.auto = method == "auto"  # no strong reference to either side: the plan must not keep a cache alive
-        # The compiled side of the plan (csrc/python/fast_path.cpp): the planes, read from the tables once.
+        # The compiled side of the plan (csrc/python/module.cpp): the planes, read from the tables once.
         self.copier = _ext.extension().HostCopyPlan(
             src.plane_table.data_ptr(),
             dst.plane_table.data_ptr(),

@@ -1,6 +1,7 @@
 """The architecture docs/architecture.md describes, checked on the source: which room may import which (an
 explicit graph, with no cycle), how large a file and a folder may grow, and that the page names every room
-and only modules that exist."""
+and only modules that exist; in csrc/, which folder may include which (torch headers in ops/ only) and that
+setup.py builds every source."""
 
 from __future__ import annotations
 
@@ -179,3 +180,49 @@ def test_architecture_page_names_every_room():
     text = ARCHITECTURE.read_text()
     missing = [room for room in ALLOWED if f"**{room}**" not in text]
     assert not missing, f"docs/architecture.md does not describe the rooms {missing} (as **room**)"
+
+
+# --------------------------------------------------------------------------- C++ (csrc/)
+CSRC = ROOT / "csrc"
+CSRC_FILES = sorted(p for ext in ("*.h", "*.cpp", "*.cu") for p in CSRC.rglob(ext))
+# csrc folder -> the csrc folders its files may include (their own always). Only ops/ includes torch headers.
+CSRC_ALLOWED: dict[str, set[str]] = {
+    "include": set(),
+    "common": {"include"},
+    "cpu": {"include"},
+    "kernels": {"include"},
+    "ops": {"include", "cpu", "kernels"},
+    "python": {"include", "cpu", "kernels"},
+    "bench": {"include", "kernels", "python"},
+}
+TORCH_HEADER = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10)/', re.M)
+LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _csrc_folder(path: Path) -> str:
+    return path.relative_to(CSRC).parts[0]
+
+
+@pytest.mark.parametrize("path", CSRC_FILES, ids=lambda p: str(p.relative_to(CSRC)))
+def test_csrc_includes_follow_the_rule(path):
+    mine = _csrc_folder(path)
+    assert mine in CSRC_ALLOWED, f"csrc/{mine}/ is not in the include rule (docs/architecture.md)"
+    text = path.read_text()
+    if mine != "ops":
+        assert not TORCH_HEADER.search(text), f"{path.relative_to(ROOT)} includes a torch header; only csrc/ops/ may"
+    for name in LOCAL_INCLUDE.findall(text):
+        # The build's include path: the file's own folder, then csrc/include and csrc (setup.py).
+        found = [c for c in (path.parent / name, CSRC / "include" / name, CSRC / name) if c.is_file()]
+        assert found, f"{path.relative_to(ROOT)} includes {name}, which does not exist"
+        theirs = _csrc_folder(found[0].resolve())
+        allowed = sorted(CSRC_ALLOWED[mine])
+        assert theirs == mine or theirs in allowed, (
+            f"{path.relative_to(ROOT)} includes csrc/{theirs}/ ({name}); csrc/{mine}/ may include {allowed}"
+        )
+
+
+def test_setup_builds_every_csrc_source_and_no_other():
+    named = set(re.findall(r'"(csrc/[\w/]+\.(?:cpp|cu))"', (ROOT / "setup.py").read_text()))
+    actual = {str(p.relative_to(ROOT)) for p in CSRC_FILES if p.suffix in (".cpp", ".cu")}
+    assert not named - actual, f"setup.py builds sources that do not exist: {sorted(named - actual)}"
+    assert not actual - named, f"setup.py does not build: {sorted(actual - named)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -12,6 +13,8 @@ from pathlib import Path
 import torch
 
 import kvcopy
+from kvcopy import _ext
+from kvcopy.tools.bench.baselines import has_dma_baselines
 
 from conftest import SUBPROCESS_TIMEOUT_S
 
@@ -65,6 +68,17 @@ def test_build_info_consistency():
     methods = kvcopy.available_methods(kv, kv)
     assert ("cpu" in methods) == info["cpu_kernels"]
     assert ("triton" in methods) == (info["triton"] is not None and info["triton_interpret"])
+
+
+def test_dma_baselines_are_a_module_of_their_own_built_with_the_cuda_kernels():
+    # The benchmark's copy-engine baselines are no part of the copy core: kvcopy._C does not hold them,
+    # kvcopy.tools.bench._baselines does, built wherever the CUDA kernels are.
+    module = _ext.extension()
+    if module is not None:
+        assert not hasattr(module, "copy_blocks_dma_baseline")
+    if kvcopy.build_info()["cuda_kernels"]:
+        assert has_dma_baselines(), "the CUDA kernels were built without kvcopy.tools.bench._baselines"
+        assert hasattr(importlib.import_module("kvcopy.tools.bench._baselines"), "copy_blocks_dma_baseline")
 
 
 def test_build_info_returns_a_fresh_dict():

@@ -25,7 +25,7 @@ PLANE_BYTES = 40  # a PlaneCopy: two addresses, two strides, the block bytes
 def ptx(tmp_path_factory) -> str:
     if NVCC is None:
         pytest.skip("needs nvcc (the CUDA toolkit), not a GPU")
-    out = tmp_path_factory.mktemp("ptx") / "block_copy_kernel.ptx"
+    out = tmp_path_factory.mktemp("ptx") / "copy_blocks_sm.ptx"
     subprocess.run(
         [
             NVCC,
@@ -34,7 +34,7 @@ def ptx(tmp_path_factory) -> str:
             "-std=c++17",
             f"-I{ROOT / 'csrc' / 'include'}",
             f"-I{ROOT / 'csrc'}",
-            str(ROOT / "csrc" / "kernels" / "block_copy_kernel.cu"),
+            str(ROOT / "csrc" / "kernels" / "copy_blocks_sm.cu"),
             "-o",
             str(out),
         ],
@@ -49,7 +49,7 @@ def test_one_kernel_per_plane_table_capacity_with_parameters_to_match(ptx: str) 
     params = {
         int(capacity): int(size)
         for capacity, size in re.findall(
-            r"block_copy_kernelILl(\d+)EEEvNS0_13BlockCopyArgsIXT_EEE_param_0\[(\d+)\]", ptx
+            r"copy_blocks_sm_kernelILl(\d+)EEEvNS0_16CopyBlocksSmArgsIXT_EEE_param_0\[(\d+)\]", ptx
         )
     }
     assert sorted(params) == [8, 64, 256]

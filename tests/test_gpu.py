@@ -283,8 +283,8 @@ def test_odd_sizes_and_alignments(method):
 
 
 # --------------------------------------------------------------------------- the ops' CUDA launchers
-# Eager copy_blocks enters the kernels through csrc/python/fast_path.cpp; calling the registered ops
-# directly (as compiled graphs do) goes through csrc/ops/copy_blocks_cuda.cpp instead.
+# Eager copy_blocks enters the kernels through csrc/python/module.cpp; calling the registered ops
+# directly (as compiled graphs do) goes through csrc/ops/launch_cuda.cpp instead.
 
 
 def _cuda_ids(ids):

@@ -1,4 +1,4 @@
-// ATen entry points of the kvcopy ops; schemas live in csrc/bindings.cpp.
+// ATen entry points of the kvcopy ops; schemas live in csrc/ops/registration.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // The one place kvcopy registers its ops: schemas, then CPU and CUDA kernels.
 // Fake (meta) implementations for torch.compile live in kvcopy/_ext.py. The
 // registrations run when the library loads (importing kvcopy._C, whose Python
-// module is csrc/python/fast_path.cpp).
+// module is csrc/python/module.cpp).
 #include <torch/library.h>
 
 #include "ops.h"

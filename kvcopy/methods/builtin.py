@@ -6,7 +6,7 @@
 - "cuda": the compiled SM kernel.
 - "copy_engine": the DMA copy engines (cudaMemcpyBatchAsync of coalesced ranges); ids on the host.
 
-Eager calls enter the compiled code through csrc/python/fast_path.cpp with each PagedKV's cached plane
+Eager calls enter the compiled code through csrc/python/module.cpp with each PagedKV's cached plane
 table; traced calls (torch.compile) go through the registered torch.ops.kvcopy ops instead.
 """
 

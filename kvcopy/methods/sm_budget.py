@@ -17,7 +17,7 @@ __all__ = [
 # CTAs the "cuda" SM kernel uses by default when host memory is on one side: a few CTAs saturate PCIe
 # (each has 32 warps of 16-byte loads in flight), and every other SM stays with decode. `num_ctas` overrides it.
 HOST_LINK_CTA_BUDGET = 4
-# Threads in one CTA of the "cuda" kernel (kThreadsPerCta in csrc/kernels/block_copy_kernel.cu).
+# Threads in one CTA of the "cuda" kernel (kThreadsPerCta in csrc/kernels/copy_blocks_sm.cu).
 SM_KERNEL_THREADS_PER_CTA = 1024
 # Warps of one Triton program (its num_warps): 256 threads.
 TRITON_WARPS = 8

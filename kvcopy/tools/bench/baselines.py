@@ -3,21 +3,32 @@
 Every baseline copies the same blocks as kvcopy (``dst.planes[p][dst_ids[i]] =
 src.planes[p][src_ids[i]]``) bitwise, through integer-word views, so fp8 and
 NaN payloads move exactly; the benchmark checks each one's output.
+
+The DMA baselines are compiled into a module of their own, kvcopy.tools.bench._baselines
+(csrc/bench/), which setup.py builds beside kvcopy._C only with the CUDA kernels.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from kvcopy import _ext
 from kvcopy.layout import PagedKV
 from kvcopy.methods.torch_method import word_views
 
-__all__ = ["per_layer_index_loop", "per_block_copy_loop", "dma_baseline", "contiguous_copy", "DMA_BASELINES"]
+__all__ = [
+    "per_layer_index_loop",
+    "per_block_copy_loop",
+    "dma_baseline",
+    "has_dma_baselines",
+    "contiguous_copy",
+    "DMA_BASELINES",
+]
 
-# Baselines of the extension's copy_blocks_dma_baseline (csrc/kernels/block_copy_cuda.h, DmaBaseline).
+# The baselines of _baselines.copy_blocks_dma_baseline (csrc/bench/dma_baselines.h, DmaBaseline).
 DMA_BASELINES = {
     "per-block cudaMemcpyAsync": 0,  # one call per (block, plane): vLLM's old swap_blocks
     "batched DMA, unmerged": 1,  # one cudaMemcpyBatchAsync of every (block, plane), no coalescing
@@ -42,14 +53,28 @@ def per_block_copy_loop(src: PagedKV, src_ids: list[int], dst: PagedKV, dst_ids:
             d[j].copy_(s[i], non_blocking=True)
 
 
+def _load_dma_baselines() -> ModuleType | None:
+    try:
+        return importlib.import_module("kvcopy.tools.bench._baselines")
+    except ImportError:  # not built (no CUDA kernels), or built against another torch
+        return None
+
+
+def has_dma_baselines() -> bool:
+    """Whether the compiled DMA baselines are here (they are wherever kvcopy's CUDA kernels were built)."""
+    return _DMA_BASELINES is not None
+
+
 def dma_baseline(
     name: str, src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, device: torch.device
 ) -> Callable[[], None]:
-    """A call of the extension's DMA baseline ``name`` (a key of DMA_BASELINES) on the current stream.
+    """A call of the compiled DMA baseline ``name`` (a key of DMA_BASELINES) on the current stream.
 
     Ids are CPU int64 tensors, already validated (the benchmark makes them).
     """
-    fast = _ext.extension()
+    fast = _DMA_BASELINES
+    if fast is None:
+        raise RuntimeError("kvcopy: the DMA baselines were not built (kvcopy.tools.bench._baselines needs CUDA)")
     baseline = DMA_BASELINES[name]
     src_ids, dst_ids = src_ids.to(torch.int64).contiguous(), dst_ids.to(torch.int64).contiguous()
     tables = (src.plane_table.data_ptr(), dst.plane_table.data_ptr(), src.num_planes)
@@ -66,3 +91,7 @@ def dma_baseline(
 def contiguous_copy(src: torch.Tensor, dst: torch.Tensor) -> Callable[[], object]:
     """One ``copy_`` of equal-sized flat buffers: the link's limit for the same bytes."""
     return lambda: dst.copy_(src, non_blocking=True)
+
+
+# Loaded once at import, as kvcopy._ext loads kvcopy._C.
+_DMA_BASELINES = _load_dma_baselines()

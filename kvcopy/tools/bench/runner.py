@@ -37,6 +37,7 @@ from kvcopy.tools.bench.baselines import (
     DMA_BASELINES,
     contiguous_copy,
     dma_baseline,
+    has_dma_baselines,
     per_block_copy_loop,
     per_layer_index_loop,
 )
@@ -150,7 +151,7 @@ def _methods(
     )
     if src_ids.numel() * src.num_planes <= MAX_PYTHON_LOOP_COPIES:
         calls[PER_BLOCK_LOOP] = functools.partial(per_block_copy_loop, src, src_ids.tolist(), dst, dst_ids.tolist())
-    if device.type == "cuda" and hasattr(_ext.extension(), "copy_blocks_dma_baseline"):
+    if device.type == "cuda" and has_dma_baselines():
         for name in DMA_BASELINES:
             calls[name] = dma_baseline(name, src, src_ids, dst, dst_ids, device)
     return calls

@@ -1,7 +1,8 @@
-// Thin ATen launcher for the CPU block copy.
+// The ops' CPU launchers: kvcopy::copy_blocks and kvcopy::copy_blocks_dma on CPU tensors, as thin
+// ATen calls of the torch-free CPU copy.
 #include <ATen/Parallel.h>
 
-#include "../cpu/block_copy_cpu.h"
+#include "../cpu/copy_blocks_cpu.h"
 #include "aten_planes.h"
 #include "ops.h"
 

@@ -1,10 +1,11 @@
-// Copy-engine (DMA) submission of block copies. Torch-free host code.
+// Submitting byte ranges to the copy engines (dma_submit.h): one by one, or in one batch
+// (through a side stream on the legacy default stream). Torch-free host code.
+#include "dma_submit.h"
+
 #include <atomic>
 #include <unordered_map>
 #include <vector>
 
-#include "block_copy_cuda.h"
-#include "dma_submit.h"
 #include "kvcopy/copy_ranges.h"
 
 namespace kvcopy {
@@ -130,12 +131,6 @@ cudaError_t submit_batched(DmaCopies& copies, cudaStream_t stream) {
 }  // namespace
 
 int64_t dma_side_streams_alive() { return g_side_streams_alive.load(); }
-
-cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream) {
-  if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
-  return submit_copy_ranges(plan_copy_ranges(planes, num_planes, src_ids, dst_ids, num_ids), /*batched=*/true, stream);
-}
 
 cudaError_t submit_copy_ranges(const std::vector<CopyRange>& ranges, bool batched, cudaStream_t stream) {
   if (ranges.empty()) return cudaSuccess;

@@ -1,6 +1,7 @@
-// The Python module kvcopy._C, bound with pybind11: the eager fast path into
-// the same kernels as the kvcopy ops, entered with raw addresses instead of
-// tensor lists, plus the CUDA helpers the Python layer needs. Torch-free:
+// The whole Python module kvcopy._C, bound with pybind11: the eager entry
+// points into the same kernels as the kvcopy ops, entered with raw addresses
+// instead of tensor lists; HostCopyPlan, the host fast path's compiled side;
+// and the CUDA helpers the Python layer needs. Torch-free:
 // pybind11 is used directly (the copy torch ships), not through torch's
 // extension header, so this file compiles in seconds.
 //
@@ -17,41 +18,23 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu/block_copy_cpu.h"
+#include "cpu/copy_blocks_cpu.h"
 #include "kvcopy/block_ids.h"
 #include "kvcopy/copy_ranges.h"
 #include "kvcopy/plane_copy.h"
 #include "kvcopy/plane_table.h"
+#include "plane_tables.h"
 #ifdef KVCOPY_WITH_CUDA
-#include "kernels/block_copy_cuda.h"
-#include "kernels/dma_baselines.h"
+#include "cuda_checks.h"
+#include "kernels/copy_blocks_dma.h"
+#include "kernels/copy_blocks_sm.h"
+#include "kernels/dma_submit.h"
 #endif
 
 namespace py = pybind11;
 
 namespace kvcopy {
 namespace {
-
-using Address = std::uintptr_t;  // a pointer passed from Python as an int
-
-template <typename T>
-T* as_ptr(Address address) {
-  return reinterpret_cast<T*>(address);
-}
-
-std::vector<PlaneCopy> planes_from_tables(Address src_table, Address dst_table, int64_t num_planes) {
-  const int64_t* src = as_ptr<const int64_t>(src_table);
-  const int64_t* dst = as_ptr<const int64_t>(dst_table);
-  std::vector<PlaneCopy> planes(static_cast<size_t>(num_planes));
-  for (int64_t p = 0; p < num_planes; ++p) {
-    const int64_t* s = src + p * kPlaneTableColumns;
-    const int64_t* d = dst + p * kPlaneTableColumns;
-    planes[p] = {as_ptr<const uint8_t>(static_cast<Address>(s[kPlaneAddress])),
-                 as_ptr<uint8_t>(static_cast<Address>(d[kPlaneAddress])), s[kPlaneBlockStride], d[kPlaneBlockStride],
-                 s[kPlaneBlockBytes]};
-  }
-  return planes;
-}
 
 // Throws `problem` (unless kNone) as IndexError / ValueError, worded as the Python checks and the ops word it.
 void throw_if_invalid(const IdProblem& problem, const IdNames& names, int64_t src_len, int64_t src_blocks,
@@ -116,26 +99,6 @@ std::vector<std::tuple<Address, Address, int64_t>> py_plan_copy_ranges(Address s
 }
 
 #ifdef KVCOPY_WITH_CUDA
-[[noreturn]] void throw_cuda(cudaError_t err, const char* what) {
-  cudaGetLastError();  // clear the runtime's sticky-until-read error, so torch's next check does not report it
-  throw std::runtime_error(std::string("kvcopy: ") + what + " failed: " + cudaGetErrorString(err));
-}
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw_cuda(err, what);
-}
-
-// The Python layer makes the copy's device current (torch.cuda.device); a mismatch here would
-// launch on the wrong GPU, so it is an error.
-void check_device_is_current(int device) {
-  int current = -1;
-  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != device) {
-    throw std::runtime_error("kvcopy: the current CUDA device is " + std::to_string(current) + ", the copy's is " +
-                             std::to_string(device));
-  }
-}
-
 // SM kernel; ids on the device.
 void py_copy_blocks_cuda(Address src_table, Address dst_table, int64_t num_planes, Address src_ids, Address dst_ids,
                          int64_t num_ids, int64_t src_blocks, int64_t dst_blocks, int num_ctas, Address stream,
@@ -145,9 +108,8 @@ void py_copy_blocks_cuda(Address src_table, Address dst_table, int64_t num_plane
   cudaError_t err = cudaSuccess;
   {
     py::gil_scoped_release release;  // the launch touches no Python object: other threads run meanwhile
-    err = launch_block_copy_kernel(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                   as_ptr<const int64_t>(dst_ids), num_ids, src_blocks, dst_blocks, num_ctas,
-                                   as_ptr<CUstream_st>(stream));
+    err = copy_blocks_sm(planes.data(), num_planes, as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids),
+                         num_ids, src_blocks, dst_blocks, num_ctas, as_ptr<CUstream_st>(stream));
   }
   check_cuda(err, "block copy kernel launch");
 }
@@ -160,26 +122,10 @@ void py_copy_blocks_dma(Address src_table, Address dst_table, int64_t num_planes
   cudaError_t err = cudaSuccess;
   {
     py::gil_scoped_release release;  // planning the ranges and submitting them touch no Python object
-    err = submit_block_copy_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                as_ptr<const int64_t>(dst_ids), num_ids, as_ptr<CUstream_st>(stream));
+    err = copy_blocks_dma(planes.data(), num_planes, as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids),
+                          num_ids, as_ptr<CUstream_st>(stream));
   }
   check_cuda(err, "copy-engine submission");
-}
-
-// Benchmarks: baseline 0 is one cudaMemcpyAsync per (block, plane), 1 one unmerged cudaMemcpyBatchAsync.
-void py_copy_blocks_dma_baseline(Address src_table, Address dst_table, int64_t num_planes, Address src_ids,
-                                 Address dst_ids, int64_t num_ids, Address stream, int device, int baseline) {
-  if (baseline != static_cast<int>(DmaBaseline::kPerBlockMemcpy) &&
-      baseline != static_cast<int>(DmaBaseline::kUnmergedBatch)) {
-    throw py::value_error("kvcopy: baseline: expected 0 (per-block memcpy) or 1 (unmerged batch), got " +
-                          std::to_string(baseline));
-  }
-  const std::vector<PlaneCopy> planes = planes_from_tables(src_table, dst_table, num_planes);
-  check_device_is_current(device);
-  check_cuda(submit_block_copy_dma_baseline(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
-                                            as_ptr<const int64_t>(dst_ids), num_ids, static_cast<DmaBaseline>(baseline),
-                                            as_ptr<CUstream_st>(stream)),
-             "baseline copy-engine submission");
 }
 
 // A stream of the device's least priority, non-blocking (no implicit sync with the legacy default
@@ -211,7 +157,7 @@ int py_cuda_driver_version() {
 
 int py_sm_kernel_grid(int64_t num_items, int64_t num_planes, int requested) {
   int grid = 0;
-  check_cuda(block_copy_grid(num_items, num_planes, requested, &grid), "sizing the SM kernel's grid");
+  check_cuda(copy_blocks_sm_grid(num_items, num_planes, requested, &grid), "sizing the SM kernel's grid");
   return grid;
 }
 
@@ -235,7 +181,7 @@ void py_destroy_stream(Address stream) {
 }  // namespace kvcopy
 
 // Importing the module also runs the op registrations of csrc/ops/registration.cpp (same library).
-// Which CUDA archs were built is recorded by setup.py in kvcopy/_build_config.py.
+// Which CUDA archs were built is recorded by setup.py in kvcopy/_build_config.json.
 PYBIND11_MODULE(_C, m) {
   using namespace kvcopy;
   m.doc() = "kvcopy's compiled ops and eager fast path";
@@ -279,8 +225,6 @@ PYBIND11_MODULE(_C, m) {
 #ifdef KVCOPY_WITH_CUDA
   m.def("copy_blocks_cuda", &py_copy_blocks_cuda, "SM-kernel block copy from plane-table addresses.");
   m.def("copy_blocks_dma", &py_copy_blocks_dma, "Copy-engine block copy from plane-table addresses.");
-  m.def("copy_blocks_dma_baseline", &py_copy_blocks_dma_baseline,
-        "Benchmark baselines: per-block cudaMemcpyAsync (0) or one unmerged cudaMemcpyBatchAsync (1).");
   m.def("create_copy_stream", &py_create_copy_stream, "A new least-priority non-blocking stream.");
   m.def("can_use_host_pointer", &py_can_use_host_pointer,
         "Whether kernels on the device may read registered host memory by its host address.");

@@ -1,4 +1,4 @@
-// CUDA block copies: an SM kernel and a DMA (copy engine) submission.
+// The SM copy: block copies by a CUDA kernel (copy_blocks_sm.cu).
 // Torch-free: raw pointers, int64 sizes, cudaStream_t in, cudaError_t out.
 #pragma once
 
@@ -16,13 +16,13 @@ namespace kvcopy {
 constexpr int64_t kMaxPlanesPerLaunch = 256;
 
 // The plane capacity of the launch that copies `num_planes` planes (<= kMaxPlanesPerLaunch):
-// 8, 64 or 256. Host code, for tests and the launch itself.
+// 8, 64 or 256. Host code, for the launch itself and copy_blocks_sm_grid.
 int64_t plane_table_capacity(int64_t num_planes);
 
 // The grid the SM kernel would launch with for `num_items` work items (warp-sized chunks) of a
 // launch of `num_planes` planes and a CTA budget (<= 0: one wave of resident CTAs), on the
-// current device. For tests and benchmarks.
-cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas);
+// current device. For tests (kvcopy._C.sm_kernel_grid).
+cudaError_t copy_blocks_sm_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas);
 
 // SM kernel: every (block, plane) pair, in chunks of at most 32 KiB, is copied
 // by one warp with the widest vector accesses (up to 16 B) its alignment allows. `src_ids`/`dst_ids` are device (or
@@ -32,20 +32,8 @@ cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested
 // resident at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor x SMs). Each
 // launch passes a plane table of the smallest capacity (8, 64, 256) that holds
 // its planes. The current device must be the stream's.
-cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                     const int64_t* dst_ids, int64_t num_ids, int64_t src_num_blocks,
-                                     int64_t dst_num_blocks, int num_ctas, cudaStream_t stream);
-
-// Copy-engine path: the byte ranges of kvcopy/copy_ranges.h (adjacent runs
-// and side-by-side planes merged), all submitted with one cudaMemcpyBatchAsync
-// (CUDA 12.8+; on the legacy default stream through an event-ordered side
-// stream), else one cudaMemcpyAsync per range. `src_ids`/`dst_ids` are host
-// pointers, validated by the caller; the current device is the stream's.
-cudaError_t submit_block_copy_dma(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                  const int64_t* dst_ids, int64_t num_ids, cudaStream_t stream);
-
-// Side streams the copy-engine path holds for host threads that submitted on the legacy default
-// stream (one per thread and device, destroyed when the thread exits). For tests.
-int64_t dma_side_streams_alive();
+cudaError_t copy_blocks_sm(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
+                           int64_t num_ids, int64_t src_num_blocks, int64_t dst_num_blocks, int num_ctas,
+                           cudaStream_t stream);
 
 }  // namespace kvcopy

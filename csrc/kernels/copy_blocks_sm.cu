@@ -3,7 +3,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "block_copy_cuda.h"
+#include "copy_blocks_sm.h"
 
 namespace kvcopy {
 namespace {
@@ -28,7 +28,7 @@ constexpr int64_t kMediumTable = 64;
 static_assert(kMaxPlanesPerLaunch == 256, "the largest table capacity is kMaxPlanesPerLaunch");
 
 template <int64_t kCapacity>
-struct BlockCopyArgs {
+struct CopyBlocksSmArgs {
   const int64_t* src_ids;  // [num_ids]
   const int64_t* dst_ids;  // [num_ids]
   int64_t num_ids;
@@ -68,7 +68,7 @@ __device__ __forceinline__ void warp_copy(const uint8_t* src_bytes, uint8_t* dst
 // is uniform across the warp, so mixed plane alignments cost no divergence.
 template <int64_t kCapacity>
 __global__ void __launch_bounds__(kThreadsPerCta)
-    block_copy_kernel(const __grid_constant__ BlockCopyArgs<kCapacity> args) {
+    copy_blocks_sm_kernel(const __grid_constant__ CopyBlocksSmArgs<kCapacity> args) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarpSize;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerCta;
@@ -117,7 +117,7 @@ cudaError_t resident_ctas(int device, int* per_sm, int* num_sms) {
   }
   cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, block_copy_kernel<kCapacity>, kThreadsPerCta, 0);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, copy_blocks_sm_kernel<kCapacity>, kThreadsPerCta, 0);
   if (err != cudaSuccess) return err;
   *per_sm = std::max(*per_sm, 1);
   if (device >= 0 && device < kMaxDevices) {
@@ -148,7 +148,7 @@ template <int64_t kCapacity>
 cudaError_t launch_planes(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
                           int64_t num_ids, int64_t src_num_blocks, int64_t dst_num_blocks, int num_ctas,
                           cudaStream_t stream) {
-  BlockCopyArgs<kCapacity> args{};
+  CopyBlocksSmArgs<kCapacity> args{};
   args.src_ids = src_ids;
   args.dst_ids = dst_ids;
   args.num_ids = num_ids;
@@ -162,7 +162,7 @@ cudaError_t launch_planes(const PlaneCopy* planes, int64_t num_planes, const int
   int grid = 0;
   cudaError_t err = grid_for_work<kCapacity>(num_ids * num_planes * args.chunks_per_block, num_ctas, &grid);
   if (err != cudaSuccess) return err;
-  block_copy_kernel<kCapacity><<<grid, kThreadsPerCta, 0, stream>>>(args);
+  copy_blocks_sm_kernel<kCapacity><<<grid, kThreadsPerCta, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -174,7 +174,7 @@ int64_t plane_table_capacity(int64_t num_planes) {
   return kMaxPlanesPerLaunch;
 }
 
-cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas) {
+cudaError_t copy_blocks_sm_grid(int64_t num_items, int64_t num_planes, int requested, int* num_ctas) {
   switch (plane_table_capacity(num_planes)) {
     case kSmallTable:
       return grid_for_work<kSmallTable>(num_items, requested, num_ctas);
@@ -186,9 +186,9 @@ cudaError_t block_copy_grid(int64_t num_items, int64_t num_planes, int requested
 }
 
 // The launchers make the stream's device current before calling in.
-cudaError_t launch_block_copy_kernel(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                     const int64_t* dst_ids, int64_t num_ids, int64_t src_num_blocks,
-                                     int64_t dst_num_blocks, int num_ctas, cudaStream_t stream) {
+cudaError_t copy_blocks_sm(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids, const int64_t* dst_ids,
+                           int64_t num_ids, int64_t src_num_blocks, int64_t dst_num_blocks, int num_ctas,
+                           cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
   for (int64_t first = 0; first < num_planes; first += kMaxPlanesPerLaunch) {
     const int64_t count = std::min(kMaxPlanesPerLaunch, num_planes - first);

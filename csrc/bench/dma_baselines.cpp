@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "dma_submit.h"
+#include "kernels/dma_submit.h"
 
 namespace kvcopy {
 namespace {
@@ -26,9 +26,9 @@ std::vector<CopyRange> block_by_block_ranges(const PlaneCopy* planes, int64_t nu
 
 }  // namespace
 
-cudaError_t submit_block_copy_dma_baseline(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
-                                           const int64_t* dst_ids, int64_t num_ids, DmaBaseline baseline,
-                                           cudaStream_t stream) {
+cudaError_t copy_blocks_dma_baseline(const PlaneCopy* planes, int64_t num_planes, const int64_t* src_ids,
+                                     const int64_t* dst_ids, int64_t num_ids, DmaBaseline baseline,
+                                     cudaStream_t stream) {
   if (num_ids <= 0 || num_planes <= 0) return cudaSuccess;
   return submit_copy_ranges(block_by_block_ranges(planes, num_planes, src_ids, dst_ids, num_ids),
                             /*batched=*/baseline == DmaBaseline::kUnmergedBatch, stream);

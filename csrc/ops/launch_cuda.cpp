@@ -1,8 +1,10 @@
-// Thin ATen launchers for the CUDA block copies: device guard, current stream.
+// The ops' CUDA launchers: kvcopy::copy_blocks (SM kernel) and kvcopy::copy_blocks_dma (copy
+// engines) with a CUDA tensor involved, as thin ATen calls: device guard, current stream.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "../kernels/block_copy_cuda.h"
+#include "../kernels/copy_blocks_dma.h"
+#include "../kernels/copy_blocks_sm.h"
 #include "aten_planes.h"
 #include "ops.h"
 
@@ -35,12 +37,11 @@ void copy_blocks_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::Tens
               ", got ", src_ids.device(), " and ", dst_ids.device());
   const c10::cuda::CUDAGuard guard(device);
   const std::vector<PlaneCopy> planes = make_plane_table(src, dst);
-  check_cuda(
-      launch_block_copy_kernel(planes.data(), static_cast<int64_t>(planes.size()), src_ids.const_data_ptr<int64_t>(),
-                               dst_ids.const_data_ptr<int64_t>(), src_ids.numel(), src.empty() ? 0 : src[0].size(0),
-                               dst.empty() ? 0 : dst[0].size(0), static_cast<int>(num_ctas),
-                               c10::cuda::getCurrentCUDAStream(device.index()).stream()),
-      "block copy kernel launch");
+  check_cuda(copy_blocks_sm(planes.data(), static_cast<int64_t>(planes.size()), src_ids.const_data_ptr<int64_t>(),
+                            dst_ids.const_data_ptr<int64_t>(), src_ids.numel(), src.empty() ? 0 : src[0].size(0),
+                            dst.empty() ? 0 : dst[0].size(0), static_cast<int>(num_ctas),
+                            c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+             "block copy kernel launch");
 }
 
 void copy_blocks_dma_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::TensorList dst,
@@ -49,9 +50,9 @@ void copy_blocks_dma_cuda_op(at::TensorList src, const at::Tensor& src_ids, at::
   check_host_ids(src, src_ids, dst, dst_ids);
   const c10::Device device = cuda_device_of(src, dst);
   const c10::cuda::CUDAGuard guard(device);
-  check_cuda(submit_block_copy_dma(planes.data(), static_cast<int64_t>(planes.size()),
-                                   src_ids.const_data_ptr<int64_t>(), dst_ids.const_data_ptr<int64_t>(),
-                                   src_ids.numel(), c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+  check_cuda(copy_blocks_dma(planes.data(), static_cast<int64_t>(planes.size()), src_ids.const_data_ptr<int64_t>(),
+                             dst_ids.const_data_ptr<int64_t>(), src_ids.numel(),
+                             c10::cuda::getCurrentCUDAStream(device.index()).stream()),
              "copy-engine submission");
 }
 

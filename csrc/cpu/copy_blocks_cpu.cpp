@@ -1,4 +1,4 @@
-#include "block_copy_cpu.h"
+#include "copy_blocks_cpu.h"
 
 #include <algorithm>
 #include <cstring>
