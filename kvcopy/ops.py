@@ -14,7 +14,7 @@ from kvcopy.dispatch import KVLike
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds
 from kvcopy.methods.choice import available_methods
-from kvcopy.methods.sm_budget import check_num_ctas
+from kvcopy.methods.cta_budget import check_num_ctas
 
 __all__ = ["available_methods", "copy_blocks", "gather", "scatter"]
 
@@ -45,7 +45,7 @@ def copy_blocks(
     Raises IndexError, TypeError or ValueError for bad input.
 
     ``num_ctas``: the SM budget of the "cuda" kernel (Triton gets
-    TRITON_PROGRAMS_PER_CTA programs per CTA). None: HOST_LINK_CTA_BUDGET (4)
+    TRITON_PROGRAMS_PER_CTA programs per CTA). None: HOST_MEMORY_CTA_BUDGET (4)
     when host memory is on one side, which saturates PCIe and leaves every
     other SM to decode; one full wave of the GPU for device-to-device copies.
     More CTAs move small plane-blocks faster and take SMs from whatever runs

@@ -241,7 +241,7 @@ def test_observer_gets_each_cuda_transfer_once_with_its_timings(res, method):
         time.sleep(1e-3)
     out.done(), back.wait(), back.done()  # seen done again: not reported again
     assert seen == [out, back]
-    assert [(t.link, t.method) for t in seen] == [("d2h", out.method), ("h2d", back.method)]
+    assert [(t.profile_direction, t.method) for t in seen] == [("d2h", out.method), ("h2d", back.method)]
     assert all(t.method for t in seen)
     for t in seen:
         assert t.turnaround >= t.elapsed >= 0 and t.queued >= 0

@@ -113,7 +113,7 @@ def test_observer_gets_each_finished_transfer_once_with_its_labels_and_timings(e
     for call in calls:
         t = call.transfer
         assert t.method == method
-        assert t.link == "h2h"
+        assert t.profile_direction == "h2h"
         assert (call.queued, call.elapsed, call.turnaround) == (t.queued, t.elapsed, t.turnaround)
         _assert_timings(t)
     assert [(t.direction, t.num_blocks, t.nbytes) for t in transfers] == [
@@ -331,7 +331,7 @@ def test_timings_without_an_observer(engines, monkeypatch):
     reload = engine.reload([0, 1], [4, 5], layerwise=True)
     reload.wait()
     for t in (offload, reload):
-        assert t.method in CPU_METHODS and t.link == "h2h"
+        assert t.method in CPU_METHODS and t.profile_direction == "h2h"
         _assert_timings(t)
 
 
@@ -342,7 +342,7 @@ def test_online_profile_fed_through_the_observer_counts_every_transfer(engines):
     online = kvcopy.OnlineProfile(kvcopy.ModelSpec.preset("llama-3.1-8b"))
 
     def observe(t: kvcopy.Transfer) -> None:
-        online.observe_copy(t.link, t.method, t.nbytes, t.turnaround, num_blocks=t.num_blocks)
+        online.observe_copy(t.profile_direction, t.method, t.nbytes, t.turnaround, num_blocks=t.num_blocks)
 
     kv, host = _cache()
     engine = engines(kv, host, method="cpu", observer=observe)

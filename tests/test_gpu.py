@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.methods import HOST_LINK_CTA_BUDGET
+from kvcopy.methods import HOST_MEMORY_CTA_BUDGET
 
 from conftest import (
     HAS_CUDA,
@@ -295,7 +295,7 @@ def _cpu_ids(ids):
     return torch.tensor(ids, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("num_ctas", [0, 1, HOST_LINK_CTA_BUDGET])
+@pytest.mark.parametrize("num_ctas", [0, 1, HOST_MEMORY_CTA_BUDGET])
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 def test_copy_blocks_op_on_cuda(direction, num_ctas):
     src, dst, src_ids, dst_ids = _sides(direction, "flashinfer", torch.bfloat16, _gen(20))
@@ -815,7 +815,7 @@ def test_sm_kernel_grid_is_one_wave_of_resident_ctas():
         grid = fast.sm_kernel_grid(big, planes, 0)
         assert 1 <= grid <= 2 * num_sms and grid % num_sms == 0
         assert grid == num_sms, f"{grid} CTAs for {num_sms} SMs: more than one wave of 1024-thread CTAs"
-    assert fast.sm_kernel_grid(big, 2, HOST_LINK_CTA_BUDGET) == HOST_LINK_CTA_BUDGET
+    assert fast.sm_kernel_grid(big, 2, HOST_MEMORY_CTA_BUDGET) == HOST_MEMORY_CTA_BUDGET
     assert fast.sm_kernel_grid(40, 2, 0) == 2  # small work: only the CTAs it needs (32 warps each)
 
 

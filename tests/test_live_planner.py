@@ -122,9 +122,11 @@ def base_load(nbytes: int) -> float:
     return LOAD_ALPHA_S + nbytes / LOAD_BYTES_PER_S
 
 
-def copy_of(blocks: int, seconds: float, link: str = "h2h") -> SimpleNamespace:
+def copy_of(blocks: int, seconds: float, direction: str = "h2h") -> SimpleNamespace:
     """A finished transfer as LivePlanner.observe_transfer reads one."""
-    return SimpleNamespace(link=link, method="cpu", nbytes=blocks * BLOCK, num_blocks=blocks, turnaround=seconds)
+    return SimpleNamespace(
+        profile_direction=direction, method="cpu", nbytes=blocks * BLOCK, num_blocks=blocks, turnaround=seconds
+    )
 
 
 def observe(live: LivePlanner, count: int, load, forward) -> None:
@@ -310,7 +312,7 @@ def test_without_a_base_there_is_no_planner_until_loads_and_forwards_were_observ
     for _ in range(3):
         observe_one[first]()
         assert live.current() == (None, 0)
-    live.observe_transfer(copy_of(4, far_load(4 * BLOCK), link="d2h"))  # an offload tells nothing of loads
+    live.observe_transfer(copy_of(4, far_load(4 * BLOCK), direction="d2h"))  # an offload tells nothing of loads
     assert live.current() == (None, 0)
     observe_one[then]()
     planner, observations = live.current()

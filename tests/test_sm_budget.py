@@ -1,6 +1,6 @@
 """What a user can set and see of the GPU paths, checked on the CPU with stand-ins where a GPU would answer.
 
-- ``num_ctas`` / ``sm_budget``: validated, and passed to the kernels that use SMs.
+- ``num_ctas`` (copy_blocks and TransferEngine): validated, and passed to the kernels that use SMs.
 - A GPU whose kernels cannot read registered host memory by its host address
   (cudaDevAttrCanUseHostPointerForRegisteredMem = 0) gets no SM-kernel method
   for host pairs, with a message saying why and what to use.
@@ -15,7 +15,7 @@ import torch
 
 import kvcopy
 from kvcopy import _ext, dispatch, methods
-from kvcopy.methods import builtin, choice, pairs, sm_budget
+from kvcopy.methods import builtin, choice, cta_budget, pairs
 
 from conftest import make_layout
 
@@ -35,25 +35,25 @@ def test_bad_num_ctas_is_refused_before_copying(value, error):
     with pytest.raises(error, match="num_ctas"):
         kvcopy.copy_blocks(kv, [1], pool, [0], num_ctas=value)
     assert torch.equal(pool.buffer, before)
-    with pytest.raises(error, match="sm_budget"):
-        kvcopy.TransferEngine(kv, pool, sm_budget=value)
+    with pytest.raises(error, match="num_ctas"):
+        kvcopy.TransferEngine(kv, pool, num_ctas=value)
 
 
 def test_num_ctas_reaches_the_kernel_launch(monkeypatch):
-    """The budget goes to the SM kernel as given; None gives the host-link default (4), or 0 (a full wave)
+    """The budget goes to the SM kernel as given; None gives the host-memory default (4), or 0 (a full wave)
     for device-to-device copies. Checked at the boundary to the compiled code, which needs a GPU to run."""
     host = SimpleNamespace(device=torch.device("cpu"))
     gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    assert sm_budget.cta_budget(gpu, host, None) == sm_budget.HOST_LINK_CTA_BUDGET
-    assert sm_budget.cta_budget(gpu, gpu, None) == 0
-    assert sm_budget.cta_budget(gpu, host, 24) == 24
+    assert cta_budget.cta_budget(gpu, host, None) == cta_budget.HOST_MEMORY_CTA_BUDGET
+    assert cta_budget.cta_budget(gpu, gpu, None) == 0
+    assert cta_budget.cta_budget(gpu, host, 24) == 24
     seen = []
     monkeypatch.setattr(
         dispatch, "run", lambda method, src, src_ids, dst, dst_ids, num_ctas=None: seen.append(num_ctas)
     )
     kv, pool = _pair()
     kvcopy.copy_blocks(kv, [1], pool, [0], num_ctas=8)
-    with kvcopy.TransferEngine(kv, pool, sm_budget=12) as engine:
+    with kvcopy.TransferEngine(kv, pool, num_ctas=12) as engine:
         engine.offload([2], [1]).wait()
     assert seen == [8, 12]
 

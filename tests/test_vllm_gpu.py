@@ -29,6 +29,6 @@ def test_cuda_caches_load_back_bitwise(tmp_path, blocks_per_chunk):
         tokens, hit = reload_prefix(rig, PROMPT, BLOCK_TOKENS * blocks_per_chunk)
         torch.cuda.synchronize()
         assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
-        assert {c.link for c in rig.kv_worker.copies} <= {"d2h", "h2d"}
+        assert {c.profile_direction for c in rig.kv_worker.copies} <= {"d2h", "h2d"}
     finally:
         rig.close()

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from kvcopy import _ext, dispatch
+from kvcopy._version import warn_renamed
 from kvcopy.conflicts import TransferConflictError, watch
 from kvcopy.engine.block_order import BlockOrder, Blocks
 from kvcopy.engine.cpu_worker import cpu_copy_job
@@ -50,8 +51,8 @@ from kvcopy.engine.transfer import CudaSignal, ThreadSignal, Transfer
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds
 from kvcopy.layout import PagedKV
+from kvcopy.methods.cta_budget import check_num_ctas
 from kvcopy.methods.registry import CopyMethod
-from kvcopy.methods.sm_budget import check_num_ctas
 from kvcopy.methods.staging import ids_on
 from kvcopy.profile import Profile, direction_of
 
@@ -61,23 +62,27 @@ __all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
 class TransferEngine:
     """Asynchronous offloads (device pages -> host pool) and reloads (host pool -> device pages).
 
-    ``method``: the copy method for both directions ("auto" by default, see
-    kvcopy.copy_blocks). ``profile``: the calibrated Profile "auto" consults
-    (default: kvcopy's default profile, see kvcopy.profile.default_profile).
-    Transfers that touch a common block, on either side, run in the order they
-    were submitted; others overlap. ``debug`` (or ``KVCOPY_DEBUG=1``): raise
-    TransferConflictError when the caller's own ``copy_blocks`` on this
-    engine's cache or pool, or ``HostKVPool.free``, would touch a block an
-    unfinished transfer uses (reads what it writes, or writes what it reads or
-    writes). A context manager: leaving it (or :meth:`close`) waits for every
-    transfer in flight. ``sm_budget``: the CTAs each SM-kernel copy may use (the
-    ``num_ctas`` of kvcopy.copy_blocks; None: its host-link default of 4).
-    ``observer``: called once with each transfer that finished without error
-    (its ``turnaround``, ``queued``, ``elapsed``, ``link``, ``method``, bytes
-    and blocks are set), e.g. ``OnlineProfile.observe_copy``'s feed. On a CPU
-    the worker that ran the copy calls it, before the transfer reads as done;
-    on CUDA whoever first finds the transfer done (its ``done()``, ``wait()``,
-    the engine's next submission). It must be quick; its errors are logged.
+    Transfers that touch a common block, on either side, run in the order they were submitted; others
+    overlap. A context manager: leaving it (or :meth:`close`) waits for every transfer in flight.
+
+    Parameters:
+
+    - ``kv``: the engine's cache (a PagedKV).
+    - ``host``: the host pool its blocks go to (a HostKVPool laid out like ``kv``).
+    - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks).
+    - ``profile``: the calibrated Profile "auto" consults (default: kvcopy's default profile, see
+      kvcopy.profile.default_profile).
+    - ``debug`` (or ``KVCOPY_DEBUG=1``): raise TransferConflictError when the caller's own ``copy_blocks`` on
+      this engine's cache or pool, or ``HostKVPool.free``, would touch a block an unfinished transfer uses
+      (reads what it writes, or writes what it reads or writes).
+    - ``num_ctas``: the CTAs each SM-kernel copy may use, as kvcopy.copy_blocks' ``num_ctas`` (None: its
+      host-memory default of 4).
+    - ``observer``: called once with each transfer that finished without error (its ``turnaround``,
+      ``queued``, ``elapsed``, ``profile_direction``, ``method``, bytes and blocks are set), e.g.
+      ``OnlineProfile.observe_copy``'s feed. On a CPU the worker that ran the copy calls it, before the
+      transfer reads as done; on CUDA whoever first finds the transfer done (its ``done()``, ``wait()``, the
+      engine's next submission). It must be quick; its errors are logged.
+    - ``sm_budget``: deprecated spelling of ``num_ctas``.
     """
 
     def __init__(
@@ -88,8 +93,9 @@ class TransferEngine:
         method: str = "auto",
         profile: Profile | None = None,
         debug: bool | None = None,
-        sm_budget: int | None = None,
+        num_ctas: int | None = None,
         observer: Callable[[Transfer], None] | None = None,
+        sm_budget: int | None = None,
     ) -> None:
         if not isinstance(kv, PagedKV):
             raise TypeError(f"kv: expected a PagedKV, got {type(kv).__name__}")
@@ -100,7 +106,12 @@ class TransferEngine:
         self.host = host
         self.profile = profile
         self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
-        self.sm_budget = check_num_ctas(sm_budget, "sm_budget")
+        if sm_budget is not None:
+            warn_renamed("TransferEngine(sm_budget=...)", "TransferEngine(num_ctas=...)")
+            if num_ctas is not None:
+                raise TypeError("TransferEngine: give num_ctas (or its deprecated spelling sm_budget), not both")
+            num_ctas = sm_budget
+        self.num_ctas = check_num_ctas(num_ctas)
         if observer is not None and not callable(observer):
             raise TypeError(f"observer: expected a callable or None, got {type(observer).__name__}")
         self.observer = observer
@@ -293,9 +304,10 @@ class TransferEngine:
             return self._order.conflict(side, blocks, writes=writes, stream=stream)
 
     def _labels(self, method: CopyMethod, src: PagedKV, dst: PagedKV) -> dict[str, object]:
-        """What a Transfer says of itself besides its size: method, link, and who observes it."""
-        link = direction_of(src.device.type, dst.device.type)
-        return {"method": method.name, "link": link, "observer": self.observer}
+        """What a Transfer says of itself besides its size: method, its direction in a Profile's terms, and who
+        observes it."""
+        profile_direction = direction_of(src.device.type, dst.device.type)
+        return {"method": method.name, "profile_direction": profile_direction, "observer": self.observer}
 
     def _copy(
         self,
@@ -308,7 +320,7 @@ class TransferEngine:
     ) -> None:
         if layer is not None:
             src, dst = src.layer(layer), dst.layer(layer)
-        dispatch.run(method, src, src_ids, dst, dst_ids, self.sm_budget)
+        dispatch.run(method, src, src_ids, dst, dst_ids, self.num_ctas)
 
     def _submit_cuda(
         self,

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from kvcopy._version import warn_renamed
+
 __all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal", "wait_until"]
 
 # Waiting on something that can only be polled: poll without sleeping for this long (a small transfer takes
@@ -135,8 +137,9 @@ class Transfer:
     ``done()`` never blocks; ``wait()`` blocks the host and re-raises an error
     of the transfer; ``wait_stream()`` / ``wait_layer()`` make a CUDA stream
     wait on the device without blocking the host (on CPU they block the caller).
-    ``method``: the copy method that ran it; ``link``: its direction in a
-    Profile's terms ("d2h", "h2d" or "h2h").
+    ``direction``: "offload" or "reload"; ``method``: the copy method that ran
+    it; ``profile_direction``: its direction in a Profile's terms ("d2h",
+    "h2d" or "h2h"), as OnlineProfile.observe_copy takes it.
     """
 
     def __init__(
@@ -150,14 +153,14 @@ class Transfer:
         keepalive: tuple[object, ...] = (),
         *,
         method: str = "",
-        link: str = "",
+        profile_direction: str = "",
         observer: Callable[[Transfer], None] | None = None,
     ) -> None:
         self.direction = direction
         self.num_blocks = num_blocks
         self.nbytes = nbytes
         self.method = method
-        self.link = link
+        self.profile_direction = profile_direction
         self._done = done
         self._layers = layers
         self._timer = timer
@@ -165,6 +168,12 @@ class Transfer:
         self.joined: set[int] = set()  # streams made to wait for the whole transfer (wait_stream)
         self._observer = observer
         self._report_once = threading.Lock()  # taken (never waited for) by whoever reports the transfer first
+
+    @property
+    def link(self) -> str:
+        """Deprecated: :attr:`profile_direction`."""
+        warn_renamed("Transfer.link", "Transfer.profile_direction")
+        return self.profile_direction
 
     @property
     def layerwise(self) -> bool:

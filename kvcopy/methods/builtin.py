@@ -16,6 +16,7 @@ import torch
 
 from kvcopy import _ext
 from kvcopy.layout import PagedKV
+from kvcopy.methods.cta_budget import TRITON_PROGRAMS_PER_CTA, cta_budget
 from kvcopy.methods.pairs import (
     HOST_POINTER_PROBLEM,
     both_on_host,
@@ -26,7 +27,6 @@ from kvcopy.methods.pairs import (
     uses_cuda,
 )
 from kvcopy.methods.registry import CopyMethod, register
-from kvcopy.methods.sm_budget import TRITON_PROGRAMS_PER_CTA, cta_budget
 from kvcopy.methods.staging import ids_on
 from kvcopy.methods.torch_method import copy_blocks_torch
 

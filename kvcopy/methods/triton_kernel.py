@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvcopy.layout import PLANE_ADDRESS, PLANE_BLOCK_BYTES, PLANE_BLOCK_STRIDE, PLANE_TABLE_COLUMNS, PagedKV
-from kvcopy.methods.sm_budget import HOST_LINK_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA, TRITON_WARPS
+from kvcopy.methods.cta_budget import HOST_MEMORY_CTA_BUDGET, TRITON_PROGRAMS_PER_CTA, TRITON_WARPS
 
 __all__ = ["copy_blocks_triton"]
 
@@ -22,7 +22,7 @@ __all__ = ["copy_blocks_triton"]
 _STEP_ELEMENTS = 1024
 # Programs when a host buffer is on one side: the CUDA kernel's CTA budget in
 # Triton programs (the same threads), which keeps PCIe busy and leaves the SMs to decode...
-HOST_LINK_PROGRAMS = HOST_LINK_CTA_BUDGET * TRITON_PROGRAMS_PER_CTA
+HOST_LINK_PROGRAMS = HOST_MEMORY_CTA_BUDGET * TRITON_PROGRAMS_PER_CTA
 # ...as long as enough bytes are in flight: a host-link copy reaches 80-90% of the
 # link from 1-2 MB outstanding (the half-peak sizes of docs/measurements.md). Each program
 # has one plane-block in flight, so small plane-blocks get more programs, up to:

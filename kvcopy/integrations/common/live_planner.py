@@ -111,13 +111,15 @@ class LivePlanner:
     def observe_transfer(self, transfer: Transfer) -> None:
         """A TransferEngine observer: a finished offload or reload, by its turnaround (queueing included)."""
         if transfer.turnaround is not None:
-            self.observe_copy(transfer.link, transfer.method, transfer.nbytes, transfer.turnaround, transfer.num_blocks)
+            self.observe_copy(
+                transfer.profile_direction, transfer.method, transfer.nbytes, transfer.turnaround, transfer.num_blocks
+            )
 
-    def observe_copy(self, link: str, method: str, nbytes: int, seconds: float, num_blocks: int = 1) -> None:
+    def observe_copy(self, direction: str, method: str, nbytes: int, seconds: float, num_blocks: int = 1) -> None:
         """A finished copy reported from elsewhere (another process's engine): its Profile direction, method,
         bytes, turnaround and blocks."""
         if self.online is not None:
-            self.online.observe_copy(link, method, nbytes, seconds, num_blocks=num_blocks)
+            self.online.observe_copy(direction, method, nbytes, seconds, num_blocks=num_blocks)
 
     @property
     def planner(self) -> Planner | None:

@@ -163,7 +163,9 @@ class KVCopyOffloadingConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         if session is not None and isinstance(meta, KVCopyWorkerMetadata):
             for copy in meta.copies:
-                session.live.observe_copy(copy.link, copy.method, copy.nbytes, copy.seconds, copy.num_blocks)
+                session.live.observe_copy(
+                    copy.profile_direction, copy.method, copy.nbytes, copy.seconds, copy.num_blocks
+                )
             jobs = self.connector_scheduler._jobs  # vLLM's jobs in flight: the keys each store writes
             for job_id in meta.failed_stores:
                 if job_id in jobs:

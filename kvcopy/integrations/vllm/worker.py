@@ -73,7 +73,7 @@ class CopyObservation:
     """One finished copy as OnlineProfile.observe_copy takes it: Profile direction, method, bytes, blocks, and
     its turnaround in seconds."""
 
-    link: str
+    profile_direction: str
     method: str
     nbytes: int
     num_blocks: int
@@ -168,7 +168,11 @@ class KVCopyOffloadingWorker(OffloadingWorker):
         if transfer.turnaround is not None:
             self.copies.append(
                 CopyObservation(
-                    transfer.link, transfer.method, transfer.nbytes, transfer.num_blocks, transfer.turnaround
+                    transfer.profile_direction,
+                    transfer.method,
+                    transfer.nbytes,
+                    transfer.num_blocks,
+                    transfer.turnaround,
                 )
             )
 

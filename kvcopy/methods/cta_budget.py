@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvcopy.layout import PagedKV
 
 __all__ = [
-    "HOST_LINK_CTA_BUDGET",
+    "HOST_MEMORY_CTA_BUDGET",
     "SM_KERNEL_THREADS_PER_CTA",
     "TRITON_PROGRAMS_PER_CTA",
     "TRITON_WARPS",
@@ -16,7 +16,7 @@ __all__ = [
 
 # CTAs the "cuda" SM kernel uses by default when host memory is on one side: a few CTAs saturate PCIe
 # (each has 32 warps of 16-byte loads in flight), and every other SM stays with decode. `num_ctas` overrides it.
-HOST_LINK_CTA_BUDGET = 4
+HOST_MEMORY_CTA_BUDGET = 4
 # Threads in one CTA of the "cuda" kernel (kThreadsPerCta in csrc/kernels/copy_blocks_sm.cu).
 SM_KERNEL_THREADS_PER_CTA = 1024
 # Warps of one Triton program (its num_warps): 256 threads.
@@ -26,10 +26,10 @@ TRITON_PROGRAMS_PER_CTA = SM_KERNEL_THREADS_PER_CTA // (TRITON_WARPS * 32)
 
 
 def cta_budget(src: PagedKV, dst: PagedKV, num_ctas: int | None) -> int:
-    """CTAs for the SM kernel: the caller's budget, else the host-link default, else 0 (one full wave)."""
+    """CTAs for the SM kernel: the caller's budget, else the host-memory default, else 0 (one full wave)."""
     if num_ctas is not None:
         return num_ctas
-    return HOST_LINK_CTA_BUDGET if src.device.type != dst.device.type else 0
+    return HOST_MEMORY_CTA_BUDGET if src.device.type != dst.device.type else 0
 
 
 def check_num_ctas(num_ctas: object, name: str = "num_ctas") -> int | None:
