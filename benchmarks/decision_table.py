@@ -141,13 +141,13 @@ def fetch_table(reference: kvcopy.ModelSpec) -> list[str]:
     for (name, tp), mine in planners.items():
         label = name if tp == 1 else f"{name} tp {tp}"
         for prefix in PREFIXES:
-            ds = [p.decide(prefix, NEW_TOKENS, from_peer=True) for p in mine]
+            ds = [p.decide(prefix, NEW_TOKENS, source="peer") for p in mine]
             cells = [
                 f"{d.t_fetch * 1e3:.2f} | {'-' if d.t_split is None else f'{d.t_split * 1e3:.2f}'} | {d.action}"
                 for d in ds
             ]
             lines.append(f"| {label} | {prefix} | " + " | ".join(cells) + f" | {ds[0].t_recompute * 1e3:.2f} |")
-        said = [p.threshold_tokens(NEW_TOKENS, from_peer=True) for p in mine]
+        said = [p.threshold_tokens(NEW_TOKENS, source="peer") for p in mine]
         thresholds.append(
             f"- {label}: "
             + "; ".join(

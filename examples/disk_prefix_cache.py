@@ -15,7 +15,7 @@ rope and its KV dtype. Then the process exits.
 ``resume`` is a new process, with a question after that prefix. It opens the store. The open is refused,
 naming what differs, when the model or its weights are not the ones that wrote it. It then matches the
 request's block hashes, and asks the Planner whether reading the matched prefix from disk beats recomputing
-it (``decide(..., from_disk=True)``). Whatever the answer, it takes both paths, one after the other, on a
+it (``decide(..., source="disk")``). Whatever the answer, it takes both paths, one after the other, on a
 warm model: it reads the blocks into the host pool, reloads them into pages at random ids, and answers from
 there; then it prefills the prefix again into other pages and answers from those. Then it checks itself:
 - the reloaded KV must equal, bitwise, a fresh prefill of the same prefix;
@@ -174,7 +174,7 @@ def resume(args: argparse.Namespace) -> int:
         if not slots:
             print("resume: no stored prefix matches this request")
             return 2
-        decision = planner.decide(cached, len(request) - cached, from_disk=True)
+        decision = planner.decide(cached, len(request) - cached, source="disk")
         pages = random.Random(4).sample(range(PAGES // 2), len(slots))  # this process's pages for it
         host_ids = pool.allocate(len(slots)).tolist()
         store.get(slots, pool, host_ids).wait()  # each block's checksum checked against its commit

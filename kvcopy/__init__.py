@@ -21,7 +21,7 @@ from kvcopy.model import ModelSpec
 from kvcopy.online import OnlineProfile
 from kvcopy.ops import available_methods, copy_blocks, gather, scatter
 from kvcopy.planner import Decision, Planner
-from kvcopy.profile import Profile, set_default_profile
+from kvcopy.profile import CostLine, Profile, set_default_profile
 from kvcopy.ranges import ByteRange, copy_ranges
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "BlockIndex",
     "ByteRange",
     "CacheKey",
+    "CostLine",
     "Decision",
     "HostKVPool",
     "ModelSpec",

@@ -101,8 +101,7 @@ def roofline(tokens: int, cached: int) -> float:
 def base_planner(extra_request_s: float = 0.0) -> Planner:
     return Planner(
         LLAMA,
-        load_alpha_s=LOAD_ALPHA_S,
-        load_bytes_per_s=LOAD_BYTES_PER_S,
+        load=CostLine(LOAD_ALPHA_S, LOAD_BYTES_PER_S),
         prefill_flops_per_s=FLOPS_PER_S,
         prefill_alpha_s=PREFILL_ALPHA_S,
         weight_bytes_per_s=WEIGHT_BYTES_PER_S,

@@ -3,7 +3,7 @@
 - The engine's per-block ordering keeps a later writer of a host block when an earlier one finishes.
 - ``OffloadSession.reserve`` over two allocators is all or none.
 - A peer descriptor of a newer format is refused by name.
-- ``threshold_tokens(from_peer=True)`` equals a brute-force scan above 4096 tokens, where it bisects.
+- ``threshold_tokens(source="peer")`` equals a brute-force scan above 4096 tokens, where it bisects.
 """
 
 from __future__ import annotations
@@ -89,6 +89,6 @@ def test_a_descriptor_of_a_newer_format_is_refused_by_name():
 @pytest.mark.parametrize(("fetch_alpha_s", "limit"), [(0.2, 8192), (0.5, 16384)])
 def test_the_fetch_threshold_above_4096_tokens_matches_a_brute_force_scan(fetch_alpha_s, limit):
     p = planner(fa=fetch_alpha_s)  # a link so slow per read that fetching pays only beyond 4096 tokens
-    threshold = p.threshold_tokens(max_tokens=limit, from_peer=True)
+    threshold = p.threshold_tokens(max_tokens=limit, source="peer")
     assert threshold is not None and threshold > 4096  # in the geometric grid, where the bisection runs
     assert threshold == brute_fetch_threshold(p, limit)

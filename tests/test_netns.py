@@ -7,6 +7,7 @@ Skipped, saying why, where the sandbox cannot make namespaces (not root, no ipro
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -139,7 +140,7 @@ def _planner(profile: kvcopy.Profile) -> kvcopy.Planner:
 
 def _decide(planner: kvcopy.Planner, tokens: int) -> kvcopy.Decision:
     """The planner's fetch of ``tokens`` as the engine moves them: whole blocks."""
-    return planner.decide(tokens, 1, from_peer=True, load_nbytes=-(-tokens // BLOCK_TOKENS) * BLOCK_NBYTES)
+    return planner.decide(tokens, 1, source="peer", load_nbytes=-(-tokens // BLOCK_TOKENS) * BLOCK_NBYTES)
 
 
 def _measured_fetch(link, peers, rate: str, tokens: int, chunks: int) -> float:
@@ -167,14 +168,16 @@ def test_the_planners_fetch_is_the_measured_fetch(link, peers, profiles, rate, t
 
 def test_a_slower_link_moves_the_fetch_threshold_where_the_planner_says(profiles):
     planners = {rate: _planner(profile) for rate, profile in profiles.items()}
-    thresholds = {rate: planner.threshold_tokens(from_peer=True) for rate, planner in planners.items()}
+    thresholds = {rate: planner.threshold_tokens(source="peer") for rate, planner in planners.items()}
     # On this CPU both are 1 token: recomputing even one token of an 8B model costs more than fetching a
     # block at either rate (a GPU's prefill puts the threshold where the link's rate moves it far).
     # Where the planner says the threshold goes when the link is 4x slower: the 1 Gbit/s planner, its link's
     # bytes/s cut by the rate's ratio. The link calibrated at 250 Mbit/s puts it there.
     slowed = _planner(profiles["1gbit"])
-    slowed.fetch_bytes_per_s *= RATES_BIT_S["250mbit"] / RATES_BIT_S["1gbit"]
-    predicted = slowed.threshold_tokens(from_peer=True)
+    slowed.fetch = dataclasses.replace(
+        slowed.fetch, beta_bytes_per_s=slowed.fetch.beta_bytes_per_s * RATES_BIT_S["250mbit"] / RATES_BIT_S["1gbit"]
+    )
+    predicted = slowed.threshold_tokens(source="peer")
     print(f"fetch thresholds: {thresholds}, predicted at 250mbit from 1gbit: {predicted}")
     assert None not in (*thresholds.values(), predicted) and thresholds["250mbit"] >= thresholds["1gbit"]
     assert thresholds["250mbit"] == pytest.approx(predicted, rel=TOLERANCE, abs=BLOCK_TOKENS)

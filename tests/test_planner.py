@@ -38,16 +38,13 @@ DEEPSEEK = kvcopy.ModelSpec.preset("deepseek-v3")
 
 
 def linear(spec=LLAMA, *, la, bw, r, pa=0.0, share=0.0, **kw) -> Planner:
-    return Planner(
-        spec, load_alpha_s=la, load_bytes_per_s=bw, prefill_tokens_per_s=r, prefill_alpha_s=pa, decode_share=share, **kw
-    )
+    return Planner(spec, load=CostLine(la, bw), prefill_tokens_per_s=r, prefill_alpha_s=pa, decode_share=share, **kw)
 
 
 def flops(spec=LLAMA, *, la, bw, fps, pa=0.0, share=0.0, wbps=None, **kw) -> Planner:
     return Planner(
         spec,
-        load_alpha_s=la,
-        load_bytes_per_s=bw,
+        load=CostLine(la, bw),
         prefill_flops_per_s=fps,
         prefill_alpha_s=pa,
         weight_bytes_per_s=wbps,
@@ -238,7 +235,7 @@ def test_load_nbytes_overrides_the_prefix_bytes():
 
 def test_the_load_takes_the_fastest_option_at_each_size():
     """A method with a small fixed cost wins small loads; a fast one wins large loads."""
-    planner = linear(la=1e-6, bw=1e9, r=1e4, load_options=[(100e-6, 50e9)])
+    planner = linear(la=1e-6, bw=1e9, r=1e4, load_options=[CostLine(100e-6, 50e9)])
     small, large = 16384, 4096 * B_TOK
     assert planner.t_load_nbytes(small) == pytest.approx(1e-6 + small / 1e9)
     assert planner.t_load_nbytes(large) == pytest.approx(100e-6 + large / 50e9)
@@ -357,25 +354,25 @@ def test_decode_share_can_flip_a_reload():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9),  # neither prefill rate
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_flops_per_s=1e12),  # both
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, weight_bytes_per_s=1e12),  # no roofline
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, weight_bytes_per_s=0.0),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, load_options=[(0.0, -1.0)]),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, split_margin=1.0),
-        dict(load_alpha_s=-1e-6, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
-        dict(load_alpha_s=0.0, load_bytes_per_s=0.0, prefill_tokens_per_s=1e3),
-        dict(load_alpha_s=0.0, load_bytes_per_s=-1e9, prefill_tokens_per_s=1e3),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=0.0),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=-5.0),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=-1e12),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, prefill_alpha_s=-1e-3),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=1.0),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=1.5),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=-0.1),
-        dict(load_alpha_s=math.nan, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3),
-        dict(load_alpha_s=0.0, load_bytes_per_s=math.nan, prefill_tokens_per_s=1e3),
-        dict(load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_tokens_per_s=1e3, decode_share=math.nan),
+        dict(load=CostLine(0.0, 1e9)),  # neither prefill rate
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, prefill_flops_per_s=1e12),  # both
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, weight_bytes_per_s=1e12),  # no roofline
+        dict(load=CostLine(0.0, 1e9), prefill_flops_per_s=1e12, weight_bytes_per_s=0.0),
+        dict(load=CostLine(0.0, 1e9), prefill_flops_per_s=1e12, load_options=[CostLine(0.0, -1.0)]),
+        dict(load=CostLine(0.0, 1e9), prefill_flops_per_s=1e12, split_margin=1.0),
+        dict(load=CostLine(-1e-6, 1e9), prefill_tokens_per_s=1e3),
+        dict(load=CostLine(0.0, 0.0), prefill_tokens_per_s=1e3),
+        dict(load=CostLine(0.0, -1e9), prefill_tokens_per_s=1e3),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=0.0),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=-5.0),
+        dict(load=CostLine(0.0, 1e9), prefill_flops_per_s=-1e12),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, prefill_alpha_s=-1e-3),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, decode_share=1.0),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, decode_share=1.5),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, decode_share=-0.1),
+        dict(load=CostLine(math.nan, 1e9), prefill_tokens_per_s=1e3),
+        dict(load=CostLine(0.0, math.nan), prefill_tokens_per_s=1e3),
+        dict(load=CostLine(0.0, 1e9), prefill_tokens_per_s=1e3, decode_share=math.nan),
     ],
 )
 def test_bad_arguments_are_value_errors(kwargs):
@@ -419,8 +416,8 @@ def test_from_profile_uses_the_fit_at_the_models_block_size():
     # Llama: 16 tokens x 8 heads x 128 x 2 bytes = 32 KiB per K (or V) plane-block.
     assert LLAMA.block_nbytes(16) / (2 * LLAMA.num_layers) == 32768
     planner = Planner.from_profile(p, LLAMA, decode_share=0.25)
-    assert planner.load_alpha_s == pytest.approx(18e-6)
-    assert planner.load_bytes_per_s == pytest.approx(33e9)
+    assert planner.load.alpha_s == pytest.approx(18e-6)
+    assert planner.load.beta_bytes_per_s == pytest.approx(33e9)
     assert planner.prefill_flops_per_s == 2e13 and planner.prefill_tokens_per_s is None
     assert planner.prefill_alpha_s == 0.03
     assert planner.decode_share == 0.25
@@ -430,7 +427,7 @@ def test_from_profile_uses_the_fit_at_the_models_block_size():
 def test_from_profile_without_block_fits_uses_the_overall_fit():
     p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9))}})
     planner = Planner.from_profile(p, LLAMA)
-    assert (planner.load_alpha_s, planner.load_bytes_per_s) == (7e-6, 9e9)
+    assert (planner.load.alpha_s, planner.load.beta_bytes_per_s) == (7e-6, 9e9)
 
 
 def test_from_profile_prefers_host_to_device():
@@ -443,7 +440,7 @@ def test_from_profile_prefers_host_to_device():
     )
     planner = Planner.from_profile(p, LLAMA)
     # 64 blocks of 2 MiB: copy_engine is far ahead on h2d.
-    assert (planner.load_alpha_s, planner.load_bytes_per_s) == (20e-6, 50e9)
+    assert (planner.load.alpha_s, planner.load.beta_bytes_per_s) == (20e-6, 50e9)
 
 
 def test_from_profile_picks_the_method_fastest_at_the_models_block_size():
@@ -465,8 +462,8 @@ def test_from_profile_picks_the_method_fastest_at_the_models_block_size():
         }
     )
     planner = Planner.from_profile(p, LLAMA)
-    assert planner.load_bytes_per_s == pytest.approx(50e9)
-    assert planner.load_alpha_s == pytest.approx(1e-6)
+    assert planner.load.beta_bytes_per_s == pytest.approx(50e9)
+    assert planner.load.alpha_s == pytest.approx(1e-6)
 
 
 def test_from_profile_errors():

@@ -24,12 +24,10 @@ def planner(*, fa=50e-6, fb=12.5e9, la=20e-6, lb=50e9, fps=5e14, wbps=4.8e12, **
     20 us per call), 500 TFLOP/s prefill, 4.8 TB/s weight reads."""
     return Planner(
         LLAMA,
-        load_alpha_s=la,
-        load_bytes_per_s=lb,
+        load=CostLine(la, lb),
         prefill_flops_per_s=fps,
         weight_bytes_per_s=wbps,
-        fetch_alpha_s=fa,
-        fetch_bytes_per_s=fb,
+        fetch=CostLine(fa, fb),
         **kw,
     )
 
@@ -42,8 +40,8 @@ def expected_fetch(p: Planner, nbytes: int) -> float:
     for k in range(1, min(blocks, MAX_PIPELINE_CHUNKS) + 1):
         if k & (k - 1):
             continue  # a pipeline is cut into a power-of-two count of chunks
-        read = p.fetch_alpha_s + nbytes / k / p.fetch_bytes_per_s
-        load = p.load_alpha_s + nbytes / k / p.load_bytes_per_s
+        read = p.fetch.alpha_s + nbytes / k / p.fetch.beta_bytes_per_s
+        load = p.load.alpha_s + nbytes / k / p.load.beta_bytes_per_s
         stages = [read] + [max(read, load)] * (k - 1) + [load]
         best = min(best, sum(stages))
     return best
@@ -73,7 +71,7 @@ def test_fetch_time_is_the_best_pipeline_over_whole_blocks(tokens):
 @pytest.mark.parametrize("prefix", [1, 64, 1024, 16384])
 def test_a_prefix_on_a_peer_is_fetched_or_recomputed(prefix):
     p = planner(layerwise=True)
-    d = p.decide(prefix, 8, from_peer=True)
+    d = p.decide(prefix, 8, source="peer")
     extend = p.t_prefill(8, prefix)
     assert d.t_reload is None and d.t_layerwise is None  # not here, and no layer arrives before the others
     assert d.t_fetch == pytest.approx(expected_fetch(p, LLAMA.kv_bytes(prefix)) + extend)
@@ -89,14 +87,14 @@ def test_a_prefix_on_a_peer_is_fetched_or_recomputed(prefix):
 def test_fetching_costs_at_least_the_local_reload():
     p = planner()
     for prefix in (1, 16, 300, 4096, 65536):
-        here, there = p.decide(prefix), p.decide(prefix, from_peer=True)
+        here, there = p.decide(prefix), p.decide(prefix, source="peer")
         assert there.t_fetch >= here.t_reload
 
 
 def test_split_from_a_peer_computes_the_front_while_the_rest_is_fetched():
     p = planner(fb=1e9)  # a slow link: fetching and computing a prefix take comparable time
     prefix = 8192
-    d = p.decide(prefix, from_peer=True)
+    d = p.decide(prefix, source="peer")
     best = min(
         max(p.t_prefill(x), expected_fetch(p, LLAMA.kv_bytes(prefix - x))) for x in range(1, prefix, 1)
     ) + p.t_prefill(1, prefix)
@@ -106,11 +104,11 @@ def test_split_from_a_peer_computes_the_front_while_the_rest_is_fetched():
 
 def brute_fetch_threshold(p: Planner, limit: int) -> int | None:
     """The smallest P such that every P' in [P, limit] is not recomputed, scanning every length."""
-    if p.decide(limit, from_peer=True).action == "recompute":
+    if p.decide(limit, source="peer").action == "recompute":
         return None
     threshold = limit
     for prefix in range(limit - 1, 0, -1):
-        if p.decide(prefix, from_peer=True).action == "recompute":
+        if p.decide(prefix, source="peer").action == "recompute":
             break
         threshold = prefix
     return threshold
@@ -120,35 +118,40 @@ def brute_fetch_threshold(p: Planner, limit: int) -> int | None:
 def test_fetch_threshold_matches_a_brute_force_scan(fa):
     p = planner(fa=fa)
     limit = 4096
-    assert p.threshold_tokens(max_tokens=limit, from_peer=True) == brute_fetch_threshold(p, limit)
+    assert p.threshold_tokens(max_tokens=limit, source="peer") == brute_fetch_threshold(p, limit)
 
 
 def test_a_slower_link_fetches_only_longer_prefixes():
-    thresholds = [planner(fa=fa).threshold_tokens(from_peer=True) for fa in (50e-6, 2e-3, 20e-3)]
+    thresholds = [planner(fa=fa).threshold_tokens(source="peer") for fa in (50e-6, 2e-3, 20e-3)]
     assert thresholds == sorted(thresholds) and thresholds[0] < thresholds[-1]
 
 
 def test_no_network_link_is_a_clear_error():
-    p = Planner(LLAMA, load_alpha_s=20e-6, load_bytes_per_s=50e9, prefill_flops_per_s=5e14)
-    with pytest.raises(ValueError, match="from_peer: .*no network link.*calibrate --remote"):
-        p.decide(1024, from_peer=True)
-    with pytest.raises(ValueError, match="from_peer"):
-        p.threshold_tokens(from_peer=True)
+    p = Planner(LLAMA, load=CostLine(20e-6, 50e9), prefill_flops_per_s=5e14)
+    with pytest.raises(ValueError, match='source="peer": .*no network link.*calibrate --remote'):
+        p.decide(1024, source="peer")
+    with pytest.raises(ValueError, match='source="peer"'):
+        p.threshold_tokens(source="peer")
     assert p.decide(1024).t_fetch is None
 
 
 @pytest.mark.parametrize(
     ("kw", "fragment"),
     [
-        ({"fetch_alpha_s": 1e-4}, "fetch_alpha_s / fetch_bytes_per_s: expected both"),
-        ({"fetch_alpha_s": 1e-4, "fetch_bytes_per_s": 0.0}, "fetch_bytes_per_s: expected a positive rate"),
-        ({"fetch_alpha_s": -1.0, "fetch_bytes_per_s": 1e9}, "fetch_alpha_s: expected seconds >= 0"),
+        ({"fetch": CostLine(1e-4, 0.0)}, "fetch: expected a positive rate"),
+        ({"fetch": CostLine(-1.0, 1e9)}, "fetch: expected seconds >= 0"),
+        ({"fetch": CostLine(1e-4, float("nan"))}, "fetch: expected a positive rate"),
         ({"block_tokens": 0}, "block_tokens: expected an int >= 1"),
     ],
 )
 def test_bad_fetch_parameters(kw, fragment):
     with pytest.raises(ValueError, match=fragment):
-        Planner(LLAMA, load_alpha_s=0.0, load_bytes_per_s=1e9, prefill_flops_per_s=1e12, **kw)
+        Planner(LLAMA, load=CostLine(0.0, 1e9), prefill_flops_per_s=1e12, **kw)
+
+
+def test_a_fetch_line_that_is_not_a_cost_line_is_a_type_error():
+    with pytest.raises(TypeError, match="fetch: expected a CostLine"):
+        Planner(LLAMA, load=CostLine(0.0, 1e9), prefill_flops_per_s=1e12, fetch=(1e-4, 1e9))
 
 
 def _profile(with_remote: bool) -> Profile:
@@ -167,17 +170,19 @@ def _profile(with_remote: bool) -> Profile:
 def test_from_profile_takes_the_link_at_one_page_first_block():
     p = Planner.from_profile(_profile(with_remote=True), LLAMA)
     assert BLOCK == 2 << 20  # llama-8b: 16 tokens x 128 KiB
-    assert (p.fetch_alpha_s, p.fetch_bytes_per_s) == pytest.approx((2e-4, 4e9))
-    assert p.decide(4096, from_peer=True).t_fetch is not None
-    assert Planner.from_profile(_profile(with_remote=False), LLAMA).fetch_bytes_per_s is None
+    assert (p.fetch.alpha_s, p.fetch.beta_bytes_per_s) == pytest.approx((2e-4, 4e9))
+    assert p.decide(4096, source="peer").t_fetch is not None
+    assert Planner.from_profile(_profile(with_remote=False), LLAMA).fetch is None
 
 
 def test_the_transfer_part_is_exposed_without_the_compute():
     """What a measured fetch (network read plus reload) or reload compares with: ``t_transfer``."""
     p = planner()
     prefix = 2048
-    there, here = p.decide(prefix, 64, from_peer=True), p.decide(prefix, 64)
+    there, here = p.decide(prefix, 64, source="peer"), p.decide(prefix, 64)
     assert there.t_transfer == pytest.approx(expected_fetch(p, LLAMA.kv_bytes(prefix)), rel=1e-12)
     assert there.t_fetch == pytest.approx(there.t_transfer + p.t_prefill(64, prefix), rel=1e-12)
-    assert here.t_transfer == pytest.approx(p.load_alpha_s + LLAMA.kv_bytes(prefix) / p.load_bytes_per_s, rel=1e-12)
-    assert p.decide(0, 64, from_peer=True).t_transfer == 0.0
+    assert here.t_transfer == pytest.approx(
+        p.load.alpha_s + LLAMA.kv_bytes(prefix) / p.load.beta_bytes_per_s, rel=1e-12
+    )
+    assert p.decide(0, 64, source="peer").t_transfer == 0.0

@@ -598,7 +598,7 @@ def test_real_profile_gives_a_planner(real_profile):
     spec = kvcopy.ModelSpec.preset("llama-3.1-8b")
     planner = kvcopy.Planner.from_profile(real_profile, spec)
     assert planner.prefill_flops_per_s == real_profile.prefill.flops_per_s
-    assert planner.load_bytes_per_s > 0 and planner.load_alpha_s >= 0
+    assert planner.load.beta_bytes_per_s > 0 and planner.load.alpha_s >= 0
     d = planner.decide(2048)
     assert d.action in ("reload", "recompute", "split")
     assert d.t_reload > 0 and d.t_recompute > 0

@@ -16,7 +16,7 @@ class Decision:
     """What to do with a cached prefix, and the predicted seconds of each option.
 
     A prefix held here (host memory): ``t_reload`` is load-then-compute, ``t_fetch`` None. A prefix held by
-    a peer (``Planner.decide(..., from_peer=True)``) or in the disk store (``from_disk=True``): ``t_fetch``
+    a peer (``Planner.decide(..., source="peer")``) or in the disk store (``source="disk"``): ``t_fetch``
     is fetch-then-compute (the network or disk read into the host pool and the local reload pipelined in
     ``fetch_chunks`` chunks), ``t_reload`` None. ``t_layerwise`` is None unless the planner was made with
     ``layerwise=True`` (and never for a prefix elsewhere); ``t_split`` is None when the prefix is too short

@@ -12,16 +12,16 @@ resumed request always computes at least the token it continues from):
   t_extend(P, n)`` at the best x. On sliding-window layers only the last W
   tokens are cached, so computing tokens before them saves no load;
 - recompute: ``t_prefill(P + n)``;
-- fetch (a prefix held by a peer, ``from_peer=True``, or in the disk store, ``from_disk=True``):
+- fetch (a prefix held by a peer, ``source="peer"``, or in the disk store, ``source="disk"``):
   ``t_fetch(P) + t_extend(P, n)``: read the blocks over the network (from the disk) into the host pool and
   reload them, the two pipelined in chunks (kvcopy.planner.pipeline);
   split works the same with the fetch in place of the load. Layer-wise reload is not offered for a peer's
   prefix: its page-first blocks hold every layer, so no layer arrives before the others.
 
 ``t_load(bytes) = min over the load options of alpha + bytes / (beta · (1 - decode_share))``:
-the best measured copy method at that size. ``t_fetch`` reads at ``fetch_alpha_s + bytes / fetch_bytes_per_s``
-(the network link, ``kvcopy calibrate --remote``; from the disk: ``disk_alpha_s + bytes / disk_bytes_per_s``,
-``kvcopy calibrate --disk``). ``decode_share`` is the fraction
+the best measured copy method at that size. ``t_fetch`` reads at ``fetch.alpha_s + bytes / fetch.beta_bytes_per_s``
+(the network link, ``kvcopy calibrate --remote``; from the disk, the ``disk`` line, ``kvcopy calibrate --disk``).
+``decode_share`` is the fraction
 of the link (or the SMs) that running decode needs; a load gets the rest.
 
 Prefill, per forward of n new tokens after P cached ones, is a roofline:
@@ -36,21 +36,22 @@ FLOPs (ModelSpec.prefill_flops, ModelSpec.weight_bytes). Without
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
+from kvcopy._version import warn_renamed
 from kvcopy.model.spec import forward_costs
 from kvcopy.planner.decision import ACTIONS, Action, Decision, seconds_text
 from kvcopy.planner.pipeline import pipelined_seconds
 from kvcopy.planner.split import best_split
 from kvcopy.planner.threshold import first_winning
-from kvcopy.profile import DISK_READ_DIRECTION, REMOTE_DIRECTION
+from kvcopy.profile import DISK_READ_DIRECTION, REMOTE_DIRECTION, CostLine
 
 if TYPE_CHECKING:
     from kvcopy.model.spec import ModelSpec
     from kvcopy.profile import Profile
 
-__all__ = ["Decision", "Planner", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "ACTIONS"]
+__all__ = ["ACTIONS", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "SOURCES", "Decision", "Planner", "Source"]
 
 # Tokens per block when a profile is turned into load costs: the common paged-attention block.
 DEFAULT_BLOCK_TOKENS = 16
@@ -58,32 +59,50 @@ DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_CONTEXT_TOKENS = 131072
 # A split must beat the best other option by at least this fraction when the caller gives no margin.
 _DEFAULT_SPLIT_MARGIN = 0.0
+# Where a cached prefix is: in this host's pool (reload), on a peer or in the disk store (fetch).
+Source = Literal["host", "peer", "disk"]
+SOURCES: tuple[Source, ...] = ("host", "peer", "disk")
+# Planner's keywords before its cost lines (0.1): (alpha_s keyword, bytes_per_s keyword) -> the line's keyword.
+_RENAMED_LINES = {
+    ("load_alpha_s", "load_bytes_per_s"): "load",
+    ("fetch_alpha_s", "fetch_bytes_per_s"): "fetch",
+    ("disk_alpha_s", "disk_bytes_per_s"): "disk",
+}
 
 
 class Planner:
     """Reload-vs-recompute decisions for one model (a ModelSpec) on one machine.
 
-    Exactly one of ``prefill_tokens_per_s`` (linear prefill model) and
-    ``prefill_flops_per_s`` (roofline, via ``spec.prefill_flops``) must be
-    given; ``weight_bytes_per_s`` (only with FLOPs) adds the memory-bound floor.
-    ``prefill_extra_request_s``: what each request beside the first adds to a
-    batched forward (learned online; 0 from a calibration).
-    ``load_options``: more (alpha_s, bytes_per_s) copy methods besides the
-    first; a load takes the fastest. ``split_margin``: a split is chosen only
-    when it beats every other option by more than this fraction (the
-    profile's prediction error). ``note``: said in every explanation (e.g.
-    what the prefill was calibrated on). ``fetch_alpha_s`` / ``fetch_bytes_per_s``: the network link to
-    a peer holding the prefix (both or neither), for ``decide(..., from_peer=True)``; ``disk_alpha_s`` /
-    ``disk_bytes_per_s``: the disk store's reads, for ``decide(..., from_disk=True)``; ``block_tokens``:
-    tokens per block, the smallest piece a fetch is pipelined in.
+    Parameters:
+
+    - ``spec``: the model (a ModelSpec).
+    - ``load``: the reload's cost line (a CostLine: fixed seconds per call and bytes per second).
+    - ``prefill_tokens_per_s``: a linear prefill model; or
+    - ``prefill_flops_per_s``: the roofline's compute rate (via ``spec.prefill_flops``); exactly one of the two.
+    - ``prefill_alpha_s``: a forward's fixed seconds.
+    - ``weight_bytes_per_s``: the roofline's memory rate, the memory-bound floor (only with FLOPs).
+    - ``prefill_extra_request_s``: what each request beside the first adds to a batched forward (learned
+      online; 0 from a calibration).
+    - ``decode_share``: the fraction of the link (or the SMs) that running decode needs; a load gets the rest.
+    - ``layerwise``: the engine reloads layer by layer (offers the layer-wise reload).
+    - ``load_options``: more cost lines of copy methods besides ``load``; a load takes the fastest.
+    - ``split_margin``: a split is chosen only when it beats every other option by more than this fraction
+      (the profile's prediction error).
+    - ``note``: said in every explanation (e.g. what the prefill was calibrated on).
+    - ``fetch``: the network link to a peer holding the prefix, for ``decide(..., source="peer")``.
+    - ``disk``: the disk store's reads, for ``decide(..., source="disk")``.
+    - ``block_tokens``: tokens per block, the smallest piece a fetch is pipelined in.
+
+    ``load_alpha_s``/``load_bytes_per_s``, ``fetch_alpha_s``/``fetch_bytes_per_s`` and
+    ``disk_alpha_s``/``disk_bytes_per_s`` (and (alpha_s, bytes_per_s) tuples in ``load_options``) are the
+    deprecated spellings of the cost lines.
     """
 
     def __init__(
         self,
         spec: ModelSpec,
         *,
-        load_alpha_s: float,
-        load_bytes_per_s: float,
+        load: CostLine | None = None,
         prefill_tokens_per_s: float | None = None,
         prefill_flops_per_s: float | None = None,
         prefill_alpha_s: float = 0.0,
@@ -91,38 +110,40 @@ class Planner:
         prefill_extra_request_s: float = 0.0,
         decode_share: float = 0.0,
         layerwise: bool = False,
-        load_options: Sequence[tuple[float, float]] = (),
+        load_options: Sequence[CostLine] = (),
         split_margin: float = _DEFAULT_SPLIT_MARGIN,
         note: str = "",
-        fetch_alpha_s: float | None = None,
-        fetch_bytes_per_s: float | None = None,
+        fetch: CostLine | None = None,
+        disk: CostLine | None = None,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
-        disk_alpha_s: float | None = None,
-        disk_bytes_per_s: float | None = None,
+        **renamed: float | None,
     ) -> None:
+        lines = _lines_from_renamed(renamed, {"load": load, "fetch": fetch, "disk": disk})
+        load, fetch, disk = lines["load"], lines["fetch"], lines["disk"]
+        if load is None:
+            raise TypeError("Planner: missing load (a CostLine: the reload's fixed seconds and bytes per second)")
+        options = []
+        for option in load_options:  # a loop, not a comprehension: the deprecation warning names the caller
+            options.append(_as_line(option))
+        for name, line in (("load", load), ("fetch", fetch), ("disk", disk), *(("load_options", o) for o in options)):
+            _check_line(name, line)
         if (prefill_tokens_per_s is None) == (prefill_flops_per_s is None):
             raise ValueError("prefill_tokens_per_s / prefill_flops_per_s: expected exactly one of them")
         if weight_bytes_per_s is not None and prefill_flops_per_s is None:
             raise ValueError("weight_bytes_per_s: only with prefill_flops_per_s (the roofline model)")
-        check_costs(
-            rates={
-                "load_bytes_per_s": load_bytes_per_s,
-                "prefill_tokens_per_s": prefill_tokens_per_s,
-                "prefill_flops_per_s": prefill_flops_per_s,
-                "weight_bytes_per_s": weight_bytes_per_s,
-                "fetch_bytes_per_s": fetch_bytes_per_s,
-                "disk_bytes_per_s": disk_bytes_per_s,
-            },
-            links={"fetch": (fetch_alpha_s, fetch_bytes_per_s), "disk": (disk_alpha_s, disk_bytes_per_s)},
-            seconds={
-                "load_alpha_s": load_alpha_s,
-                "prefill_alpha_s": prefill_alpha_s,
-                "prefill_extra_request_s": prefill_extra_request_s,
-                "fetch_alpha_s": fetch_alpha_s or 0.0,
-                "disk_alpha_s": disk_alpha_s or 0.0,
-            },
-            load_options=load_options,
-        )
+        for name, rate in (
+            ("prefill_tokens_per_s", prefill_tokens_per_s),
+            ("prefill_flops_per_s", prefill_flops_per_s),
+            ("weight_bytes_per_s", weight_bytes_per_s),
+        ):
+            if rate is not None and not rate > 0:
+                raise ValueError(f"{name}: expected a positive rate, got {rate}")
+        for name, seconds in (
+            ("prefill_alpha_s", prefill_alpha_s),
+            ("prefill_extra_request_s", prefill_extra_request_s),
+        ):
+            if not seconds >= 0:
+                raise ValueError(f"{name}: expected seconds >= 0, got {seconds}")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens: expected an int >= 1, got {block_tokens!r}")
         if not 0 <= decode_share < 1:
@@ -130,11 +151,8 @@ class Planner:
         if not 0 <= split_margin < 1:
             raise ValueError(f"split_margin: expected a fraction in [0, 1), got {split_margin}")
         self.spec = spec
-        self.load_alpha_s = float(load_alpha_s)
-        self.load_bytes_per_s = float(load_bytes_per_s)
-        self.load_options = ((self.load_alpha_s, self.load_bytes_per_s),) + tuple(
-            (float(a), float(b)) for a, b in load_options
-        )
+        self.load = load
+        self.load_options: tuple[CostLine, ...] = (load, *options)
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.prefill_flops_per_s = prefill_flops_per_s
         self.prefill_alpha_s = float(prefill_alpha_s)
@@ -144,11 +162,9 @@ class Planner:
         self.layerwise = bool(layerwise)
         self.split_margin = float(split_margin)
         self.note = note
-        self.fetch_alpha_s = None if fetch_alpha_s is None else float(fetch_alpha_s)
-        self.fetch_bytes_per_s = None if fetch_bytes_per_s is None else float(fetch_bytes_per_s)
+        self.fetch = fetch
+        self.disk = disk
         self.block_tokens = block_tokens
-        self.disk_alpha_s = None if disk_alpha_s is None else float(disk_alpha_s)
-        self.disk_bytes_per_s = None if disk_bytes_per_s is None else float(disk_bytes_per_s)
 
     @classmethod
     def from_profile(
@@ -193,17 +209,16 @@ class Planner:
         block = spec.block_nbytes(block_tokens)
         fetch, disk = (
             min(
-                (mp.line_at(block) for mp in profile.directions.get(link, {}).values()),
+                (mp.line_at(block) for mp in profile.directions.get(direction, {}).values()),
                 key=lambda fit: fit.predict(block),
                 default=None,
             )
-            for link in (REMOTE_DIRECTION, DISK_READ_DIRECTION)
+            for direction in (REMOTE_DIRECTION, DISK_READ_DIRECTION)
         )
         return cls(
             spec,
-            load_alpha_s=fits[0].alpha_s,
-            load_bytes_per_s=fits[0].beta_bytes_per_s,
-            load_options=[(fit.alpha_s, fit.beta_bytes_per_s) for fit in fits[1:]],
+            load=_given(fits[0]),
+            load_options=[_given(fit) for fit in fits[1:]],
             prefill_flops_per_s=prefill.flops_per_s,
             prefill_alpha_s=alpha,
             weight_bytes_per_s=prefill.weight_bytes_per_s,
@@ -212,11 +227,9 @@ class Planner:
             layerwise=layerwise,
             split_margin=margin,
             note=note,
-            fetch_alpha_s=None if fetch is None else fetch.alpha_s,
-            fetch_bytes_per_s=None if fetch is None else fetch.beta_bytes_per_s,
+            fetch=None if fetch is None else _given(fetch),
             block_tokens=block_tokens,
-            disk_alpha_s=None if disk is None else disk.alpha_s,
-            disk_bytes_per_s=None if disk is None else disk.beta_bytes_per_s,
+            disk=None if disk is None else _given(disk),
         )
 
     # ------------------------------------------------------------------ costs
@@ -224,32 +237,36 @@ class Planner:
     def t_load_nbytes(self, nbytes: float) -> float:
         """Seconds to load ``nbytes`` of KV in one call, with the fastest load option at that size."""
         share = 1.0 - self.decode_share
-        return min(alpha + nbytes / (beta * share) for alpha, beta in self.load_options)
+        return min(line.alpha_s + nbytes / (line.beta_bytes_per_s * share) for line in self.load_options)
 
-    def t_fetch_nbytes(self, nbytes: float, *, from_disk: bool = False) -> tuple[float, int]:
-        """(seconds, chunks) to bring ``nbytes`` of a peer's KV (or, ``from_disk``, of the disk's) here: the read
-        into the host pool and the local reload, pipelined at the best chunk count (whole blocks per chunk).
-        ValueError without that link."""
-        alpha, beta = self._fetch_link(from_disk)
+    def t_fetch_nbytes(self, nbytes: float, *, source: Source = "peer", **renamed: bool) -> tuple[float, int]:
+        """(seconds, chunks) to bring ``nbytes`` of KV held by ``source`` ("peer" or "disk") here: the read into
+        the host pool and the local reload, pipelined at the best chunk count (whole blocks per chunk).
+        ValueError when the planner has no cost line for that source. ``from_disk=True``: deprecated spelling
+        of ``source="disk"``."""
+        source = _source_from_renamed(renamed, source, "Planner.t_fetch_nbytes")
+        if source == "host":
+            raise ValueError('source: a fetch is from "peer" or "disk", got "host"')
+        line = self._fetch_line(source)
         blocks = math.ceil(nbytes / self.spec.block_nbytes(self.block_tokens))
-        return pipelined_seconds(nbytes, blocks, lambda b: alpha + b / beta, self.t_load_nbytes)
+        return pipelined_seconds(nbytes, blocks, line.predict, self.t_load_nbytes)
 
-    def _fetch_link(self, from_disk: bool = False) -> tuple[float, float]:
-        """(alpha, beta) of the network link (the disk's reads, ``from_disk``); ValueError naming ``from_peer``
-        (``from_disk``) when the planner has none."""
-        if from_disk:
-            if self.disk_alpha_s is None or self.disk_bytes_per_s is None:
+    def _fetch_line(self, source: Source) -> CostLine:
+        """The cost line of a read from ``source`` ("peer": the network link, "disk": the disk's reads);
+        ValueError naming ``source`` when the planner has none."""
+        if source == "disk":
+            if self.disk is None:
                 raise ValueError(
-                    "from_disk: this planner has no disk link (disk_alpha_s / disk_bytes_per_s, or a profile from "
+                    'source="disk": this planner has no disk cost line (disk=CostLine(...), or a profile from '
                     "`kvcopy calibrate --disk PATH`)"
                 )
-            return self.disk_alpha_s, self.disk_bytes_per_s
-        if self.fetch_alpha_s is None or self.fetch_bytes_per_s is None:
+            return self.disk
+        if self.fetch is None:
             raise ValueError(
-                "from_peer: this planner has no network link to a peer (fetch_alpha_s / fetch_bytes_per_s, or "
-                "a profile from `kvcopy calibrate --remote`)"
+                'source="peer": this planner has no network link to a peer (fetch=CostLine(...), or a profile '
+                "from `kvcopy calibrate --remote`)"
             )
-        return self.fetch_alpha_s, self.fetch_bytes_per_s
+        return self.fetch
 
     def t_load(self, tokens: int) -> float:
         """Seconds to reload the KV of ``tokens`` prefix tokens (one call)."""
@@ -282,19 +299,21 @@ class Planner:
         new_tokens: int = 1,
         *,
         load_nbytes: int | None = None,
-        from_peer: bool = False,
-        from_disk: bool = False,
+        source: Source = "host",
+        **renamed: bool,
     ) -> Decision:
-        """Reload, layer-wise reload, split or recompute (fetch, split or recompute with ``from_peer`` or
-        ``from_disk``) for a cached prefix of ``prefix_tokens`` and ``new_tokens`` (>= 1) to compute after it.
+        """Reload, layer-wise reload, split or recompute for a cached prefix of ``prefix_tokens`` and
+        ``new_tokens`` (>= 1) to compute after it.
 
         ``load_nbytes``: the bytes a reload would move, when the engine knows them (whole
         blocks, a sliding window's ring); default ``spec.kv_bytes(prefix_tokens)``.
-        ``from_peer``: the prefix is held by another node: fetch (network read and reload,
-        pipelined), split (compute the front while the rest is fetched) or recompute. ValueError
-        when the planner has no network link. ``from_disk``: the prefix is in the disk store (kvcopy.storage):
-        the same three, the fetch reading the disk into the host pool (action "fetch"). Not both.
+        ``source``: where the prefix is. "host" (the default): in this host's pool. "peer": held by another
+        node: fetch (network read and reload, pipelined), split (compute the front while the rest is
+        fetched) or recompute; ValueError when the planner has no network link. "disk": in the disk store
+        (kvcopy.storage): the same three, the fetch reading the disk into the host pool (action "fetch").
+        ``from_peer=True`` / ``from_disk=True``: deprecated spellings of ``source``.
         """
+        source = _source_from_renamed(renamed, source, "Planner.decide")
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
         if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
@@ -306,11 +325,9 @@ class Planner:
             isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int) or load_nbytes < 0
         ):
             raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
-        if from_peer and from_disk:
-            raise ValueError("from_peer / from_disk: the prefix is on a peer or on the disk, not both")
-        elsewhere = from_peer or from_disk
+        elsewhere = source != "host"
         if elsewhere:
-            self._fetch_link(from_disk)  # the error, before any work, when there is no such link
+            self._fetch_line(source)  # the error, before any work, when there is no such line
         prefix = prefix_tokens
         extend = self.t_prefill(new_tokens, prefix)
         t_recompute = self.t_prefill(prefix + new_tokens)
@@ -321,12 +338,10 @@ class Planner:
             return Decision("recompute", 0, new_tokens, t_reload, t_recompute, None, 0, note, None, t_fetch)
 
         def load(nbytes: float) -> float:
-            return self.t_fetch_nbytes(nbytes, from_disk=from_disk)[0] if elsewhere else self.t_load_nbytes(nbytes)
+            return self.t_fetch_nbytes(nbytes, source=source)[0] if elsewhere else self.t_load_nbytes(nbytes)
 
         nbytes = self.spec.kv_bytes(prefix) if load_nbytes is None else load_nbytes
-        t_load, chunks = (
-            self.t_fetch_nbytes(nbytes, from_disk=from_disk) if elsewhere else (self.t_load_nbytes(nbytes), 0)
-        )
+        t_load, chunks = self.t_fetch_nbytes(nbytes, source=source) if elsewhere else (self.t_load_nbytes(nbytes), 0)
         t_layerwise = max(t_load, extend) + t_load / self.spec.num_layers if self.layerwise and not elsewhere else None
         split = best_split(self, prefix, load)
         t_split = split[1] + extend if split else None
@@ -345,7 +360,7 @@ class Planner:
             t_recompute,
             t_split,
             split[0] if split else 0,
-            self._explain(action, prefix, options, split, chunks, "the disk" if from_disk else "the peer"),
+            self._explain(action, prefix, options, split, chunks, source),
             t_layerwise,
             options["fetch"] if elsewhere else None,
             chunks,
@@ -362,23 +377,20 @@ class Planner:
         options: dict[Action, float],
         split: tuple[int, float] | None,
         chunks: int,
-        source: str,
+        source: Source,
     ) -> str:
         rest = "the rest is fetched" if "fetch" in options else "the rest loads"
         what = {
             "split": f"split (compute the first {split[0] if split else 0} of {prefix} tokens while {rest})",
             "layerwise": "layer-wise reload",
-            "fetch": f"fetch from {source} ({'disk' if source == 'the disk' else 'network'} read and reload, "
+            "fetch": f"fetch from the {source} ({'disk' if source == 'disk' else 'network'} read and reload, "
             f"pipelined in {chunks} chunk(s))",
         }.get(action, action)
         others = ", ".join(f"{name} {seconds_text(t)}" for name, t in options.items() if name != action)
         return self._note(f"{what}: {seconds_text(options[action])} vs {others} for {prefix} cached tokens")
 
-    def _reload_wins(self, prefix: int, new_tokens: int, from_peer: bool, from_disk: bool = False) -> bool:
-        return self.decide(prefix, new_tokens, from_peer=from_peer, from_disk=from_disk).action != "recompute"
-
     def threshold_tokens(
-        self, new_tokens: int = 1, *, max_tokens: int | None = None, from_peer: bool = False, from_disk: bool = False
+        self, new_tokens: int = 1, *, max_tokens: int | None = None, source: Source = "host", **renamed: bool
     ) -> int | None:
         """The smallest prefix P from which keeping the cache always pays: for every P' from P up to
         ``max_tokens`` (default: the model's context length, else DEFAULT_CONTEXT_TOKENS), ``decide``
@@ -387,40 +399,98 @@ class Planner:
 
         Evaluated on every length up to 4096 and on a geometric grid above (64 steps per
         doubling), then bisected between the last losing and the first winning length of the grid:
-        exact unless the sign changes twice within one grid step. ``from_peer``: the threshold for
-        fetching a prefix from a peer, ``from_disk``: from the disk store (see :meth:`decide`).
+        exact unless the sign changes twice within one grid step. ``source``: where the prefix is (see
+        :meth:`decide`); ``from_peer`` / ``from_disk``: its deprecated spellings.
         """
+        source = _source_from_renamed(renamed, source, "Planner.threshold_tokens")
         limit = max_tokens or getattr(self.spec, "context_length", None) or DEFAULT_CONTEXT_TOKENS
-        return first_winning(lambda p: self._reload_wins(p, new_tokens, from_peer, from_disk), limit)
+        return first_winning(lambda p: self.decide(p, new_tokens, source=source).action != "recompute", limit)
+
+    # ------------------------------------------------------------------ deprecated spellings (0.1)
+
+    load_alpha_s = property(lambda self: _renamed_part(self.load, "load_alpha_s", "Planner.load.alpha_s"))
+    load_bytes_per_s = property(
+        lambda self: _renamed_part(self.load, "load_bytes_per_s", "Planner.load.beta_bytes_per_s")
+    )
+    fetch_alpha_s = property(lambda self: _renamed_part(self.fetch, "fetch_alpha_s", "Planner.fetch.alpha_s"))
+    fetch_bytes_per_s = property(
+        lambda self: _renamed_part(self.fetch, "fetch_bytes_per_s", "Planner.fetch.beta_bytes_per_s")
+    )
+    disk_alpha_s = property(lambda self: _renamed_part(self.disk, "disk_alpha_s", "Planner.disk.alpha_s"))
+    disk_bytes_per_s = property(
+        lambda self: _renamed_part(self.disk, "disk_bytes_per_s", "Planner.disk.beta_bytes_per_s")
+    )
 
 
-# --------------------------------------------------------------------------- checks
+# --------------------------------------------------------------------------- checks and deprecated spellings
 
 
-def _positive_rate(name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{name}: expected a positive rate, got {value}")
+def _given(fit: CostLine) -> CostLine:
+    """A fitted line as the planner keeps it: its cost, not its quality."""
+    return CostLine(fit.alpha_s, fit.beta_bytes_per_s)
 
 
-def check_costs(
-    *,
-    rates: Mapping[str, float | None],
-    links: Mapping[str, tuple[float | None, float | None]],
-    seconds: Mapping[str, float],
-    load_options: Sequence[tuple[float, float]],
-) -> None:
-    """ValueError naming the argument: a rate (bytes, FLOPs or tokens per second; None: not given) that is not
-    positive, a link (``{name}_alpha_s``, ``{name}_bytes_per_s``) given by halves, fixed seconds below 0 (or
-    NaN), or a bad (alpha_s, bytes_per_s) pair in ``load_options``."""
-    for name, rate in rates.items():
-        _positive_rate(name, rate)
-    for what, (alpha, beta) in links.items():
-        if (alpha is None) != (beta is None):
-            raise ValueError(f"{what}_alpha_s / {what}_bytes_per_s: expected both (a link) or neither")
-    for name, value in seconds.items():
-        if not value >= 0:
-            raise ValueError(f"{name}: expected seconds >= 0, got {value}")
-    for alpha, beta in load_options:
-        if not alpha >= 0:
-            raise ValueError(f"load_options: expected seconds >= 0, got {alpha}")
-        _positive_rate("load_options", beta)
+def _check_line(name: str, line: CostLine | None) -> None:
+    """TypeError unless ``line`` is a CostLine (or None); ValueError naming ``name`` for fixed seconds below 0
+    (or NaN) or a rate that is not positive."""
+    if line is None:
+        return
+    if not isinstance(line, CostLine):
+        raise TypeError(f"{name}: expected a CostLine (or None), got {type(line).__name__}")
+    if not line.alpha_s >= 0:
+        raise ValueError(f"{name}: expected seconds >= 0, got {line.alpha_s}")
+    if not line.beta_bytes_per_s > 0:
+        raise ValueError(f"{name}: expected a positive rate, got {line.beta_bytes_per_s}")
+
+
+def _as_line(option: object) -> CostLine:
+    """A load option: a CostLine, or (deprecated) an (alpha_s, bytes_per_s) pair."""
+    if isinstance(option, tuple) and len(option) == 2:
+        warn_renamed("Planner(load_options=[(alpha_s, bytes_per_s)])", "load_options=[CostLine(...)]", stacklevel=4)
+        return CostLine(float(option[0]), float(option[1]))
+    return option  # type: ignore[return-value]  # _check_line says what it is when it is not a CostLine
+
+
+def _lines_from_renamed(renamed: dict[str, Any], lines: dict[str, CostLine | None]) -> dict[str, CostLine | None]:
+    """The cost lines, with any given by their 0.1 keywords (``load_alpha_s`` and ``load_bytes_per_s``, ...)."""
+    unknown = set(renamed) - {name for pair in _RENAMED_LINES for name in pair}
+    if unknown:
+        raise TypeError(f"Planner: unexpected keyword argument(s) {sorted(unknown)}")
+    for (alpha_name, beta_name), name in _RENAMED_LINES.items():
+        alpha, beta = renamed.get(alpha_name), renamed.get(beta_name)
+        if alpha is None and beta is None:
+            continue
+        warn_renamed(f"Planner({alpha_name}=..., {beta_name}=...)", f"Planner({name}=CostLine(...))", stacklevel=4)
+        if alpha is None or beta is None:
+            raise ValueError(f"{alpha_name} / {beta_name}: expected both (a cost line) or neither")
+        if lines[name] is not None:
+            raise TypeError(f"Planner: give {name} or {alpha_name} / {beta_name}, not both")
+        lines[name] = CostLine(float(alpha), float(beta))
+    return lines
+
+
+def _source_from_renamed(renamed: dict[str, Any], source: Source, where: str) -> Source:
+    """``source``, or what the deprecated ``from_peer`` / ``from_disk`` booleans say; ValueError for a source
+    that is none of SOURCES, TypeError for another keyword."""
+    unknown = set(renamed) - {"from_peer", "from_disk"}
+    if unknown:
+        raise TypeError(f"{where}: unexpected keyword argument(s) {sorted(unknown)}")
+    flagged = [name for name in ("from_peer", "from_disk") if renamed.get(name)]
+    if renamed:
+        warn_renamed(f"{where}(from_peer=..., from_disk=...)", f'{where}(source="peer" | "disk")', stacklevel=4)
+    if len(flagged) == 2:
+        raise ValueError("from_peer / from_disk: the prefix is on a peer or on the disk, not both")
+    if flagged:
+        if source != "host":
+            raise TypeError(f"{where}: give source or {flagged[0]}, not both")
+        source = "peer" if flagged[0] == "from_peer" else "disk"
+    if source not in SOURCES:
+        raise ValueError(f"source: expected one of {SOURCES}, got {source!r}")
+    return source
+
+
+def _renamed_part(line: CostLine | None, old: str, new: str) -> float | None:
+    warn_renamed(f"Planner.{old}", new, stacklevel=4)
+    if line is None:
+        return None
+    return line.alpha_s if new.endswith("alpha_s") else line.beta_bytes_per_s

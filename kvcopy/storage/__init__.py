@@ -6,7 +6,7 @@ through its GDS backend), committed to its index (kvcopy/storage/commit_log.py) 
 after their data is on disk, so a crash never leaves a torn or foreign block
 that matches. :mod:`kvcopy.calibration.disk` measures its writes and reads into a
 Profile (``kvcopy calibrate --disk``), for the Planner's
-``decide(..., from_disk=True)``. examples/disk_prefix_cache.py is an
+``decide(..., source="disk")``. examples/disk_prefix_cache.py is an
 engine's prefix cache that survives a restart through it. NIXL is needed
 (``pip install 'kvcopy[nixl]'``).
 """

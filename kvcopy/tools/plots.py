@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy.planner.planner import Planner
+from kvcopy.planner.planner import Planner, Source
 from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, CostLine, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]
@@ -160,13 +160,12 @@ def plot_plan(
     max_tokens: int,
     new_tokens: int = 1,
     prefix: int | None = None,
-    from_peer: bool = False,
-    from_disk: bool = False,
+    source: Source = "host",
 ) -> None:
     """Reload, layer-wise reload, split and recompute time against prefix length, for ``new_tokens`` new
-    tokens, and fetching from a peer when the planner has a network link (from the disk, ``from_disk``); the
-    small-prefix threshold and (when given) the requested ``prefix`` and its decision marked, for a prefix
-    held by a peer when ``from_peer`` (in the disk store when ``from_disk``)."""
+    tokens, and fetching from a peer when the planner has a network link (from the disk when ``source`` is
+    "disk"); the small-prefix threshold and (when given) the requested ``prefix`` and its decision marked, for
+    a prefix where ``source`` says (see Planner.decide)."""
     plt = _pyplot()
     lengths = np.unique(np.geomspace(1, max_tokens, 200).astype(int))
     decisions = [planner.decide(int(n), new_tokens) for n in lengths]
@@ -177,18 +176,17 @@ def plot_plan(
     split = [d.t_split if d.t_split is not None else np.nan for d in decisions]
     ax.plot(lengths, split, "--", label=_PLAN_CURVES["split"])
     ax.plot(lengths, [d.t_recompute for d in decisions], label=_PLAN_CURVES["recompute"])
-    source = {"from_peer": from_peer, "from_disk": from_disk}
-    if from_disk or planner.fetch_bytes_per_s is not None:
-        remote = {"from_disk": True} if from_disk else {"from_peer": True}
-        fetched = [planner.decide(int(n), new_tokens, **remote).t_fetch for n in lengths]
-        label = "read from the disk and reload (pipelined)" if from_disk else _PLAN_CURVES["fetch"]
+    if source == "disk" or planner.fetch is not None:
+        remote: Source = "disk" if source == "disk" else "peer"
+        fetched = [planner.decide(int(n), new_tokens, source=remote).t_fetch for n in lengths]
+        label = "read from the disk and reload (pipelined)" if source == "disk" else _PLAN_CURVES["fetch"]
         ax.plot(lengths, fetched, ":", lw=2, label=label)
-    threshold = planner.threshold_tokens(new_tokens, **source)
+    threshold = planner.threshold_tokens(new_tokens, source=source)
     if threshold is not None and threshold <= max_tokens:
-        what = "fetching from the peer" if from_peer else "reading from the disk" if from_disk else "keeping the cache"
+        what = {"peer": "fetching from the peer", "disk": "reading from the disk", "host": "keeping the cache"}[source]
         ax.axvline(threshold, color="gray", ls=":", label=f"threshold: {what} pays from {threshold} tokens")
     if prefix:
-        chosen = planner.decide(prefix, new_tokens, **source)
+        chosen = planner.decide(prefix, new_tokens, source=source)
         ax.axvline(prefix, color="black", lw=0.8)
         seconds = {
             "reload": chosen.t_reload,
@@ -197,7 +195,7 @@ def plot_plan(
             "layerwise": chosen.t_layerwise,
             "fetch": chosen.t_fetch,
         }[chosen.action]
-        where = "on a peer" if from_peer else "on disk" if from_disk else "cached"
+        where = {"peer": "on a peer", "disk": "on disk", "host": "cached"}[source]
         ax.plot(
             [prefix], [seconds], "k*", ms=12, label=f"requested: {prefix} {where} + {new_tokens} new -> {chosen.action}"
         )
@@ -206,7 +204,7 @@ def plot_plan(
         yscale="log",
         xlabel=f"cached prefix tokens (each with {new_tokens} new token{'s' if new_tokens != 1 else ''})",
         ylabel="seconds until the new tokens are computed",
-        title=f"{planner.spec.name}: reload{', fetch' if planner.fetch_bytes_per_s is not None else ''} vs recompute",
+        title=f"{planner.spec.name}: reload{', fetch' if planner.fetch is not None else ''} vs recompute",
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7.5)

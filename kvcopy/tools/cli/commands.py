@@ -155,15 +155,17 @@ def plan(args: argparse.Namespace) -> int:
         raise CliError(f"--tp: {err}" if str(err).startswith("tp:") else str(err)) from None
     if args.from_peer and args.from_disk:
         raise CliError("--from-disk: a prefix is on a peer (--from-peer) or on the disk, not both")
-    if args.from_peer and planner.fetch_bytes_per_s is None:
+    if args.from_peer and planner.fetch is None:
         raise CliError(
             "--from-peer: the profile has no network link to a peer; measure one with `kvcopy calibrate --remote`"
         )
-    if args.from_disk and planner.disk_bytes_per_s is None:
-        raise CliError("--from-disk: the profile has no disk link; measure one with `kvcopy calibrate --disk PATH`")
-    source = {"from_peer": args.from_peer, "from_disk": args.from_disk}
-    decision = planner.decide(args.prefix, args.new, **source)
-    threshold = planner.threshold_tokens(args.new, **source)
+    if args.from_disk and planner.disk is None:
+        raise CliError(
+            "--from-disk: the profile has no disk measurements; measure them with `kvcopy calibrate --disk PATH`"
+        )
+    source = "peer" if args.from_peer else "disk" if args.from_disk else "host"
+    decision = planner.decide(args.prefix, args.new, source=source)
+    threshold = planner.threshold_tokens(args.new, source=source)
     where = "cached tokens"
     if args.from_peer:
         where = f"tokens held by a peer ({profile.hardware.get('remote_link')})"
@@ -201,7 +203,7 @@ def plan(args: argparse.Namespace) -> int:
             max_tokens=max(4 * args.prefix, 4 * (threshold or 1), 1024),
             new_tokens=args.new,
             prefix=args.prefix,
-            **source,
+            source=source,
         )
         print(f"plot saved to {args.plot}")
     return 0
