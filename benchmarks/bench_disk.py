@@ -47,7 +47,8 @@ import torch
 
 import kvcopy
 from kvcopy.calibration.machine import machine_identity
-from kvcopy.storage import DiskKVStore, _disk_file
+from kvcopy.storage import DiskKVStore
+from kvcopy.storage import files as _disk_file
 from kvcopy.storage.files import filesystem_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
