@@ -9,7 +9,7 @@ Each row: the median of REPEATS calls, GB/s and the ratio to the limit, with the
 ``--memory gpu``: the same between GPU memory of the two processes (each an engine cache, a PagedKV whose
 blocks are contiguous, registered as NIXL VRAM; needs a CUDA device and UCX built with CUDA).
 ``--netns RATE``: the two processes in two network namespaces made for the run, joined by a veth pair shaped
-with tbf to RATE (1gbit or 250mbit; kvcopy.tools.netns), UCX over TCP: the bytes cross a real network stack
+with tbf to RATE (1gbit or 250mbit; benchmarks/netns.py), UCX over TCP: the bytes cross a real network stack
 (checked on the interface counters, and said in the output), which on one machine they otherwise do not.
 Needs root and iproute2.
 
@@ -36,7 +36,8 @@ from kvcopy.calibration.timing import measure
 from kvcopy.nixl.registration import registration_of
 from kvcopy.remote import KVPeer
 from kvcopy.tools.bench import IDENTITY_COLUMNS
-from kvcopy.tools.netns import RATES_BIT_S, NetnsUnavailable, netns_link
+
+from netns import RATES_BIT_S, NetnsUnavailable, netns_link
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
 WAIT_S = 120  # generous: a loaded machine may take seconds per call
