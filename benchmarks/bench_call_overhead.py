@@ -14,23 +14,16 @@ at most 2x for both. ``kvcopy bench``'s fixed_cost suite measures the same on co
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import kvcopy
 from kvcopy.calibration.machine import machine_identity
+from kvcopy.calibration.timing import interleaved
 
 PLANE_BLOCK_BYTES = 32 * 1024
 CACHE_BLOCKS = 8
 TARGET_RATIO = 2.0
-
-
-def _per_call_us(fn, calls: int) -> float:
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - started) / calls * 1e6
 
 
 def main() -> int:
@@ -56,11 +49,9 @@ def main() -> int:
         'kvcopy.gather method="cpu"': lambda: kvcopy.gather(kv, block_ids, host, host_ids, method="cpu"),
         'kvcopy.gather method="auto" + profile': lambda: kvcopy.gather(kv, block_ids, host, host_ids),
     }
-    best = {name: float("inf") for name in calls}
-    for _ in range(args.rounds):
-        for name, fn in calls.items():
-            _per_call_us(fn, args.calls // 10)  # warm-up
-            best[name] = min(best[name], _per_call_us(fn, args.calls))
+    # Each round: per call, a tenth of --calls untimed, then --calls timed; the best round is kept.
+    samples = interleaved(calls, args.rounds, warmup=args.calls // 10, inner=args.calls)
+    best = {name: min(seconds) * 1e6 for name, seconds in samples.items()}
     torch.testing.assert_close(host.paged.planes[0][5], kv.planes[0][3], rtol=0, atol=0)
     identity = machine_identity(torch.device("cpu"))
     bare = best["torch copy_ (bare)"]

@@ -34,12 +34,13 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import itertools
 import mmap
 import os
 import shutil
 import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -47,7 +48,9 @@ import torch
 
 import kvcopy
 from kvcopy.calibration.machine import machine_identity
-from kvcopy.storage import DiskKVStore, _disk_file
+from kvcopy.calibration.timing import interleaved
+from kvcopy.storage import DiskKVStore
+from kvcopy.storage import files as _disk_file
 from kvcopy.storage.files import filesystem_of
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
@@ -77,19 +80,11 @@ def _hashes(n: int, salt: int) -> list[str]:
     return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
 
 
-def _interleaved(calls: int, bodies: dict, after: dict | None = None) -> dict:
-    """Median seconds of each body over ``calls`` rounds; each round runs every body once, in turn, so a disk
-    whose speed drifts (a cloud disk's burst credits) slows every method alike. ``after``: per key, untimed
-    work after each of its calls."""
-    times: dict = {key: [] for key in bodies}
-    for i in range(calls):
-        for key, body in bodies.items():
-            started = time.perf_counter()
-            body(i)
-            times[key].append(time.perf_counter() - started)
-            if after and key in after:
-                after[key](i)
-    return {key: statistics.median(samples) for key, samples in times.items()}
+def _by_round(body: Callable[[int], object]) -> Callable[[], object]:
+    """``body`` called with its round's index: timing.interleaved calls each body once a round, so its k-th call
+    is round k."""
+    rounds = itertools.count()
+    return lambda: body(next(rounds))
 
 
 def _store(directory: str, pool: kvcopy.HostKVPool, num_blocks: int, queue: str | None) -> DiskKVStore:
@@ -214,7 +209,14 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
             bodies[("contiguous (limit)", "")] = contiguous(op)
             bodies[(SMALL_PAGES, "")] = contiguous(op, memoryview(small_pages))
             after = {("kvcopy", label): record_slots(label) for label in stores} if op == "write" else None
-            measured.update({(op, *key): seconds for key, seconds in _interleaved(repeats, bodies, after).items()})
+            # Every method in the same rounds, in turn: a disk whose speed drifts (a cloud disk's burst credits)
+            # slows every method alike.
+            samples = interleaved(
+                {key: _by_round(body) for key, body in bodies.items()},
+                repeats,
+                after={key: _by_round(work) for key, work in after.items()} if after else None,
+            )
+            measured.update({(op, *key): statistics.median(seconds) for key, seconds in samples.items()})
             descriptors[(op, "")] = blocks
     for label in stores:
         for op in READS:

@@ -103,7 +103,7 @@ def preemption_clock() -> Iterator[list[tuple[str, float]]]:
     def offload_requests(self):  # type: ignore[no-untyped-def]
         before = set(self.scheduler.active_requests)
         result = real(self)
-        now = time.perf_counter()
+        now = time.perf_counter()  # not measure: a stamp on the clock of transformers' own token timestamps
         events.extend((rid, now) for rid in before - set(self.scheduler.active_requests))
         return result
 
@@ -149,7 +149,7 @@ def run_path(
         num_blocks=num_blocks, page_size=PAGE_TOKENS, max_batch_tokens=MAX_BATCH_TOKENS, cpu_offload_space=offload_gib
     )
     with preemption_clock() as preemptions:
-        start = time.perf_counter()
+        start = time.perf_counter()  # not measure: one end-to-end run, its preemptions and tokens part of the result
         out = model.generate_batch(prompts, gen, continuous_batching_config=cb, record_timestamps=True)
         seconds = time.perf_counter() - start
     failed = [rid for rid, o in out.items() if o.error is not None]
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile = kvcopy.Profile.load(args.profile)
     else:
-        start = time.perf_counter()
+        start = time.perf_counter()  # not measure: how long the calibration took, a note for the reader
         profile = kvcopy.calibrate(args.device, quick=True, progress=False, model=kvt.model_spec(model))
         print(f"calibrated {args.device} for this model in {time.perf_counter() - start:.0f} s")
 

@@ -9,7 +9,7 @@ Each row: the median of REPEATS calls, GB/s and the ratio to the limit, with the
 ``--memory gpu``: the same between GPU memory of the two processes (each an engine cache, a PagedKV whose
 blocks are contiguous, registered as NIXL VRAM; needs a CUDA device and UCX built with CUDA).
 ``--netns RATE``: the two processes in two network namespaces made for the run, joined by a veth pair shaped
-with tbf to RATE (1gbit or 250mbit; kvcopy.tools.netns), UCX over TCP: the bytes cross a real network stack
+with tbf to RATE (1gbit or 250mbit; benchmarks/netns.py), UCX over TCP: the bytes cross a real network stack
 (checked on the interface counters, and said in the output), which on one machine they otherwise do not.
 Needs root and iproute2.
 
@@ -23,10 +23,8 @@ import argparse
 import csv
 import multiprocessing
 import socket
-import statistics
 import subprocess
 import sys
-import time
 from multiprocessing.connection import Connection
 
 import torch
@@ -34,10 +32,12 @@ import torch
 import kvcopy
 from kvcopy.calibration.machine import machine_identity
 from kvcopy.calibration.network import interface_rx_bytes
+from kvcopy.calibration.timing import measure
 from kvcopy.nixl.registration import registration_of
 from kvcopy.remote import KVPeer
 from kvcopy.tools.bench import IDENTITY_COLUMNS
-from kvcopy.tools.netns import RATES_BIT_S, NetnsUnavailable, netns_link
+
+from netns import RATES_BIT_S, NetnsUnavailable, netns_link
 
 PLANES = 8  # planes per block: a page-first block is one region of PLANES plane-blocks
 WAIT_S = 120  # generous: a loaded machine may take seconds per call
@@ -93,16 +93,6 @@ def _serve(conn, memory: str) -> None:
         conn.send(peer.descriptor())
         peer.connect(conn.recv())
         conn.send(raw.cpu().numpy().tobytes())
-
-
-def _median(call, repeats: int) -> float:
-    call()  # warm-up: connection setup and first touches
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]], here: object) -> None:
@@ -221,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     "kvcopy read": kvcopy_read,
                     "per-block NIXL loop": lambda: [_raw_read(peer, remote, r, here) for r in per_block],
                 }
-                timed = {name: _median(call, args.repeats) for name, call in calls.items()}
+                # one warm-up call each: connection setup and first touches
+                timed = {name: measure(call, warmup=1, repeats=args.repeats).median for name, call in calls.items()}
                 local_bytes.zero_()
                 received = interface_rx_bytes()
                 kvcopy_read()  # checked last, after the other calls wrote the same local blocks

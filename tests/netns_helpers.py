@@ -1,7 +1,7 @@
 """A kvcopy peer process in each of two test hosts, for tests/test_netns.py: the namespaces and their shaped
-link are kvcopy.tools.netns's; a peer is ``tests/netns_peer.py`` run in one of them under UCX over TCP
-(:meth:`~kvcopy.tools.netns.Link.argv`). The test talks to it over a socket pair handed down as a file
-descriptor.
+link are benchmarks/netns.py's (re-exported here for the tests); a peer is ``tests/netns_peer.py`` run in one
+of them under UCX over TCP (:meth:`netns.Link.argv`). The test talks to it over a socket pair handed down as a
+file descriptor.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kvcopy.tools.netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link
+# The one place the tests put benchmarks/ on sys.path: netns.py (the namespaces) lives there, beside
+# bench_remote.py, its other user, and outside the installed package. Tests import it from this module.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from conftest import HANG_TIMEOUT_S
+from conftest import HANG_TIMEOUT_S  # noqa: E402
+from netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link  # noqa: E402
 
 __all__ = ["RATES_BIT_S", "Link", "NetnsUnavailable", "NsPeer", "PeerError", "netns_link"]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvcopy.tools.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
-from kvcopy.tools.netns import NetnsUnavailable, netns_link
 
 from conftest import HANG_TIMEOUT_S, HAS_CUDA, SUBPROCESS_TIMEOUT_S
+from netns_helpers import NetnsUnavailable, netns_link
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -20,14 +20,13 @@ import contextlib
 import functools
 import gc
 import itertools
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from kvcopy import _ext
-from kvcopy.calibration.timing import COLD_BYTES, measure
+from kvcopy.calibration.timing import COLD_BYTES, cycling, measure, seconds_to_completion
 from kvcopy.host.pool import HostKVPool
 from kvcopy.layout import PagedKV
 from kvcopy.methods.torch_method import word_views
@@ -104,7 +103,7 @@ def check_output(
     for _, d_words in pairs:
         d_words[dst_ids] = 0
     before = [(s_words.clone(), d_words.clone()) for s_words, d_words in pairs] if whole else []
-    seconds = _seconds_of(fn, src, dst)
+    seconds = seconds_to_completion(fn, (src.device, dst.device))
     for p, (s_words, d_words) in enumerate(pairs):
         if not torch.equal(d_words[dst_ids].cpu(), s_words[src_ids].cpu()):
             raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
@@ -115,12 +114,6 @@ def check_output(
         if s_words.data_ptr() != d_words.data_ptr() and not torch.equal(s_words, s_before):
             raise AssertionError(f"{name}: plane {p} of the source was written")
     return seconds
-
-
-def _synchronize(src: PagedKV, dst: PagedKV) -> None:
-    for device in {src.device, dst.device}:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
 
 AUTO = "kvcopy auto"
@@ -176,12 +169,6 @@ def _id_sets(
     ]
 
 
-def _cycling(calls: list[Callable[[], object]]) -> Callable[[], object]:
-    """One call of the next of ``calls`` each time."""
-    turn = itertools.cycle(calls)
-    return lambda: next(turn)()
-
-
 @dataclass
 class _Point:
     suite: str
@@ -226,7 +213,7 @@ def _time_point(
         whole = kv.num_blocks * kv.nbytes_per_block <= MAX_WHOLE_CHECKED_BYTES
         for method, fns in calls.items():
             if method == LIMIT:
-                one_call = _seconds_of(fns[0], src, dst)
+                one_call = seconds_to_completion(fns[0], (src.device, dst.device))
             else:
                 one_call = check_output(
                     f"{point.workload} {direction} {method}",
@@ -243,7 +230,7 @@ def _time_point(
             warmup = 1 if slow else max(config.warmup, len(fns))
             repeats = min(config.repeats, SLOW_ROW_REPEATS) if slow else config.repeats
             timing = measure(
-                _cycling(fns), warmup=warmup, repeats=repeats, device=device if device.type == "cuda" else None
+                cycling(fns), warmup=warmup, repeats=repeats, device=device if device.type == "cuda" else None
             )
             rows.append(
                 BenchRow(
@@ -263,14 +250,6 @@ def _time_point(
                 )
             )
     return rows
-
-
-def _seconds_of(fn: Callable[[], object], src: PagedKV, dst: PagedKV) -> float:
-    _synchronize(src, dst)
-    began = time.perf_counter()
-    fn()
-    _synchronize(src, dst)
-    return time.perf_counter() - began
 
 
 def _predicted(profile: Profile | None, link: str, method: str, nbytes: int, n: int, planes: int) -> float | None:

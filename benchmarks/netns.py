@@ -1,6 +1,8 @@
 """Two test hosts on one machine: network namespaces joined by a veth pair whose both ends are shaped with
 tbf, so that kvcopy.remote runs over a real network stack at a known rate (tests/test_netns.py and
-``benchmarks/bench_remote.py --netns``).
+``benchmarks/bench_remote.py --netns``). Test and benchmark infrastructure, not part of the installed package:
+the benchmark scripts import it as ``netns`` (their folder is on sys.path), the tests through
+tests/netns_helpers.py.
 
 Only the namespaces, veth pair and addresses made here are used (10.231.0.1/30 and .2 inside them), and they
 are deleted on every exit path (deleting a namespace deletes its veth end and qdisc). A process is run in a
