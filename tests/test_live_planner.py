@@ -1,10 +1,10 @@
-"""LivePlanner and PathClock: the Planner an engine adapter decides with, and the paths it measures.
+"""OnlinePlanner and PathClock: the Planner an engine adapter decides with, and the paths it measures.
 
 What is checked:
 
 * forward_seconds / predict_paths against the roofline computed here from ``spec.prefill_flops`` and
   ``spec.weight_bytes``, on hand-written chunk lists (each forward of at most max_forward_tokens costed whole);
-* LivePlanner: with ``learn=False`` the calibrated Planner forever; with ``learn=True`` the calibrated one
+* OnlinePlanner: with ``learn=False`` the calibrated Planner forever; with ``learn=True`` the calibrated one
   until REFIT_EVERY observations, then one refitted toward what was observed (the count it was built from),
   kept as it is when the refit changes nothing material; without a base, none until both a load link and
   forwards were observed; a CPU TransferEngine's real transfers through ``observe_transfer``;
@@ -29,14 +29,14 @@ import torch
 import kvcopy
 from kvcopy import Planner
 from kvcopy.integrations.common import path_clock as _path_clock
-from kvcopy.integrations.common.live_planner import (
+from kvcopy.integrations.common.offload_stats import OffloadDecision
+from kvcopy.integrations.common.online_planner import (
     REFIT_EVERY,
-    LivePlanner,
+    OnlinePlanner,
     forward_seconds,
     own_share,
     predict_paths,
 )
-from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.path_clock import ForwardRequest, PathClock
 from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
@@ -122,13 +122,13 @@ def base_load(nbytes: int) -> float:
 
 
 def copy_of(blocks: int, seconds: float, direction: str = "h2h") -> SimpleNamespace:
-    """A finished transfer as LivePlanner.observe_transfer reads one."""
+    """A finished transfer as OnlinePlanner.observe_transfer reads one."""
     return SimpleNamespace(
         profile_direction=direction, method="cpu", nbytes=blocks * BLOCK, num_blocks=blocks, turnaround=seconds
     )
 
 
-def observe(live: LivePlanner, count: int, load, forward) -> None:
+def observe(live: OnlinePlanner, count: int, load, forward) -> None:
     """``count`` observations, copies and forwards in turn, timed by the laws ``load`` and ``forward``."""
     for i in range(count):
         if i % 2:
@@ -246,12 +246,12 @@ def test_a_negative_work_per_request_is_refused(value):
         base_planner(value)
 
 
-# --------------------------------------------------------------------------- LivePlanner
+# --------------------------------------------------------------------------- OnlinePlanner
 
 
 def test_without_learning_the_calibrated_planner_is_kept_forever():
     before = BASE.to_dict()
-    live = LivePlanner(LLAMA, BASE, learn=False)
+    live = OnlinePlanner(LLAMA, BASE, learn=False)
     planner, observations = live.current()
     assert observations == 0
     assert_same_planner(planner, Planner.from_profile(BASE, LLAMA))
@@ -263,7 +263,7 @@ def test_without_learning_the_calibrated_planner_is_kept_forever():
 
 
 def test_learning_refits_after_refit_every_observations_toward_the_observed_law():
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     base, observations = live.current()
     assert observations == 0
     assert_same_planner(base, Planner.from_profile(BASE, LLAMA))
@@ -290,7 +290,7 @@ def test_learning_refits_after_refit_every_observations_toward_the_observed_law(
 
 
 def test_a_refit_that_changes_nothing_material_keeps_the_planner():
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     base, _ = live.current()
     refits = live.online.refits
     observe(live, 3 * REFIT_EVERY, base_load, lambda n, p: base_planner().t_prefill(n, p))
@@ -301,7 +301,7 @@ def test_a_refit_that_changes_nothing_material_keeps_the_planner():
 
 @pytest.mark.parametrize("forwards_first", [True, False])
 def test_without_a_base_there_is_no_planner_until_loads_and_forwards_were_observed(forwards_first):
-    live = LivePlanner(LLAMA, None, learn=True)
+    live = OnlinePlanner(LLAMA, None, learn=True)
     assert live.current() == (None, 0)
     first, then = (0, 1) if forwards_first else (1, 0)
     observe_one = [
@@ -325,7 +325,7 @@ def test_without_a_base_there_is_no_planner_until_loads_and_forwards_were_observ
 def test_real_transfers_of_a_cpu_engine_feed_the_learned_profile(engines):
     kv = kvcopy.PagedKV.from_planes([torch.randn(16, 1024) for _ in range(4)])
     host = kvcopy.HostKVPool(kv, 16, pin_memory=False)
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     base, _ = live.current()
     engine = engines(kv, host, method="cpu", observer=live.observe_transfer)
     for i in range(REFIT_EVERY // 2):
@@ -400,7 +400,7 @@ def decision(request_id: str, action: str = "reload") -> OffloadDecision:
     )
 
 
-def spied(live: LivePlanner, monkeypatch) -> list[tuple[list[int], list[int], float]]:
+def spied(live: OnlinePlanner, monkeypatch) -> list[tuple[list[int], list[int], float]]:
     """The forwards PathClock reports to ``live`` (still passed on to it)."""
     seen = []
     real = live.observe_forward
@@ -421,7 +421,7 @@ def forward(clock: PathClock, fake: FakeClock, seconds: float, *requests: Forwar
 
 
 def test_a_forward_is_reported_once_with_its_tokens_and_seconds(fake_clock, monkeypatch):
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
     clock = PathClock(live, waits_inside_forward=False)
     clock.stop()  # no forward started: nothing to report
@@ -435,7 +435,7 @@ def test_a_forward_is_reported_once_with_its_tokens_and_seconds(fake_clock, monk
 
 
 def test_a_dropped_forward_is_not_reported(fake_clock, monkeypatch):
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
     clock = PathClock(live, waits_inside_forward=False)
     clock.start([ForwardRequest("a", 5, 100, True)])
@@ -446,7 +446,7 @@ def test_a_dropped_forward_is_not_reported(fake_clock, monkeypatch):
 
 
 def test_a_reloaded_path_is_its_reload_wait_plus_its_part_of_the_forwards_that_carry_it(fake_clock, monkeypatch):
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
     clock = PathClock(live, waits_inside_forward=False)
     resumed = decision("r")
@@ -464,7 +464,7 @@ def test_a_reloaded_path_is_its_reload_wait_plus_its_part_of_the_forwards_that_c
 
 
 def test_a_path_beside_another_prefill_chunk_is_charged_its_own_part_and_records_the_chunk(fake_clock):
-    clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     crowded, alone = decision("r"), decision("q")
     clock.resumed("r", crowded)
     clock.resumed("q", alone)
@@ -480,7 +480,7 @@ def test_a_path_beside_another_prefill_chunk_is_charged_its_own_part_and_records
 
 
 def test_a_recomputed_path_is_the_forwards_that_carry_it(fake_clock):
-    clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     recomputed = decision("c", "recompute")
     clock.resumed("c", recomputed)
     forward(clock, fake_clock, 0.375, ForwardRequest("c", 256, 0, False))
@@ -489,7 +489,7 @@ def test_a_recomputed_path_is_the_forwards_that_carry_it(fake_clock):
 
 
 def test_a_forgotten_path_is_not_measured(fake_clock):
-    clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     forgotten, never_ran = decision("r"), decision("s")
     clock.resumed("r", forgotten)
     clock.resumed("s", never_ran)
@@ -503,7 +503,7 @@ def test_a_forgotten_path_is_not_measured(fake_clock):
 
 
 def test_a_reload_wait_inside_the_forward_is_taken_out_of_it_and_counted_once(fake_clock, monkeypatch):
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
     clock = PathClock(live, waits_inside_forward=True)
     first, second = decision("r"), decision("s")
@@ -521,7 +521,7 @@ def test_a_reload_wait_inside_the_forward_is_taken_out_of_it_and_counted_once(fa
 
 def caught_up_before_its_reload_is_done(fake_clock: FakeClock) -> tuple[PathClock, OffloadDecision, Reload]:
     """A resumed request caught up in one forward of 0.25 s, while its reload is not seen done yet."""
-    clock = PathClock(LivePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
     resumed = decision("r")
     reload = Reload(RELOAD_WAIT_S, done=False)
     clock.resumed("r", resumed)
@@ -554,7 +554,7 @@ def test_settle_with_wait_waits_for_the_reloads(fake_clock):
 
 @pytest.mark.parametrize("waits_inside_forward", [False, True])
 def test_a_failed_reload_is_not_measured_and_breaks_nothing(fake_clock, monkeypatch, waits_inside_forward):
-    live = LivePlanner(LLAMA, BASE, learn=True)
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
     clock = PathClock(live, waits_inside_forward=waits_inside_forward)
     failed = decision("r")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.integrations.common.live_planner import LivePlanner
 from kvcopy.integrations.common.offload_session import OffloadSession
+from kvcopy.integrations.common.online_planner import OnlinePlanner
 
 from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy
 from test_planner_fetch import brute_fetch_threshold, planner
@@ -60,7 +60,7 @@ def test_reserve_over_two_allocators_is_all_or_none():
     session = OffloadSession(
         host_bytes=sum(16 * kv.nbytes_per_block for kv in caches.values()),
         policy="offload",
-        live=LivePlanner(None, None, learn=False),
+        live=OnlinePlanner(None, None, learn=False),
         method="auto",
         profile=None,
     )

@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="the transformers extra is part of th
 
 import kvcopy  # noqa: E402
 from kvcopy.integrations import transformers as kvt  # noqa: E402
-from kvcopy.integrations.common.live_planner import REFIT_EVERY, predict_paths  # noqa: E402
+from kvcopy.integrations.common.online_planner import REFIT_EVERY, predict_paths  # noqa: E402
 from kvcopy.planner.decision import seconds_text  # noqa: E402
 from kvcopy.tools import cli  # noqa: E402
 

@@ -19,7 +19,7 @@ from transformers.generation.continuous_batching import continuous_api, offloadi
 
 import kvcopy  # noqa: E402
 from kvcopy.integrations import transformers as kvt  # noqa: E402
-from kvcopy.integrations.common.live_planner import predict_paths  # noqa: E402
+from kvcopy.integrations.common.online_planner import predict_paths  # noqa: E402
 from kvcopy.integrations.transformers import manager as _hf_manager  # noqa: E402
 
 from conftest import HAS_CUDA, gpu  # noqa: E402

@@ -18,8 +18,8 @@ from typing import Literal
 
 from kvcopy.engine.transfer import Transfer
 from kvcopy.host.pool import HostKVPool
-from kvcopy.integrations.common.live_planner import LivePlanner, predict_paths
 from kvcopy.integrations.common.offload_stats import OffloadAction, OffloadDecision, OffloadStats
+from kvcopy.integrations.common.online_planner import OnlinePlanner, predict_paths
 from kvcopy.layout import PagedKV
 from kvcopy.planner.decision import seconds_text
 from kvcopy.profile import Profile
@@ -43,7 +43,7 @@ class OffloadSession:
     """
 
     def __init__(
-        self, *, host_bytes: int, policy: Policy, live: LivePlanner, method: str, profile: Profile | None
+        self, *, host_bytes: int, policy: Policy, live: OnlinePlanner, method: str, profile: Profile | None
     ) -> None:
         self.host_bytes = host_bytes
         self.policy = policy
@@ -158,7 +158,7 @@ class OffloadSession:
         cached_tokens: int = 0,
     ) -> OffloadDecision:
         """Reload (keep the KV on the host) or recompute, by the policy and the Planner of the moment; not yet
-        counted. Both paths are predicted in the terms they are measured in (kvcopy.integrations.common.live_planner):
+        counted. Both paths are predicted in the terms they are measured in (kvcopy.integrations.common.online_planner):
         forwards of at most ``max_forward_tokens`` (the engine's batch token budget; None: one forward), after
         ``cached_tokens`` the device holds either way."""
         planner, observations = self.live.current()

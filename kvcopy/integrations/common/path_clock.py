@@ -2,7 +2,7 @@
 
 Engine-independent: an adapter calls :meth:`PathClock.resumed` when a preempted request is scheduled again,
 :meth:`PathClock.reloaded` with the transfers that bring its blocks back, :meth:`PathClock.start` just
-before a forward and :meth:`PathClock.stop` once it has ended. Each forward is reported to the LivePlanner
+before a forward and :meth:`PathClock.stop` once it has ended. Each forward is reported to the OnlinePlanner
 (its requests' new and cached tokens, and its seconds); each resumed request's path is measured as
 docs/decisions.md defines it ("Predicted and measured in a batching engine"):
 
@@ -12,7 +12,7 @@ docs/decisions.md defines it ("Predicted and measured in a batching engine"):
 - a recompute: its own part of the forwards that carry its re-prefilled tokens, until it has caught up.
 
 Its own part of a forward is the forward's seconds times the law's forward of the request alone over the law's
-forward of the whole batch (:func:`~._live_planner.own_share`, with the LivePlanner's Planner of the moment):
+forward of the whole batch (:func:`~._live_planner.own_share`, with the OnlinePlanner's Planner of the moment):
 the other requests' work in it (another request's prefill chunk the scheduler put beside it) is not its cost.
 A forward it rides alone counts whole.
 """
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvcopy.engine.transfer import Transfer
-from kvcopy.integrations.common.live_planner import LivePlanner, own_share
 from kvcopy.integrations.common.offload_stats import OffloadDecision
+from kvcopy.integrations.common.online_planner import OnlinePlanner, own_share
 
 __all__ = ["ForwardRequest", "PathClock"]
 
@@ -63,7 +63,7 @@ class PathClock:
     for its reloads (CUDA), so that wait is inside its measured seconds and is taken out of them; on a CPU
     the thread waited before :meth:`start`."""
 
-    def __init__(self, live: LivePlanner, *, waits_inside_forward: bool) -> None:
+    def __init__(self, live: OnlinePlanner, *, waits_inside_forward: bool) -> None:
         self.live = live
         self.waits_inside_forward = waits_inside_forward
         self._paths: dict[str, _Path] = {}

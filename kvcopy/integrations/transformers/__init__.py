@@ -34,7 +34,7 @@ With ``learn=True`` (the default) the calibration is only where the
 judgment starts: every forward the engine runs (its requests' new and cached
 tokens, and its seconds) and every offload and reload (from submission to
 done) feed a :class:`~kvcopy.OnlineProfile`, and the Planner is rebuilt from
-it when its predictions move (kvcopy.integrations.common.live_planner).
+it when its predictions move (kvcopy.integrations.common.online_planner).
 ``stats.profile`` is the learned profile; ``save_profile`` writes it when the
 context closes, for the next start (``profile=``) or ``kvcopy plan --profile``.
 
@@ -56,9 +56,9 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from kvcopy.integrations.common.live_planner import LivePlanner
 from kvcopy.integrations.common.offload_session import POLICIES, OffloadSession, Policy
 from kvcopy.integrations.common.offload_stats import OffloadDecision, OffloadStats
+from kvcopy.integrations.common.online_planner import OnlinePlanner
 from kvcopy.integrations.transformers.compat import SUPPORTED_RANGE, check_internals, import_transformers
 from kvcopy.methods import method_names
 from kvcopy.model.spec import ModelSpec
@@ -109,7 +109,7 @@ def _check_arguments(
         raise ValueError("save_profile: with learn=False nothing is learned to save; pass learn=True")
 
 
-def _live_planner(model: Any, policy: Policy, profile: Profile | None, learn: bool) -> LivePlanner:
+def _live_planner(model: Any, policy: Policy, profile: Profile | None, learn: bool) -> OnlinePlanner:
     """The Planner for this model and profile, learning with ``learn``; logs where there is none yet."""
     try:
         spec = model_spec(model)
@@ -126,7 +126,7 @@ def _live_planner(model: Any, policy: Policy, profile: Profile | None, learn: bo
             "preempted request's KV while the host pool has room, as 'offload' does%s",
             ", until it has learned this engine's costs (learn=True)" if learn else "",
         )
-    return LivePlanner(spec, profile, learn=learn)
+    return OnlinePlanner(spec, profile, learn=learn)
 
 
 @contextlib.contextmanager

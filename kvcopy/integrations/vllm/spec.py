@@ -24,9 +24,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvcopy.integrations.common.live_planner import LivePlanner
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadStats
+from kvcopy.integrations.common.online_planner import OnlinePlanner
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
 from kvcopy.integrations.vllm.manager import COUNTERS, HitGeometry, KVCopyOffloadingManager
@@ -118,7 +118,7 @@ class KVCopyOffloadingSpec(OffloadingSpec):
 
     def _new_session(self, spec: ModelSpec | None, host_bytes: int) -> OffloadSession:
         settings = self.settings
-        live = LivePlanner(
+        live = OnlinePlanner(
             spec,
             self.profile,
             learn=settings.learn,

@@ -1,8 +1,8 @@
 """The Planner an engine adapter decides with, learning from the engine while it serves.
 
-Engine-independent: an adapter feeds it every finished transfer (:meth:`LivePlanner.observe_transfer`, a
-TransferEngine observer) and every forward it timed (:meth:`LivePlanner.observe_forward`), and asks it for
-the Planner of the moment (:meth:`LivePlanner.current`) and for a preempted request's two costs in the
+Engine-independent: an adapter feeds it every finished transfer (:meth:`OnlinePlanner.observe_transfer`, a
+TransferEngine observer) and every forward it timed (:meth:`OnlinePlanner.observe_forward`), and asks it for
+the Planner of the moment (:meth:`OnlinePlanner.current`) and for a preempted request's two costs in the
 engine's terms (:func:`predict_paths`). With ``learn=False`` it is the calibrated Planner, unchanged.
 """
 
@@ -18,7 +18,7 @@ from kvcopy.planner.planner import DEFAULT_BLOCK_TOKENS, Planner
 from kvcopy.profile import Profile
 
 __all__ = [
-    "LivePlanner",
+    "OnlinePlanner",
     "MATERIAL_CHANGE",
     "REFIT_EVERY",
     "forward_seconds",
@@ -83,7 +83,7 @@ def _materially_different(old: Planner, new: Planner, block_nbytes: int) -> bool
     return any(abs(b - a) > MATERIAL_CHANGE * max(a, 1e-12) for a, b in pairs)
 
 
-class LivePlanner:
+class OnlinePlanner:
     """The calibrated Planner for ``spec`` (None without a ``base`` profile or a spec), and with ``learn``,
     an :class:`~kvcopy.OnlineProfile` of the engine's transfers and forwards whose refits replace it when
     they change its predictions materially. Decision k is made from what was observed before it."""
