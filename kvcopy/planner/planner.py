@@ -244,7 +244,7 @@ class Planner:
         the host pool and the local reload, pipelined at the best chunk count (whole blocks per chunk).
         ValueError when the planner has no cost line for that source. ``from_disk=True``: deprecated spelling
         of ``source="disk"``."""
-        source = _source_from_renamed(renamed, source, "Planner.t_fetch_nbytes")
+        source = _source_from_renamed(renamed, source, "Planner.t_fetch_nbytes", default="peer")
         if source == "host":
             raise ValueError('source: a fetch is from "peer" or "disk", got "host"')
         line = self._fetch_line(source)
@@ -469,9 +469,9 @@ def _lines_from_renamed(renamed: dict[str, Any], lines: dict[str, CostLine | Non
     return lines
 
 
-def _source_from_renamed(renamed: dict[str, Any], source: Source, where: str) -> Source:
-    """``source``, or what the deprecated ``from_peer`` / ``from_disk`` booleans say; ValueError for a source
-    that is none of SOURCES, TypeError for another keyword."""
+def _source_from_renamed(renamed: dict[str, Any], source: Source, where: str, default: Source = "host") -> Source:
+    """``source``, or what the deprecated ``from_peer`` / ``from_disk`` booleans say (``source`` left at its
+    ``default``); ValueError for a source that is none of SOURCES, TypeError for another keyword."""
     unknown = set(renamed) - {"from_peer", "from_disk"}
     if unknown:
         raise TypeError(f"{where}: unexpected keyword argument(s) {sorted(unknown)}")
@@ -481,7 +481,7 @@ def _source_from_renamed(renamed: dict[str, Any], source: Source, where: str) ->
     if len(flagged) == 2:
         raise ValueError("from_peer / from_disk: the prefix is on a peer or on the disk, not both")
     if flagged:
-        if source != "host":
+        if source != default:
             raise TypeError(f"{where}: give source or {flagged[0]}, not both")
         source = "peer" if flagged[0] == "from_peer" else "disk"
     if source not in SOURCES:
