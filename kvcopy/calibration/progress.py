@@ -17,7 +17,7 @@ class _Silent:
 
 def progress_bar(total: int, enabled: bool, desc: str, unit: str) -> Any:
     """An object with ``update(n=1)`` and ``close()``: tqdm's bar, or a no-op where tqdm is missing or not wanted
-    (the GPU check machine runs from a checkout without installing dependencies)."""
+    (a checkout run without its dependencies installed, as benchmarks/device_check.sh runs one)."""
     if enabled:
         try:
             from tqdm.auto import tqdm

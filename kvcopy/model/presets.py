@@ -2,8 +2,8 @@
 
 Each entry is (the Hugging Face repo, the keys of its public config.json that
 kvcopy.model.spec reads), copied from https://huggingface.co/<repo>/blob/main/config.json
-without fetching them (the machines that wrote this have no network); the
-numbers were checked against the models' published parameter counts.
+so that a preset needs no network; the numbers were checked against the
+models' published parameter counts.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A disk store keeps each block's XXH3-64 over its page-first bytes (its plane-blo
 memory the block was written from, so a block written from a GPU through GPUDirect Storage and one written
 from a host pool check alike, and either reads back into the other. For a PagedKV (on a GPU, or anywhere) the
 bytes are gathered on its device, one index_select per plane, and copied to the host in one transfer: the
-bus carries the blocks once more (a GPU's link runs about ten times faster than a disk), and the host hashes
-them at about 10 GB/s.
+bus carries the blocks once more (a GPU's host link is faster than a disk), and the host hashes them as
+fast as its memory reads.
 """
 
 from __future__ import annotations

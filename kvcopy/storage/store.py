@@ -9,10 +9,9 @@ whose put did not complete is never matched. A get reads slots back into
 pool blocks in one transfer and checks each block's XXH3-64 checksum against
 the one committed with it: a mismatch is a CorruptBlockError naming the
 slot, never data returned as valid. Verification is on unless a get says
-``verify=False``: XXH3 (python-xxhash) hashes blocks just read at 9-23
-GB/s on one core of the CPU VM, 0.04-0.11 ms per MiB, as its memory allows
-(zlib's CRC-32, at about 3 GB/s, took about as long as the disk read itself;
-compiled, threaded hashing gained nothing there: docs/decisions.md).
+``verify=False``: XXH3 (python-xxhash) hashes as fast as memory reads, a
+small share of a disk read (docs/measurements.md, "The disk store"; why
+XXH3, and not CRC-32 or compiled threaded hashing: docs/decisions.md).
 
 Backends (``backend=``): ``"posix"``, NIXL's POSIX backend, moves host pools'
 blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
