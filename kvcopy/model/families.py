@@ -23,6 +23,10 @@ class Family:
     ``slides``: which layers slide when a window is set and no layer_types says: "all", "even" (Gemma 2),
     or "by_keys" (Qwen's max_window_layers, Gemma 3's sliding_window_pattern; else all).
     ``kv_heads``: "num_key_value_heads" (absent: MHA) or "falcon" (multi_query / num_kv_heads).
+    ``embed_projections``: the embeddings are projected in and out of the model width when
+    ``word_embed_proj_dim`` differs from it (OPT), two more matrices run on every token.
+    ``rope_theta_fallback``: the key holding RoPE's base when ``rope_theta`` is absent (GPT-NeoX's
+    ``rotary_emb_base``).
     """
 
     mlp_matrices: int = 3
@@ -32,6 +36,8 @@ class Family:
     defaults: Mapping[str, Any] = dataclass_field(default_factory=dict)
     slides: str = "by_keys"
     kv_heads: str = "num_key_value_heads"
+    embed_projections: bool = False
+    rope_theta_fallback: str | None = None
 
 
 _GATED = Family()
@@ -76,8 +82,9 @@ FAMILIES: dict[str, Family] = {
             }
         ),
     ),
-    "opt": Family(mlp_matrices=2, intermediate_key="ffn_dim"),
-    **dict.fromkeys(("gpt_neox", "phi", "starcoder2"), _PLAIN),
+    "opt": Family(mlp_matrices=2, intermediate_key="ffn_dim", embed_projections=True),
+    "gpt_neox": Family(mlp_matrices=2, rope_theta_fallback="rotary_emb_base"),
+    **dict.fromkeys(("phi", "starcoder2"), _PLAIN),
     **dict.fromkeys(("falcon", "RefinedWeb", "RefinedWebModel"), _FALCON),
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted(FAMILIES))

@@ -1,26 +1,25 @@
-"""Reading a Hugging Face config.json into ModelSpec's fields, by the family rules of
-kvcopy.model.families (ModelSpec.from_hf_config and ModelSpec.preset call this).
+"""Reading a Hugging Face config.json into ModelSpec's fields (ModelSpec.from_hf_config and ModelSpec.preset
+call this). What differs between families (which keys hold what, their defaults, MLP matrices, which layers
+slide, the KV heads' keys, embedding projections, RoPE's keys) is one table, kvcopy.model.families; this
+module applies it the same way to every family, and reads what the keys themselves say:
 
 * Heads: ``num_key_value_heads`` absent means MHA; an explicit ``head_dim`` wins, else
   ``hidden_size / num_attention_heads`` (which must divide).
-* MLA (any config with ``kv_lora_rank``, e.g. DeepSeek-V2/V3): ``kv_lora_rank``,
-  ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``; ``q_lora_rank`` null means a
-  plain q projection.
-* MLP: OPT (``ffn_dim``), GPT-NeoX, Phi, StarCoder2 have two matrices, others three.
-  MoE: Mixtral (``num_local_experts``: every layer), DeepSeek (``n_routed_experts``,
-  ``n_shared_experts``, ``moe_intermediate_size``; layer i is MoE when
-  ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``), Qwen-MoE
-  (``num_experts``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``; layer i
-  is MoE unless in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``). Other MoE
-  layouts are rejected.
+* MLA (any config with ``kv_lora_rank``): ``kv_lora_rank``, ``qk_rope_head_dim``,
+  ``qk_nope_head_dim``, ``v_head_dim``; ``q_lora_rank`` null means a plain q projection.
+* MoE: the layout is the one whose expert-count key is set (kvcopy.model.families.MOE_STYLES:
+  ``num_local_experts``, every layer; ``n_routed_experts``, layer i is MoE when
+  ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``, plus ``n_shared_experts``;
+  ``num_experts``, layer i is MoE unless in ``mlp_only_layers`` or
+  ``(i + 1) % decoder_sparse_step != 0``, plus ``shared_expert_intermediate_size``). A key of
+  another layout is rejected.
 * Sliding window ``W`` = ``sliding_window`` (or ``sliding_window_size``). It is off — every
-  layer keeps all tokens — when null or when ``use_sliding_window`` is false (Qwen2/Qwen3),
-  even if ``layer_types`` lists sliding layers (transformers then gives those layers no
-  window). Otherwise the sliding layers are: ``layer_types`` when present; Qwen2/Qwen3 (a
-  ``use_sliding_window`` key) layers ``i >= max_window_layers`` (the first
-  ``max_window_layers`` are full, as transformers' Qwen2Config builds them); Gemma 2 the
-  even layers; a ``sliding_window_pattern`` p (Gemma 3) every layer but those with
-  ``(i + 1) % p == 0``; any other config (Mistral, Phi-3) every layer.
+  layer keeps all tokens — when null or when ``use_sliding_window`` is false, even if
+  ``layer_types`` lists sliding layers (transformers then gives those layers no window).
+  Otherwise the sliding layers are: ``layer_types`` when present; with a ``use_sliding_window``
+  key, layers ``i >= max_window_layers`` (the first ``max_window_layers`` are full, as
+  transformers builds them); the family's rule (``Family.slides``); with a
+  ``sliding_window_pattern`` p, every layer but those with ``(i + 1) % p == 0``; else every layer.
 * KV dtype: ``kv_dtype``, else the config's ``torch_dtype`` (or ``dtype``), else bfloat16.
 * Name: ``name``, else ``_name_or_path``, else ``model_type`` (never the folder it sits in).
 """
@@ -151,9 +150,9 @@ def spec_from_config(
     attention = _attention(cfg, hidden, family)
     layer_types, window = _layer_pattern(cfg, num_layers, family)
     mlp, num_experts, per_tok, expert_params = _mlp(cfg, hidden, intermediate, num_layers, family)
-    active = num_layers * attention["params"] + sum(mlp) + _opt_projections(cfg, hidden)
+    active = num_layers * attention["params"] + sum(mlp) + _embed_projections(cfg, hidden, family)
     weight_dtype = _config_dtype(cfg)
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(cfg, family)
     del fallback_name  # a folder's name says where a config sits, not which model it is
     name = name or data.get("_name_or_path") or cfg.model_type or "unknown"
     try:
@@ -347,21 +346,21 @@ def _mlp(
     return [moe if m else dense for m in is_moe], experts, per_tok, expert * sum(is_moe)
 
 
-def _opt_projections(cfg: _Config, hidden: int) -> int:
-    """OPT's project_in / project_out (run on every token) when word_embed_proj_dim != hidden_size."""
-    if cfg.model_type != "opt":
+def _embed_projections(cfg: _Config, hidden: int, family: Family) -> int:
+    """A family's project_in / project_out (run on every token) when word_embed_proj_dim != hidden_size."""
+    if not family.embed_projections:
         return 0
     embed = cfg.get_int("word_embed_proj_dim", default=hidden)
     return 0 if embed == hidden else 2 * embed * hidden
 
 
-def _rope(cfg: _Config) -> tuple[float | None, str | None]:
+def _rope(cfg: _Config, family: Family) -> tuple[float | None, str | None]:
     """(rope_theta, canonical JSON of rope_scaling); newer configs nest both in rope_parameters."""
     params = cfg.data.get("rope_parameters")
     params = dict(params) if isinstance(params, Mapping) else {}
     theta = cfg.data.get("rope_theta", params.get("rope_theta"))
-    if theta is None and cfg.model_type == "gpt_neox":
-        theta = cfg.data.get("rotary_emb_base")
+    if theta is None and family.rope_theta_fallback is not None:
+        theta = cfg.data.get(family.rope_theta_fallback)
     if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
         raise cfg.error(f"'rope_theta': expected a positive number, got {theta!r}")
     scaling = cfg.data.get("rope_scaling")
