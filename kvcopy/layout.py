@@ -73,6 +73,14 @@ class PagedKV:
     Build it from an engine's own tensors (no copy is made: the planes are
     views of them) with :meth:`from_planes`, :meth:`from_vllm`,
     :meth:`from_flashinfer` or :meth:`from_mla`.
+
+    Parameters:
+
+    - ``planes``: the planes, each ``[num_blocks, ...]`` with block ``i`` at ``plane[i]``, all on one device
+      with one block count.
+    - ``planes_per_layer``: how many consecutive planes make one layer (2 for K and V), for a layer-wise
+      reload; it must divide the plane count.
+    - ``memory``: the host memory the planes are views of, kept alive with them (a HostKVPool's).
     """
 
     def __init__(

@@ -66,29 +66,28 @@ __all__ = [
 class CacheKey:
     """The fingerprint of everything that makes a saved KV cache reusable.
 
-    ``model``: a dict or an object with ``identity() -> dict`` (e.g. a
-    ``kvcopy.ModelSpec``) naming the model and its layer structure; see
-    :class:`SupportsIdentity`. ``weights_id``: what identifies the weights —
-    a revision or commit hash, or :func:`weights_fingerprint` of a local
-    checkpoint. Required unless the identity's ``name`` carries a revision
-    (``"org/model@rev"``): a bare family or directory name does not identify
-    weights (two fine-tunes share it), and a key built on one is a ValueError.
-    ``block_tokens``: tokens per cache block. ``tokenizer``: recorded, not
-    hashed (the blocks hash token ids). ``tp_rank``: which tensor-parallel
-    rank's shard the cache holds; the rank count is the identity's ``tp``
-    (``ModelSpec.shard``), 1 when absent. ``scales``: the KV quantisation
-    scales in effect (a tensor or bytes, hashed, or the caller's fingerprint
-    string); None when the cache is not scaled.
+    Parameters:
 
-    ``rope_theta``, ``rope_scaling`` and ``kv_dtype`` default to the model
-    identity's entries of those names and may be overridden (rope scaling at
-    serving time can differ from the config, and an fp8 KV cache can serve a
-    bf16 model). Those entries are taken out of :attr:`model_identity`: the key
-    depends on the values in effect. A ``kv_dtype`` found in neither place is a
-    ValueError; a missing rope entry is None. ``adapter``: an identity of the
-    adapter (e.g. LoRA name plus a hash of its weights), None for the base
-    model. ``scale_policy``: how KV values are scaled, e.g. ``"none"``,
-    ``"per-tensor"``, ``"per-block fp8 scales"``.
+    - ``model``: a dict or an object with ``identity() -> dict`` (e.g. a ``kvcopy.ModelSpec``) naming the
+      model and its layer structure; see :class:`SupportsIdentity`.
+    - ``weights_id``: what identifies the weights — a revision or commit hash, or :func:`weights_fingerprint`
+      of a local checkpoint. Required unless the identity's ``name`` carries a revision (``"org/model@rev"``):
+      a bare family or directory name does not identify weights (two fine-tunes share it), and a key built on
+      one is a ValueError.
+    - ``block_tokens``: tokens per cache block.
+    - ``tokenizer``: recorded, not hashed (the blocks hash token ids).
+    - ``tp_rank``: which tensor-parallel rank's shard the cache holds; the rank count is the identity's ``tp``
+      (``ModelSpec.shard``), 1 when absent.
+    - ``scales``: the KV quantisation scales in effect (a tensor or bytes, hashed, or the caller's
+      fingerprint string); None when the cache is not scaled.
+    - ``rope_theta``, ``rope_scaling``, ``kv_dtype``: default to the model identity's entries of those names
+      and may be overridden (rope scaling at serving time can differ from the config, and an fp8 KV cache
+      can serve a bf16 model). Those entries are taken out of :attr:`model_identity`: the key depends on the
+      values in effect. A ``kv_dtype`` found in neither place is a ValueError; a missing rope entry is None.
+    - ``adapter``: an identity of the adapter (e.g. LoRA name plus a hash of its weights), None for the base
+      model.
+    - ``scale_policy``: how KV values are scaled, e.g. ``"none"``, ``"per-tensor"``, ``"per-block fp8
+      scales"``.
 
     There is no system-prompt field: the system prompt's tokens are the first
     tokens of the prefix, so :meth:`block_hashes` already covers it (a

@@ -21,6 +21,10 @@ class BlockAllocator:
     and copy as coalesced runs. Errors are ValueError: asking for more blocks
     than are free, freeing an id that is not allocated (double free), an id
     outside the pool (foreign), or the same id twice in one call.
+
+    Parameters:
+
+    - ``num_blocks``: the ids it hands out are ``0 .. num_blocks - 1``.
     """
 
     def __init__(self, num_blocks: int) -> None:

@@ -32,15 +32,21 @@ class HostKVPool:
     Memory (kvcopy.host.memory): one anonymous mapping of exactly the pool's
     bytes (fresh pages, which read as zero), never rounded up, asking for
     transparent huge pages (a DMA into it meets 2 MiB runs).
-    ``pin_memory=None`` pins when CUDA is available, registering with CUDA
-    in chunks of at most 64 GiB; ``pin_memory=True`` without CUDA raises
-    RuntimeError. ``numa_node``: bind the pages to that node; None binds them
-    to the GPU's node when ``like`` is on a GPU whose node the system reports.
     A pool that would leave less than 2 GiB of available memory is a
     MemoryError before anything is allocated. :attr:`alloc_seconds` says how
     long allocation and pinning took. :meth:`close` (or ``with``) unpins.
 
     A block allocator comes with it: :meth:`allocate`, :meth:`free`, :attr:`num_free`.
+
+    Parameters:
+
+    - ``like``: the cache (a PagedKV) whose blocks the pool holds: its planes' block sizes and dtypes.
+    - ``num_blocks``: host blocks in the pool.
+    - ``layout``: ``"page_first"`` (the default) or ``"layer_first"``, as above.
+    - ``pin_memory``: None pins when CUDA is available, registering with CUDA in chunks of at most 64 GiB;
+      True without CUDA raises RuntimeError.
+    - ``numa_node``: bind the pages to that node; None binds them to the GPU's node when ``like`` is on a
+      GPU whose node the system reports.
     """
 
     def __init__(

@@ -73,12 +73,17 @@ _STAND_IN_PROBE_NBYTES = 1 << 20
 class OnlineProfile:
     """A Profile learned from an engine's measured transfers and forwards, with ``base`` as its prior.
 
-    ``spec``: the ModelSpec the engine runs (its forwards are costed with ``spec.prefill_flops`` and
-    ``spec.weight_bytes``). ``base``: the calibrated Profile, a prior worth PRIOR_WEIGHT observations (None:
-    no prior; the first fits are the observations' own). ``half_life``: in observations of each stream; an
-    observation weighs half as much ``half_life`` observations later. Observing never blocks a copy
-    worker; :meth:`profile` fits lazily and returns a copy (one fit at a time, behind a lock that observing
-    never takes).
+    Observing never blocks a copy worker; :meth:`profile` fits lazily and returns a copy (one fit at a time,
+    behind a lock that observing never takes).
+
+    Parameters:
+
+    - ``spec``: the ModelSpec the engine runs (its forwards are costed with ``spec.prefill_flops`` and
+      ``spec.weight_bytes``).
+    - ``base``: the calibrated Profile, a prior worth PRIOR_WEIGHT observations (None: no prior; the first
+      fits are the observations' own).
+    - ``half_life``: in observations of each stream; an observation weighs half as much ``half_life``
+      observations later.
     """
 
     def __init__(self, spec: ModelSpec, base: Profile | None = None, *, half_life: int = 256) -> None:

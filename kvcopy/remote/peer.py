@@ -37,20 +37,29 @@ class RemotePool:
 
 
 class KVPeer:
-    """One NIXL agent named ``name`` with ``pool`` registered: a HostKVPool, or an engine's PagedKV (on a GPU:
-    NIXL's VRAM, so two GPUs exchange blocks directly where UCX supports GPUDirect); ``cache_key``: the
-    CacheKey whose blocks the pool holds (a peer refuses to connect to a pool of another context). A context
-    manager; :meth:`close` deregisters the pool. Not thread-safe: use a peer from one thread at a time.
+    """One NIXL agent with a pool registered, moving its blocks to and from other peers. A context manager;
+    :meth:`close` deregisters the pool. Not thread-safe: use a peer from one thread at a time.
 
     Every transfer is held until NIXL reports it ended, also one dropped or timed out (its data may still
     land): a transfer that would race it on the same blocks is refused (ValueError naming them), and
     :meth:`quarantined` lists them. A peer whose transfers failed (it vanished, or the link dropped it) is
     reconnected by :meth:`connect` with the same descriptor again, or by :meth:`reconnect`.
 
-    ``progress_thread``: NIXL's progress thread, which busy-polls a core for as long as the peer lives
-    (NIXL's Python wrapper sets it no delay). Without it a peer spends no core while idle and progresses its
-    own transfers when it polls them, but over UCX TCP a pool nobody polls cannot be read: the holder's CPU
-    serves each READ. Turn it off only on a peer that reads and writes, never on one that is read from."""
+
+    Parameters:
+
+    - ``pool``: a HostKVPool, or an engine's PagedKV (on a GPU: NIXL's VRAM, so two GPUs exchange blocks
+      directly where UCX supports GPUDirect).
+    - ``name``: the NIXL agent's name, unique among the peers that connect.
+    - ``backends``: NIXL's backends for the agent (UCX by default).
+    - ``cache_key``: the CacheKey whose blocks the pool holds (a peer refuses to connect to a pool of another
+      context).
+    - ``progress_thread``: NIXL's progress thread, which busy-polls a core for as long as the peer lives
+      (NIXL's Python wrapper sets it no delay). Without it a peer spends no core while idle and progresses
+      its own transfers when it polls them, but over UCX TCP a pool nobody polls cannot be read: the
+      holder's CPU serves each READ. Turn it off only on a peer that reads and writes, never on one that is
+      read from.
+    """
 
     def __init__(
         self,

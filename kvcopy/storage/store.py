@@ -116,8 +116,17 @@ class DiskKVStore:
         cache_key: object,
         backend: str = "auto",
     ) -> DiskKVStore:
-        """A new store at ``path`` (a directory that must not exist) of ``num_blocks`` blocks laid out like
-        ``like``, its space reserved now: OSError when it does not fit, and nothing is left behind."""
+        """A new store, its space reserved now: OSError when it does not fit, and nothing is left behind.
+
+        Parameters:
+
+        - ``path``: a directory that must not exist.
+        - ``like``: the HostKVPool (or an engine's PagedKV) whose blocks it keeps: a store block is one
+          page-first block of it.
+        - ``num_blocks``: blocks the store holds.
+        - ``cache_key``: the CacheKey whose blocks it holds; a store opened under another context refuses.
+        - ``backend``: ``"posix"``, ``"gds"`` or ``"auto"`` (see the module documentation).
+        """
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)
         if backend not in BACKENDS:
@@ -136,7 +145,8 @@ class DiskKVStore:
         cls, path: str | os.PathLike[str], like: HostKVPool | PagedKV, *, cache_key: object, backend: str = "auto"
     ) -> DiskKVStore:
         """The store at ``path``, as its last process left it (killed or not). ValueError when it holds another
-        CacheKey context or another block layout than ``like``'s, naming what differs."""
+        CacheKey context or another block layout than ``like``'s, naming what differs. The parameters are
+        :meth:`create`'s."""
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)
         path = os.fspath(path)
