@@ -148,3 +148,15 @@ def test_module_names():
         assert kvcopy.policy.OnlineProfile is kvcopy.OnlineProfile
     with pytest.raises(AttributeError):
         kvcopy.policy.Planner  # noqa: B018 - never was in kvcopy.policy
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["kvcopy", "kvcopy.remote", "kvcopy.storage", "kvcopy.integrations.transformers", "kvcopy.integrations.vllm"],
+)
+def test_every_public_name_imports(module):
+    """What engines import: every name in these modules' __all__ resolves, without a deprecation warning."""
+    imported = __import__(module, fromlist=["__all__"])
+    assert imported.__all__
+    for name in imported.__all__:
+        assert getattr(imported, name) is not None, f"{module}.{name}"

@@ -14,6 +14,9 @@ import kvcopy
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The README is read in five minutes: at most this many lines, its first code within the first few.
+README_MAX_LINES, FIRST_CODE_WITHIN = 250, 60
+
 # How many ```python blocks each file holds: a new block needs its own test below.
 PYTHON_BLOCKS = {
     "README.md": 1,
@@ -165,3 +168,10 @@ def test_the_disk_store_example_runs(monkeypatch, capsys):
     assert len(namespace["slots"]) == 4
     assert capsys.readouterr().out.strip().endswith("True")
     shutil.rmtree(ROOT / "out" / "disk_store", ignore_errors=True)
+
+
+def test_the_readme_is_short_and_shows_code_early():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move detail into docs/"
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("```"))
+    assert first <= FIRST_CODE_WITHIN, f"README.md's first code block starts at line {first}"
