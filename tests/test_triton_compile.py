@@ -41,9 +41,9 @@ def test_block_copy_kernel_compiles_to_cubin(arch: int, word: tuple) -> None:
     if not hasattr(triton, "compile"):
         pytest.skip("this triton has no ahead-of-time compile entry point")
     from kvcopy import layout
-    from kvcopy.methods.triton_kernel import _STEP_ELEMENTS, _block_copy_kernel
+    from kvcopy.methods.triton_kernel import _STEP_ELEMENTS, _copy_blocks_kernel
 
-    kernel = _block_copy_kernel
+    kernel = _copy_blocks_kernel
     if not isinstance(kernel, triton.runtime.JITFunction):  # under TRITON_INTERPRET=1: wrap the Python source
         kernel = triton.runtime.JITFunction(kernel.fn)
     source = ASTSource(
@@ -72,13 +72,13 @@ def test_runtime_sizes_are_not_specialised() -> None:
     id counts, plane counts or pool sizes never compile the kernel again on the hot path."""
     import inspect
 
-    from kvcopy.methods.triton_kernel import UNSPECIALIZED_ARGS, _block_copy_kernel
+    from kvcopy.methods.triton_kernel import UNSPECIALIZED_ARGS, _copy_blocks_kernel
 
-    parameters = inspect.signature(_block_copy_kernel.fn).parameters
+    parameters = inspect.signature(_copy_blocks_kernel.fn).parameters
     runtime_ints = [name for name in parameters if not name.endswith("_ptr") and SIGNATURE[name] != "constexpr"]
     assert sorted(UNSPECIALIZED_ARGS) == sorted(runtime_ints)
-    if isinstance(_block_copy_kernel, triton.runtime.JITFunction):  # compiled mode: the decorator took them
-        assert sorted(p.name for p in _block_copy_kernel.params if p.do_not_specialize) == sorted(runtime_ints)
+    if isinstance(_copy_blocks_kernel, triton.runtime.JITFunction):  # compiled mode: the decorator took them
+        assert sorted(p.name for p in _copy_blocks_kernel.params if p.do_not_specialize) == sorted(runtime_ints)
 
 
 @pytest.mark.parametrize(("plane_block", "programs"), [(2048, 128), (8192, 128), (32768, 32), (1 << 20, 16)])

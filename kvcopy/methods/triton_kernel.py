@@ -22,12 +22,12 @@ __all__ = ["copy_blocks_triton"]
 _STEP_ELEMENTS = 1024
 # Programs when a host buffer is on one side: the CUDA kernel's CTA budget in
 # Triton programs (the same threads), which keeps PCIe busy and leaves the SMs to decode...
-HOST_LINK_PROGRAMS = HOST_MEMORY_CTA_BUDGET * TRITON_PROGRAMS_PER_CTA
+HOST_MEMORY_PROGRAMS = HOST_MEMORY_CTA_BUDGET * TRITON_PROGRAMS_PER_CTA
 # ...as long as enough bytes are in flight: a host-link copy reaches 80-90% of the
 # link from 1-2 MB outstanding (the half-peak sizes of docs/measurements.md). Each program
 # has one plane-block in flight, so small plane-blocks get more programs, up to:
-HOST_LINK_BYTES_IN_FLIGHT = 1 << 20
-HOST_LINK_MAX_PROGRAMS = 128
+HOST_MEMORY_BYTES_IN_FLIGHT = 1 << 20
+HOST_MEMORY_MAX_PROGRAMS = 128
 # Programs for device-to-device copies: enough to fill a large GPU.
 DEVICE_PROGRAMS = 1024
 _WORD_DTYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -38,7 +38,7 @@ UNSPECIALIZED_ARGS = ("num_ids", "num_planes", "src_num_blocks", "dst_num_blocks
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS)
-def _block_copy_kernel(
+def _copy_blocks_kernel(
     src_table_ptr,  # int64 [num_planes, PLANE_COLUMNS]: kvcopy.layout.PLANE_TABLE_COLUMNS of each source plane
     dst_table_ptr,  # int64 [num_planes, PLANE_COLUMNS]: the same for the destination
     src_ids_ptr,  # int64 [num_ids]
@@ -83,7 +83,7 @@ def programs_for(src: PagedKV, dst: PagedKV) -> int:
     if src.device.type == dst.device.type:
         return DEVICE_PROGRAMS
     smallest = max(1, min(src.plane_block_nbytes))
-    return max(HOST_LINK_PROGRAMS, min(HOST_LINK_MAX_PROGRAMS, HOST_LINK_BYTES_IN_FLIGHT // smallest))
+    return max(HOST_MEMORY_PROGRAMS, min(HOST_MEMORY_MAX_PROGRAMS, HOST_MEMORY_BYTES_IN_FLIGHT // smallest))
 
 
 def copy_blocks_triton(
@@ -97,7 +97,7 @@ def copy_blocks_triton(
     if num_programs is None:
         num_programs = programs_for(src, dst)
     grid = (max(1, min(num_items, num_programs)),)
-    _block_copy_kernel[grid](
+    _copy_blocks_kernel[grid](
         src.plane_table_on(device),
         dst.plane_table_on(device),
         src_ids,
