@@ -381,10 +381,20 @@ def test_bad_arguments_are_value_errors(kwargs):
 
 
 @pytest.mark.parametrize(
-    "prefix,new", [(-1, 1), (1.5, 1), (True, 1), ("10", 1), (10, -1), (10, 0), (10, 2.0), (10, False)]
+    ("prefix", "new", "error"),
+    [
+        (-1, 1, ValueError),
+        (10, -1, ValueError),
+        (10, 0, ValueError),
+        (1.5, 1, TypeError),
+        (True, 1, TypeError),
+        ("10", 1, TypeError),
+        (10, 2.0, TypeError),
+        (10, False, TypeError),
+    ],
 )
-def test_decide_rejects_bad_token_counts(prefix, new):
-    with pytest.raises(ValueError):
+def test_decide_rejects_bad_token_counts(prefix, new, error):
+    with pytest.raises(error, match="prefix_tokens" if prefix != 10 else "new_tokens"):
         linear(la=0.0, bw=1e9, r=1e3).decide(prefix, new)
 
 

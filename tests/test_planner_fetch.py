@@ -141,7 +141,7 @@ def test_no_network_link_is_a_clear_error():
         ({"fetch": CostLine(1e-4, 0.0)}, "fetch: expected a positive rate"),
         ({"fetch": CostLine(-1.0, 1e9)}, "fetch: expected seconds >= 0"),
         ({"fetch": CostLine(1e-4, float("nan"))}, "fetch: expected a positive rate"),
-        ({"block_tokens": 0}, "block_tokens: expected an int >= 1"),
+        ({"block_tokens": 0}, "block_tokens: expected a positive int"),
     ],
 )
 def test_bad_fetch_parameters(kw, fragment):

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from kvcopy._checks import non_negative_int, positive_int
 from kvcopy.cachekey.encoding import (
     DOMAIN,
     FORMAT_VERSION,
@@ -146,9 +147,8 @@ class CacheKey:
             weights_id = name
         self._weights_id = check_str(weights_id, "weights_id")
         tp_size = identity.get("tp", 1)
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"model: expected the identity's 'tp' to be a positive int, got {tp_size!r}")
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        tp_size = positive_int("model: the identity's 'tp'", tp_size)
+        if not non_negative_int("tp_rank", tp_rank) < tp_size:
             raise ValueError(f"tp_rank: expected an int in [0, {tp_size}) (the identity's tp), got {tp_rank!r}")
         self._tp_size, self._tp_rank = tp_size, tp_rank
         self._scales = fingerprint_of(scales, "scales")

@@ -8,7 +8,7 @@ from typing import Literal, Union
 
 import torch
 
-from kvcopy._checks import positive_int
+from kvcopy._checks import non_negative_int, positive_int
 from kvcopy.conflicts import check_caller
 from kvcopy.host.allocator import BlockAllocator
 from kvcopy.host.memory import HostRegion, gpu_numa_node
@@ -63,8 +63,8 @@ class HostKVPool:
         num_blocks = positive_int("num_blocks", num_blocks)
         if layout not in _LAYOUTS:
             raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
-        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
-            raise ValueError(f"numa_node: expected a NUMA node number or None, got {numa_node!r}")
+        if numa_node is not None:
+            numa_node = non_negative_int("numa_node", numa_node)
         pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         node = gpu_numa_node(like.device) if numa_node is None else numa_node
         self.layout: HostLayout = layout

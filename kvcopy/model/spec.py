@@ -140,7 +140,9 @@ class ModelSpec:
         check_experts(self)
         if self.rope_theta is not None:
             theta = self.rope_theta
-            if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+                raise TypeError(f"rope_theta: expected a positive number or None, got {type(theta).__name__}")
+            if not theta > 0:
                 raise ValueError(f"rope_theta: expected a positive number or None, got {self.rope_theta!r}")
             object.__setattr__(self, "rope_theta", float(self.rope_theta))
         if isinstance(self.rope_scaling, Mapping):

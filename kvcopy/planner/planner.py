@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvcopy._checks import non_negative_int, positive_int
 from kvcopy._version import warn_renamed
 from kvcopy.model.spec import forward_costs
 from kvcopy.planner.decision import ACTIONS, Action, Decision, seconds_text
@@ -144,8 +145,7 @@ class Planner:
         ):
             if not seconds >= 0:
                 raise ValueError(f"{name}: expected seconds >= 0, got {seconds}")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-            raise ValueError(f"block_tokens: expected an int >= 1, got {block_tokens!r}")
+        positive_int("block_tokens", block_tokens)
         if not 0 <= decode_share < 1:
             raise ValueError(f"decode_share: expected a fraction in [0, 1), got {decode_share}")
         if not 0 <= split_margin < 1:
@@ -314,17 +314,14 @@ class Planner:
         ``from_peer=True`` / ``from_disk=True``: deprecated spellings of ``source``.
         """
         source = _source_from_renamed(renamed, source, "Planner.decide")
-        if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
-            raise ValueError(f"prefix_tokens: expected an int >= 0, got {prefix_tokens!r}")
-        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        prefix_tokens = non_negative_int("prefix_tokens", prefix_tokens)
+        if non_negative_int("new_tokens", new_tokens) < 1:
             raise ValueError(
                 f"new_tokens: a resumed request computes at least the token it continues from; "
                 f"expected an int >= 1, got {new_tokens!r}"
             )
-        if load_nbytes is not None and (
-            isinstance(load_nbytes, bool) or not isinstance(load_nbytes, int) or load_nbytes < 0
-        ):
-            raise ValueError(f"load_nbytes: expected an int >= 0 or None, got {load_nbytes!r}")
+        if load_nbytes is not None:
+            load_nbytes = non_negative_int("load_nbytes", load_nbytes)
         elsewhere = source != "host"
         if elsewhere:
             self._fetch_line(source)  # the error, before any work, when there is no such line
