@@ -98,7 +98,7 @@ def _serve(conn, memory: str) -> None:
 def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]], here: object) -> None:
     """One NIXL READ of ``ranges`` ((remote address, local address, bytes)), waited for; ``here``: the local
     registration (its NIXL memory kind and device id)."""
-    agent = peer._agent  # noqa: SLF001 - the baselines use the same agent, without kvcopy's planning
+    agent = peer._agent  # the baselines use the same agent, without kvcopy's planning
     there = remote.layout
     local = agent.get_xfer_descs([(dst, n, here.device_id) for _, dst, n in ranges], here.memory)
     far = agent.get_xfer_descs([(src, n, there.device_id) for src, _, n in ranges], there.memory)

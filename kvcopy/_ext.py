@@ -46,15 +46,15 @@ def _register_fakes() -> None:
     """Fake implementations: the ops only mutate ``dst``, so tracing needs no output."""
 
     @torch.library.register_fake("kvcopy::copy_blocks")
-    def _copy_blocks_fake(src, src_ids, dst, dst_ids, num_ctas) -> None:  # noqa: ANN001
+    def _copy_blocks_fake(src, src_ids, dst, dst_ids, num_ctas) -> None:
         return None
 
     @torch.library.register_fake("kvcopy::copy_blocks_dma")
-    def _copy_blocks_dma_fake(src, src_ids, dst, dst_ids) -> None:  # noqa: ANN001
+    def _copy_blocks_dma_fake(src, src_ids, dst, dst_ids) -> None:
         return None
 
     @torch.library.register_fake("kvcopy::check_block_ids")
-    def _check_block_ids_fake(src_ids, dst_ids, src_num_blocks, dst_num_blocks, same_cache=False) -> None:  # noqa: ANN001
+    def _check_block_ids_fake(src_ids, dst_ids, src_num_blocks, dst_num_blocks, same_cache=False) -> None:
         return None
 
     # It returns nothing and mutates nothing: without this, graphs would drop it as dead code.
@@ -90,7 +90,7 @@ def _triton_version() -> str | None:
         return None
     try:
         import triton
-    except Exception:  # a broken triton install is the same as none  # noqa: BLE001
+    except Exception:  # a broken triton install is the same as none
         return None
     return str(triton.__version__)
 

@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 # "auto" must follow its documented defaults here, whatever a developer's own calibration left in ~/.cache.
 os.environ["KVCOPY_PROFILE"] = "none"
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-import kvcopy  # noqa: E402
+import kvcopy
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -16,8 +16,8 @@ from pathlib import Path
 # bench_remote.py, its other user, and outside the installed package. Tests import it from this module.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from conftest import HANG_TIMEOUT_S  # noqa: E402
-from netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link  # noqa: E402
+from conftest import HANG_TIMEOUT_S
+from netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link
 
 __all__ = ["RATES_BIT_S", "Link", "NetnsUnavailable", "NsPeer", "PeerError", "netns_link"]
 

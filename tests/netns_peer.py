@@ -130,7 +130,7 @@ def main() -> None:
             return
         try:
             conn.send(("ok", commands[name](*args)))
-        except Exception as err:  # noqa: BLE001 - every error goes back to the test, named
+        except Exception as err:  # every error goes back to the test, named
             conn.send(
                 ("error", (type(err).__name__, str(err), getattr(err, "side", None), getattr(err, "block_ids", None)))
             )

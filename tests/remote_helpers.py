@@ -27,7 +27,7 @@ LAYOUTS = {
 }
 
 
-def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa: ANN201 - HostKVPool or PagedKV
+def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # HostKVPool or PagedKV
     """A HostKVPool of ``kind`` (``host_layout`` page_first or layer_first), or for ``"paged"`` an engine's cache
     (a PagedKV whose planes are byte slices of one block-major allocation, so the planes of a block interleave),
     whose every byte is drawn from ``seed``."""
@@ -52,7 +52,7 @@ def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa:
     return pool
 
 
-def storage_bytes(kv) -> torch.Tensor:  # noqa: ANN001 - a HostKVPool or make_pool's PagedKV
+def storage_bytes(kv) -> torch.Tensor:  # a HostKVPool or make_pool's PagedKV
     """Every byte of ``kv``'s memory, as a writable uint8 tensor."""
     import kvcopy
 
@@ -61,7 +61,7 @@ def storage_bytes(kv) -> torch.Tensor:  # noqa: ANN001 - a HostKVPool or make_po
     return torch.empty(0, dtype=torch.uint8).set_(kv.planes[0].untyped_storage())
 
 
-def planes_of(kv) -> tuple[torch.Tensor, ...]:  # noqa: ANN001 - a HostKVPool or a PagedKV
+def planes_of(kv) -> tuple[torch.Tensor, ...]:  # a HostKVPool or a PagedKV
     import kvcopy
 
     return kv.paged.planes if isinstance(kv, kvcopy.HostKVPool) else kv.planes

@@ -251,7 +251,7 @@ def test_concurrent_allocate_and_free_are_consistent(make):
                 for i in held:
                     assert owned.pop(i) == index
             a.free(held)
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+        except BaseException as err:  # reported by the main thread
             errors.append(err)
 
     run_threads(worker, num_threads)

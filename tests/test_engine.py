@@ -407,7 +407,7 @@ def test_many_transfers_in_flight_from_threads(engines, debug):
                     transfers.append(eng.reload(rel, rel[::-1]))
             for t in transfers:
                 t.wait(timeout=30)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     run_threads(worker, num_threads)

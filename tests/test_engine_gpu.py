@@ -475,7 +475,7 @@ def test_many_transfers_in_flight_from_threads(res, method):
                         transfers.append(eng.reload(rel, rel[::-1]))
                 for t in transfers:
                     t.wait(timeout=30)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     run_threads(worker, num_threads)
@@ -506,7 +506,7 @@ def test_close_waits_for_transfers_from_threads(res):
             for j in range(per_thread):
                 block = (index * per_thread + j) % 64
                 mine.append(eng.offload([block], [block]) if j % 2 else eng.reload([block], [block]))
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
         with lock:
             transfers.extend(mine)

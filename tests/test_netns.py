@@ -17,11 +17,11 @@ import torch
 
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-import kvcopy  # noqa: E402
-from kvcopy.calibration.network import REMOTE_METHOD  # noqa: E402
+import kvcopy
+from kvcopy.calibration.network import REMOTE_METHOD
 
-from conftest import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
-from netns_helpers import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402
+from conftest import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
+from netns_helpers import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link
 
 # Llama-3.1-8B's 16-token blocks (2 MiB each): 256 of them are a 4096-token prefix.
 BLOCK_TOKENS, POOL_BLOCKS = 16, 256

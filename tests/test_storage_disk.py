@@ -18,12 +18,12 @@ import xxhash
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
-import kvcopy  # noqa: E402
-from kvcopy.storage.files import fill_with_zeros  # noqa: E402
-from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
-from kvcopy.storage.store import CorruptBlockError, DiskKVStore  # noqa: E402
+import kvcopy
+from kvcopy.storage.files import fill_with_zeros
+from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums
+from kvcopy.storage.store import CorruptBlockError, DiskKVStore
 
-from conftest import HAS_CUDA  # noqa: E402
+from conftest import HAS_CUDA
 
 NUM_BLOCKS = 16
 
@@ -165,7 +165,7 @@ def test_a_put_that_fails_after_its_write_began_commits_nothing_and_frees_its_sl
     pool = filled_pool(layout(), 1)
     with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
 
-        def failing_checksums(pool, ids):  # noqa: ANN001, ANN202 - as a GPU's gather might, mid-put
+        def failing_checksums(pool, ids):  # as a GPU's gather might, mid-put
             raise RuntimeError("the checksums failed")
 
         monkeypatch.setattr(store, "_checksums", failing_checksums)

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-from kvcopy.calibration import disk as link  # noqa: E402
-from kvcopy.calibration.network import RangeSweep  # noqa: E402
-from kvcopy.calibration.timing import Timing  # noqa: E402
-from kvcopy.profile import Profile  # noqa: E402
+from kvcopy.calibration import disk as link
+from kvcopy.calibration.network import RangeSweep
+from kvcopy.calibration.timing import Timing
+from kvcopy.profile import Profile
 
 SMALL = RangeSweep((16384, 65536), (1, 4), 1 << 20, 2)
 # Real timings: 16 KiB to 1 MiB per call, a span no load on the machine flattens into one time.
@@ -39,7 +39,7 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
     block_sizes: list[int] = []
     create = link.DiskKVStore.create
 
-    def recording_create(path, like, num_blocks, **kwargs):  # noqa: ANN001, ANN202
+    def recording_create(path, like, num_blocks, **kwargs):
         block_sizes.append(like.nbytes_per_block)
         return create(path, like, num_blocks, **kwargs)
 

@@ -15,15 +15,15 @@ import torch
 
 pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
 
-from transformers.generation.continuous_batching import continuous_api, offloading_manager  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api, offloading_manager
 
-import kvcopy  # noqa: E402
-from kvcopy.integrations import transformers as kvt  # noqa: E402
-from kvcopy.integrations.common.online_planner import predict_paths  # noqa: E402
-from kvcopy.integrations.transformers import manager as _hf_manager  # noqa: E402
+import kvcopy
+from kvcopy.integrations import transformers as kvt
+from kvcopy.integrations.common.online_planner import predict_paths
+from kvcopy.integrations.transformers import manager as _hf_manager
 
-from conftest import HAS_CUDA, gpu  # noqa: E402
-from hf_helpers import (  # noqa: E402
+from conftest import HAS_CUDA, gpu
+from hf_helpers import (
     MODEL_CASES,
     ROOMY_BLOCKS,
     ModelCase,

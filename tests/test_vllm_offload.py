@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
 
-import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
-from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker  # noqa: E402
+from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker
 
-from vllm_helpers import BLOCK_TOKENS, before_copies, kv_value, make_rig  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, before_copies, kv_value, make_rig
 
 PROMPT = [(7 * i + 3) % 250 for i in range(150)]
 

@@ -34,7 +34,7 @@ def cpu_copy_job(
                 copy(layer)
                 if layers:
                     layers[layer].set()
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+        except BaseException as err:  # handed to whoever waits
             for signal in layers or []:
                 if not signal.query():
                     signal.set(err)

@@ -202,7 +202,7 @@ class Transfer:
             return
         try:
             self._observer(self)
-        except Exception:  # noqa: BLE001 - an observer must never break a copy
+        except Exception:  # an observer must never break a copy
             logger.exception("kvcopy: the transfer observer failed on %r", self)
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = ["nixl_module"]
 
 
-def nixl_module():  # noqa: ANN202 - the nixl module
+def nixl_module():  # the nixl module
     """NIXL's agent and config classes; ImportError saying how to install NIXL without it."""
     try:
         from nixl_cu13._api import nixl_agent, nixl_agent_config

@@ -110,7 +110,7 @@ class NixlTransfer:
         if self._state == "PROC":
             try:
                 state = self._agent.check_xfer_state(self._handle)
-            except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+            except Exception as err:  # NIXL's errors are its own classes
                 state, self._cause = "ERR", err
             if state in ("DONE", "ERR"):
                 self._release()
@@ -121,5 +121,5 @@ class NixlTransfer:
 def _release_handle(agent: object, handle: object) -> None:
     try:
         agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a handle of a vanished peer, or one NIXL could not abort: nothing to free
+    except Exception:  # a handle of a vanished peer, or one NIXL could not abort: nothing to free
         pass

@@ -74,7 +74,7 @@ class KVPeer:
         try:
             config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
             self._agent = nixl_agent(name, config)
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
+        except Exception as err:  # NIXL's errors are its own classes: none escapes kvcopy's API
             raise ValueError(f"backends: NIXL could not start {list(backends)} ({type(err).__name__}: {err})") from None
         missing = [b for b in backends if b not in getattr(self._agent, "backends", {})]
         if missing:  # NIXL skips a backend it has no plugin for, with a warning, and fails at the first use
@@ -150,7 +150,7 @@ class KVPeer:
     def _add(self, layout: PoolLayout, metadata: bytes) -> RemotePool:
         try:
             agent = self._agent.add_remote_agent(metadata)
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
+        except Exception as err:  # NIXL's errors are its own classes: none escapes kvcopy's API
             raise ValueError(
                 f"remote_descriptor: NIXL refused the agent metadata of {layout.agent!r} "
                 f"({type(err).__name__}: {err}): cut short or garbled in transit?"
@@ -201,7 +201,7 @@ class KVPeer:
         transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for _, _, n in ranges), written)
         try:
             state = self._agent.transfer(handle)
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+        except Exception as err:  # NIXL's errors are its own classes
             transfer._release()
             self._broken.add(remote.agent)
             raise RemoteTransferError(
@@ -241,7 +241,7 @@ class KVPeer:
         del self._remotes[agent], self._metadata[agent]
         try:
             self._agent.remove_remote_agent(agent)
-        except Exception:  # noqa: BLE001 - a vanished peer is already gone
+        except Exception:  # a vanished peer is already gone
             pass
 
     def _check_open(self) -> None:

@@ -143,7 +143,7 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
         try:
             agent.create_backend("GDS", {})
             return agent, "gds", "cuFile"
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+        except Exception as err:  # NIXL's errors are its own classes
             if backend == "gds":
                 raise RuntimeError(
                     f"backend: NIXL's GDS backend (GPUDirect Storage) would not start here ({type(err).__name__}: "
@@ -155,6 +155,6 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
         try:
             agent.create_backend("POSIX", params)
             return agent, "posix", queue or "posix"
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+        except Exception as err:  # NIXL's errors are its own classes
             errors.append(f"{queue}: {err}")
     raise RuntimeError(f"backend: NIXL's POSIX backend would not start here ({'; '.join(errors)})")

@@ -38,7 +38,7 @@ _PLANE_BLOCK_NOTE = (
 _FIGURE_DPI = 120
 
 
-def _pyplot():  # noqa: ANN202
+def _pyplot():
     try:
         import matplotlib
 

@@ -130,7 +130,7 @@ class OffloadSession:
                     for transfer in transfers:
                         try:
                             transfer.wait()
-                        except Exception:  # noqa: BLE001 - a failed copy's blocks are free all the same
+                        except Exception:  # a failed copy's blocks are free all the same
                             logger.exception("offloading: a copy failed; its host blocks are freed")
                 if all(transfer.done() for transfer in transfers):
                     self._free(name, host_ids)

@@ -34,7 +34,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
+def load_model(name_or_path: str):  # a ModelSpec
     from kvcopy.model.spec import ModelSpec
 
     path = Path(name_or_path)
@@ -51,7 +51,7 @@ def load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
         raise CliError(f"--model: {err}") from None
 
 
-def load_profile(path: str | None):  # noqa: ANN202 - a Profile
+def load_profile(path: str | None):  # a Profile
     from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile
 
     where = Path(path) if path else DEFAULT_PROFILE_PATH
