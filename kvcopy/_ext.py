@@ -21,7 +21,7 @@ import torch
 
 from kvcopy._version import __version__
 
-__all__ = ["TRITON_INTERPRET", "build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
+__all__ = ["TRITON_INTERPRET", "build_info", "extension", "has_cpu_kernels", "has_cuda_kernels", "triton_available"]
 
 # Whether Triton kernels are interpreted on the CPU (tests): read once, as triton itself decides it when first
 # imported. Set TRITON_INTERPRET=1 before importing kvcopy.

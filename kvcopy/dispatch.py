@@ -203,7 +203,7 @@ class _HostPlan:
     pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
     default profile or the method registry changes."""
 
-    __slots__ = ("src_ref", "dst_ref", "auto", "copier", "choices", "generation")
+    __slots__ = ("auto", "choices", "copier", "dst_ref", "generation", "src_ref")
 
     def __init__(self, src_obj: KVLike, dst_obj: KVLike, src: PagedKV, dst: PagedKV, method: str) -> None:
         # Raw plane addresses, valid while src_obj and dst_obj live: every use first checks the weak references.

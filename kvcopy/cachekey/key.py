@@ -53,9 +53,9 @@ from kvcopy.cachekey.encoding import (
 from kvcopy.cachekey.index import BlockIndex
 
 __all__ = [
+    "FORMAT_VERSION",
     "BlockIndex",
     "CacheKey",
-    "FORMAT_VERSION",
     "SupportsIdentity",
     "TokenIds",
     "context_hash_of",

@@ -32,7 +32,7 @@ from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 if TYPE_CHECKING:
     from kvcopy.model.spec import ModelSpec
 
-__all__ = ["calibrate", "fit_lines", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
+__all__ = ["CALIBRATION_PLANES", "DEFAULT_MODEL", "calibrate", "fit_lines"]
 
 # Planes of the synthetic cache: enough that per-plane costs show, as in a real
 # cache (a llama8b cache has 64), while keeping the largest shapes small.

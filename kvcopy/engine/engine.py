@@ -56,7 +56,7 @@ from kvcopy.methods.registry import CopyMethod
 from kvcopy.methods.staging import ids_on
 from kvcopy.profile import Profile, direction_of
 
-__all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
+__all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine"]
 
 
 class TransferEngine:

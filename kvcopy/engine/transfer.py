@@ -17,7 +17,7 @@ import torch
 
 from kvcopy._version import warn_renamed
 
-__all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal", "wait_until"]
+__all__ = ["CudaSignal", "ThreadSignal", "Transfer", "TransferSignal", "wait_until"]
 
 # Waiting on something that can only be polled: poll without sleeping for this long (a small transfer takes
 # tens of microseconds, less than one sleep), then sleep between polls for a pause that grows with the time

@@ -25,10 +25,10 @@ import torch
 __all__ = [
     "HOST_RESERVE_BYTES",
     "MAX_REGISTER_BYTES",
-    "registration_chunks",
     "HostRegion",
     "available_host_bytes",
     "gpu_numa_node",
+    "registration_chunks",
 ]
 
 # No single cudaHostRegister above this: registrations of 512 GiB and more fail.

@@ -40,7 +40,7 @@ from kvcopy.model.hf_config import (
 )
 from kvcopy.model.presets import PRESETS
 
-__all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "forward_costs"]
+__all__ = ["SUPPORTED_FAMILIES", "ModelSpec", "forward_costs"]
 
 
 _KV_PLANES = 2  # K and V; MLA stores one latent instead

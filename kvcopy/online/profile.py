@@ -41,8 +41,8 @@ __all__ = [
     "BANDWIDTH_CAP_FACTOR",
     "DIRECTIONS",
     "HISTORY_HALF_LIVES",
-    "OnlineProfile",
     "PRIOR_WEIGHT",
+    "OnlineProfile",
 ]
 
 # Directions a copy may be observed in: the calibrator's four and the network link to a peer.

@@ -24,7 +24,7 @@ from kvcopy.layout import PagedKV
 from kvcopy.planner.decision import seconds_text
 from kvcopy.profile import Profile
 
-__all__ = ["POLICIES", "Policy", "OffloadSession"]
+__all__ = ["POLICIES", "OffloadSession", "Policy"]
 
 Policy = Literal["auto", "offload", "recompute"]
 POLICIES: tuple[Policy, ...] = ("auto", "offload", "recompute")

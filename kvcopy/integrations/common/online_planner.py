@@ -18,9 +18,9 @@ from kvcopy.planner.planner import DEFAULT_BLOCK_TOKENS, Planner
 from kvcopy.profile import Profile
 
 __all__ = [
-    "OnlinePlanner",
     "MATERIAL_CHANGE",
     "REFIT_EVERY",
+    "OnlinePlanner",
     "forward_seconds",
     "own_share",
     "predict_paths",

@@ -14,7 +14,7 @@ import inspect
 import re
 from types import ModuleType
 
-__all__ = ["EXTRA", "SUPPORTED_RANGE", "import_transformers", "check_internals"]
+__all__ = ["EXTRA", "SUPPORTED_RANGE", "check_internals", "import_transformers"]
 
 # The versions the adapter was written against and tested with (pyproject's
 # "transformers" extra pins the same range): continuous batching's internals

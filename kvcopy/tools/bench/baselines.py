@@ -20,12 +20,12 @@ from kvcopy.layout import PagedKV
 from kvcopy.methods.torch_method import word_views
 
 __all__ = [
-    "per_layer_index_loop",
-    "per_block_copy_loop",
+    "DMA_BASELINES",
+    "contiguous_copy",
     "dma_baseline",
     "has_dma_baselines",
-    "contiguous_copy",
-    "DMA_BASELINES",
+    "per_block_copy_loop",
+    "per_layer_index_loop",
 ]
 
 # The baselines of _baselines.copy_blocks_dma_baseline (csrc/bench/dma_baselines.h, DmaBaseline).

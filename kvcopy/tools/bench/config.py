@@ -10,7 +10,7 @@ import torch
 from kvcopy.tools.bench.baselines import DMA_BASELINES
 from kvcopy.tools.bench.workloads import WORKLOADS
 
-__all__ = ["BenchConfig", "BenchRow", "LIMIT", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "PER_LAYER_LOOP", "UNMERGED_BATCH"]
+__all__ = ["LIMIT", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "PER_LAYER_LOOP", "UNMERGED_BATCH", "BenchConfig", "BenchRow"]
 
 LIMIT = "contiguous copy (limit)"
 PER_LAYER_LOOP = "per-layer index loop"

@@ -67,17 +67,17 @@ from kvcopy.tools.bench.workloads import (
 
 __all__ = [
     "AUTO",
-    "BenchConfig",
-    "BenchRow",
-    "run_benchmarks",
-    "num_points",
-    "point_specs",
-    "check_output",
     "LIMIT",
-    "PER_LAYER_LOOP",
     "PER_BLOCK_LOOP",
     "PER_BLOCK_MEMCPY",
+    "PER_LAYER_LOOP",
     "UNMERGED_BATCH",
+    "BenchConfig",
+    "BenchRow",
+    "check_output",
+    "num_points",
+    "point_specs",
+    "run_benchmarks",
 ]
 
 
