@@ -82,7 +82,7 @@ def fill_random_(kv, gen: torch.Generator) -> None:
         rows.copy_(random_bytes(rows.numel(), gen).view(rows.shape).to(rows.device))
 
 
-def paged(kv) -> "kvcopy.PagedKV":
+def paged(kv) -> kvcopy.PagedKV:
     return kv.paged if isinstance(kv, kvcopy.HostKVPool) else kv
 
 
@@ -191,7 +191,7 @@ def make_layout(kind, num_blocks, dtype, gen, device="cpu", *, block_size=3, hea
     raise ValueError(kind)
 
 
-def empty_like_kv(kv: "kvcopy.PagedKV", num_blocks: int, gen: torch.Generator, device=None) -> "kvcopy.PagedKV":
+def empty_like_kv(kv: kvcopy.PagedKV, num_blocks: int, gen: torch.Generator, device=None) -> kvcopy.PagedKV:
     """A fresh PagedKV with contiguous planes shaped like ``kv``'s blocks, filled with random bytes."""
     device = kv.device if device is None else device
     planes = [random_tensor((num_blocks, *p.shape[1:]), p.dtype, gen, device) for p in kv.planes]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
@@ -206,7 +206,7 @@ def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) ->
     return planes
 
 
-KVLike = Union[PagedKV, HostKVPool]
+KVLike = PagedKV | HostKVPool
 
 
 def as_paged(kv: KVLike, name: str) -> PagedKV:
