@@ -6,6 +6,7 @@ file descriptor.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -62,10 +63,8 @@ class NsPeer:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(EOFError, OSError, TimeoutError, PeerError):
                 self.ask("exit", timeout=HANG_TIMEOUT_S)
-            except (EOFError, OSError, TimeoutError, PeerError):
-                pass
             try:
                 self.process.wait(HANG_TIMEOUT_S)
             except subprocess.TimeoutExpired:

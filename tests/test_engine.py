@@ -589,10 +589,9 @@ def test_context_manager(monkeypatch):
 
 def test_context_manager_closes_on_error():
     kv, pool = _setup()
-    with pytest.raises(KeyError):
-        with kvcopy.TransferEngine(kv, pool) as eng:
-            t = eng.offload([3], [4])
-            raise KeyError("caller error")
+    with pytest.raises(KeyError), kvcopy.TransferEngine(kv, pool) as eng:
+        t = eng.offload([3], [4])
+        raise KeyError("caller error")
     assert t.done()
     with pytest.raises(RuntimeError):
         eng.reload([4], [3])

@@ -281,10 +281,7 @@ class CacheKey:
         adds nothing; ``h_i = sha256(h_{i-1} || tokens || sha256(extra_i))``.
         """
         data = memoryview(token_bytes(token_ids))
-        if parent is None:
-            prev = self._digest
-        else:
-            prev = hash_bytes(parent, "parent")
+        prev = self._digest if parent is None else hash_bytes(parent, "parent")
         step = self._block_tokens * TOKEN_DTYPE.itemsize
         num_blocks = len(data) // step
         if extra_keys is not None and len(extra_keys) != num_blocks:

@@ -15,6 +15,7 @@ network namespaces of one machine, unless told ``UCX_TLS=tcp`` or ``UCX_NET_DEVI
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -183,16 +184,18 @@ def add_remote_link(
     sweep = QUICK_SWEEP if quick else FULL_SWEEP
     if remote_descriptor is not None:
         check_calibration_descriptor(remote_descriptor)
-    with _remote_descriptor(remote_descriptor, sweep) as (descriptor, label):
-        with KVPeer(calibration_pool(sweep.pool_nbytes), f"kvcopy-calibrate-{os.getpid()}") as peer:
-            remote = peer.connect(descriptor)
-            points, peak = measure_link(peer, remote, sweep, progress=progress)
-            units = min(sweep.max_read_bytes // CALIBRATION_UNIT_BYTES, peer.pool.num_blocks, remote.num_blocks)
-            whole = torch.arange(units)
-            transport = probe_transport(
-                lambda: peer.read(remote, whole, whole).wait(READ_TIMEOUT_S), len(whole) * CALIBRATION_UNIT_BYTES
-            )
-            label = label or f"peer {remote.agent!r} (NIXL, {', '.join(peer.backends)})"
+    with (
+        _remote_descriptor(remote_descriptor, sweep) as (descriptor, label),
+        KVPeer(calibration_pool(sweep.pool_nbytes), f"kvcopy-calibrate-{os.getpid()}") as peer,
+    ):
+        remote = peer.connect(descriptor)
+        points, peak = measure_link(peer, remote, sweep, progress=progress)
+        units = min(sweep.max_read_bytes // CALIBRATION_UNIT_BYTES, peer.pool.num_blocks, remote.num_blocks)
+        whole = torch.arange(units)
+        transport = probe_transport(
+            lambda: peer.read(remote, whole, whole).wait(READ_TIMEOUT_S), len(whole) * CALIBRATION_UNIT_BYTES
+        )
+        label = label or f"peer {remote.agent!r} (NIXL, {', '.join(peer.backends)})"
     profile.directions[REMOTE_DIRECTION] = fit_lines({REMOTE_DIRECTION: {REMOTE_METHOD: points}})[REMOTE_DIRECTION]
     profile.peaks[REMOTE_DIRECTION] = peak
     profile.hardware["remote_link"] = label
@@ -256,10 +259,8 @@ def loopback_peer(pool_nbytes: int) -> Iterator[bytes]:
                 raise TimeoutError(f"the loopback peer did not start within {PEER_START_TIMEOUT_S:.0f} s")
         yield parent.recv()
     finally:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             parent.send("exit")
-        except (BrokenPipeError, OSError):
-            pass
         process.join(PEER_START_TIMEOUT_S)
         if process.is_alive():
             process.kill()
@@ -268,10 +269,8 @@ def loopback_peer(pool_nbytes: int) -> Iterator[bytes]:
 def _serve_loopback(conn: object, pool_nbytes: int) -> None:
     with KVPeer(calibration_pool(pool_nbytes), f"kvcopy-loopback-{os.getpid()}") as peer:
         conn.send(peer.descriptor())  # type: ignore[attr-defined]
-        try:
+        with contextlib.suppress(EOFError):
             conn.recv()  # type: ignore[attr-defined]  # "exit", or EOF when the parent is gone
-        except EOFError:
-            pass
 
 
 def serve_calibration_peer(name: str) -> KVPeer:

@@ -3,6 +3,7 @@ the errors that name the blocks it leaves without valid data."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -119,7 +120,6 @@ class NixlTransfer:
 
 
 def _release_handle(agent: object, handle: object) -> None:
-    try:
+    # a handle of a vanished peer, or one NIXL could not abort: nothing to free
+    with contextlib.suppress(Exception):
         agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
-    except Exception:  # a handle of a vanished peer, or one NIXL could not abort: nothing to free
-        pass

@@ -3,6 +3,7 @@ other peers."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -239,10 +240,8 @@ class KVPeer:
 
     def _forget(self, agent: str) -> None:
         del self._remotes[agent], self._metadata[agent]
-        try:
+        with contextlib.suppress(Exception):  # a vanished peer is already gone
             self._agent.remove_remote_agent(agent)
-        except Exception:  # a vanished peer is already gone
-            pass
 
     def _check_open(self) -> None:
         if self._registered is None:
