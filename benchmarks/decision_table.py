@@ -102,10 +102,14 @@ def table() -> str:
         )
     return (
         "\n".join(
-            lines
-            + ["", "Thresholds (smallest prefix from which keeping pays up to the context length):", ""]
-            + thresholds
-            + fetch_table(reference)
+            [
+                *lines,
+                "",
+                "Thresholds (smallest prefix from which keeping pays up to the context length):",
+                "",
+                *thresholds,
+                *fetch_table(reference),
+            ]
         )
         + "\n"
     )
@@ -156,7 +160,7 @@ def fetch_table(reference: kvcopy.ModelSpec) -> list[str]:
                 for n, t in zip(nets, said)
             )
         )
-    return lines + ["", "Thresholds for fetching:", ""] + thresholds
+    return [*lines, "", "Thresholds for fetching:", "", *thresholds]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 import transformers as hf
@@ -141,7 +142,7 @@ class RecordingEngine(TransferEngine):
     """A TransferEngine that checks, bitwise, that every offloaded block landed on the host and that every
     reloaded block equals what was offloaded into that host block. Waits for each copy (tests only)."""
 
-    offloaded: dict[tuple[int, int], torch.Tensor] = {}
+    offloaded: ClassVar[dict[tuple[int, int], torch.Tensor]] = {}  # every engine's, by (host pool id, slot)
     reloaded_blocks = 0
 
     def offload(self, block_ids, host_ids):

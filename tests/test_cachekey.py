@@ -230,7 +230,7 @@ def test_partial_trailing_block_is_not_hashed():
     full = key.block_hashes(list(range(8)))
     assert len(full) == 2
     assert key.block_hashes(list(range(11))) == full
-    assert key.block_hashes(list(range(8)) + [99, 98, 97]) == full
+    assert key.block_hashes([*range(8), 99, 98, 97]) == full
     assert key.num_full_blocks(11) == 2
 
 

@@ -150,7 +150,7 @@ ID_KINDS = {
 
 
 @pytest.mark.parametrize("kind", list(ID_KINDS))
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_id_kinds(method, kind, gen):
     src = make_layout("mla", DEVICE_BLOCKS, torch.bfloat16, gen)
     pool = kvcopy.HostKVPool(src, HOST_BLOCKS, pin_memory=False)
@@ -166,7 +166,7 @@ def test_id_kinds(method, kind, gen):
         assert torch.equal(s, s_before)  # ids are not modified
 
 
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_range_ids(method, gen):
     src = make_layout("vllm", DEVICE_BLOCKS, torch.float16, gen)
     pool = kvcopy.HostKVPool(src, HOST_BLOCKS, pin_memory=False)
@@ -179,7 +179,7 @@ def test_range_ids(method, gen):
     [[], (), torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), np.empty(0, dtype=np.int64)],
     ids=["list", "tuple", "int64", "int32", "numpy"],
 )
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_empty_ids_change_nothing(method, empty, gen):
     src = make_layout("vllm", DEVICE_BLOCKS, torch.float8_e4m3fn, gen)
     pool = kvcopy.HostKVPool(src, HOST_BLOCKS, pin_memory=False)
@@ -195,7 +195,7 @@ def test_empty_ids_change_nothing(method, empty, gen):
 # --------------------------------------------------------------------------- other pairs
 
 
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_paged_to_paged_on_cpu(method, layout, gen):
     src = make_layout(layout, DEVICE_BLOCKS, torch.float32, gen)
@@ -380,12 +380,12 @@ def _with_empty_planes(num_blocks, gen, *, empty_first):
         random_tensor((num_blocks, 6), torch.uint8, gen),
     ]
     if empty_first:
-        planes = [torch.empty(num_blocks, 0, dtype=torch.float16)] + planes
+        planes = [torch.empty(num_blocks, 0, dtype=torch.float16), *planes]
     return kvcopy.PagedKV.from_planes(planes)
 
 
 @pytest.mark.parametrize("empty_first", [False, True])
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_zero_byte_planes(method, empty_first, gen):
     kv = _with_empty_planes(DEVICE_BLOCKS, gen, empty_first=empty_first)
     assert 0 in kv.plane_block_nbytes
@@ -402,7 +402,7 @@ def test_zero_byte_planes(method, empty_first, gen):
         check_copy(pool, [0, 1, 2], pool_b, [3, 4, 5], method=method)  # layer_first: empty planes have stride 0
 
 
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_only_zero_byte_planes(method, gen):
     kv = kvcopy.PagedKV.from_planes([torch.empty(4, 0, dtype=torch.float16), torch.empty(4, 0, dtype=torch.uint8)])
     assert kv.nbytes_per_block == 0

@@ -35,7 +35,7 @@ from conftest import (
 )
 from engine_helpers import Engines, run_in_thread, run_threads, writes_into
 
-ENGINE_METHODS = ("auto",) + CPU_METHODS
+ENGINE_METHODS = ("auto", *CPU_METHODS)
 LAYOUTS = ("vllm", "flashinfer", "mla")
 
 
@@ -176,7 +176,7 @@ def test_consumer_after_wait_sees_reloaded_data(engines, how):
 
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
-@pytest.mark.parametrize("layout", LAYOUTS + ("planes",))
+@pytest.mark.parametrize("layout", (*LAYOUTS, "planes"))
 @pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_round_trip_matches_reference(engines, method, layout, host_layout):
     dtype = torch.float8_e4m3fn if layout == "flashinfer" else torch.bfloat16

@@ -64,7 +64,7 @@ def _sides(direction, layout, dtype, gen, *, pinned=True, host_layout="page_firs
 @pytest.mark.parametrize("stream_kind", ["default", "side"])
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 @pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=[name for name, _ in LAYOUT_DTYPES])
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_gpu_methods_match_reference(method, layout, dtype, direction, stream_kind):
     src, dst, src_ids, dst_ids = _sides(direction, layout, dtype, _gen(1))
     torch.cuda.synchronize()
@@ -161,7 +161,7 @@ def test_planes_on_two_devices_are_rejected():
 
 
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_two_gpus_are_rejected(method):
     gen = _gen(7)
     src = make_layout("vllm", 4, torch.bfloat16, gen, device="cuda:0")
@@ -533,7 +533,7 @@ def test_copy_is_ordered_on_the_default_stream(method, direction):
 
 
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_stream_on_another_device_is_rejected(method):
     src, dst, src_ids, dst_ids = _sides("d2h", "vllm", torch.bfloat16, _gen(43))
     torch.cuda.synchronize()
@@ -680,7 +680,7 @@ FLASHINFER_IDS = {
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("ids", list(FLASHINFER_IDS) + ["random"])
+@pytest.mark.parametrize("ids", [*FLASHINFER_IDS, "random"])
 @pytest.mark.parametrize("method", HOST_BOUND_METHODS)
 def test_flashinfer_page_first_on_gpu(method, ids, num_layers):
     # K and V of a FlashInfer layer are adjacent in both layouts: the DMA planner merges them (and,
@@ -715,7 +715,7 @@ def test_copy_engine_single_range(direction):
 # --------------------------------------------------------------------------- one cache, zero-byte planes
 
 
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_same_cache_on_gpu(method):
     gen = _gen(80)
     kv = make_layout("flashinfer", DEVICE_BLOCKS, torch.bfloat16, gen, device="cuda")

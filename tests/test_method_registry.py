@@ -89,7 +89,7 @@ def test_the_engine_and_the_calibrator_use_a_registered_method(toy):
 
 
 def test_a_method_that_cannot_run_says_why(toy):
-    kv, pool = _pair(3)
+    kv, _ = _pair(3)
     with pytest.raises(ValueError, match=r"'toy' cannot run for this pair \(host only\)"):
         kvcopy.copy_blocks(kv, [0], _device_like(kv), [0], method="toy")
 

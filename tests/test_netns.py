@@ -73,7 +73,7 @@ def test_reads_and_writes_are_bitwise_right_and_cross_the_link(link, peers):
     a, b = peers
     remote_ids, local_ids = _random_ids(32, 1), _random_ids(32, 2)
     received = link.rx_bytes(0)
-    seconds, _ = a.ask("read", "netns-b", remote_ids, local_ids, HANG_TIMEOUT_S)
+    _seconds, _ = a.ask("read", "netns-b", remote_ids, local_ids, HANG_TIMEOUT_S)
     assert a.ask("digests", local_ids) == b.ask("digests", remote_ids)
     assert link.rx_bytes(0) - received >= 32 * BLOCK_NBYTES  # the bytes crossed the veth (not shared memory)
     sources, targets = _random_ids(16, 3), _random_ids(16, 4)

@@ -83,7 +83,7 @@ def test_a_broken_descriptor_is_a_value_error_naming_it(peers, case):
 
 def test_ones_own_descriptor_is_refused(peers):
     local, _ = peers
-    with pytest.raises(ValueError, match="remote_descriptor: .*this peer's own name"):
+    with pytest.raises(ValueError, match=r"remote_descriptor: .*this peer's own name"):
         local.connect(local.descriptor())
 
 

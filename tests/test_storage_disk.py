@@ -95,9 +95,9 @@ def test_a_store_survives_its_process(tmp_path):
 def test_another_cache_key_or_layout_is_refused(tmp_path):
     pool = filled_pool(layout(), 1)
     DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
-    with pytest.raises(ValueError, match="cache_key: .* holds blocks of CacheKey context"):
+    with pytest.raises(ValueError, match=r"cache_key: .* holds blocks of CacheKey context"):
         DiskKVStore.open(tmp_path / "store", pool, cache_key=key("other weights"))
-    with pytest.raises(ValueError, match="like: .* holds blocks with planes"):
+    with pytest.raises(ValueError, match=r"like: .* holds blocks with planes"):
         DiskKVStore.open(tmp_path / "store", layout("fp8_scales"), cache_key=key())
     with pytest.raises(FileExistsError):
         DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key())
@@ -218,7 +218,7 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/test_storage_gds.py runs it there")
 def test_gds_without_a_gpu_says_why_and_leaves_nothing(tmp_path):
     pool = filled_pool(layout(), 1)
-    with pytest.raises(RuntimeError, match="GDS backend \\(GPUDirect Storage\\) would not start here.*CUDA GPU"):
+    with pytest.raises(RuntimeError, match=r"GDS backend \(GPUDirect Storage\) would not start here.*CUDA GPU"):
         DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key(), backend="gds")
     assert not (tmp_path / "store").exists()
     with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:  # "auto": POSIX for host pools

@@ -313,7 +313,7 @@ def test_unsupported_transformers_version_is_refused(monkeypatch):
 def test_moved_internals_are_refused(monkeypatch):
     monkeypatch.delattr(offloading_manager.OffloadingManager, "_offload_to_cpu")
     with (
-        pytest.raises(RuntimeError, match="_offload_to_cpu.*supports transformers"),
+        pytest.raises(RuntimeError, match=r"_offload_to_cpu.*supports transformers"),
         kvt.offloading(LLAMA.build(), policy="offload"),
     ):
         pass

@@ -22,7 +22,7 @@ from kvcopy.integrations.vllm.manager import (
 from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile
 
 PROMPT = [(5 * i + 1) % 250 for i in range(160)]
-TOKENS = PROMPT + [9, 8, 7]
+TOKENS = [*PROMPT, 9, 8, 7]
 HIT = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
 
 

@@ -53,7 +53,7 @@ def reload_prefix(rig, prompt, chunk_tokens: int = BLOCK_TOKENS) -> tuple[list[i
     """Stores ``prompt``, zeroes the cache, reruns it with 3 more tokens: (those tokens, the tokens loaded:
     every complete chunk), asserting the rest was computed."""
     rig.store_and_reset(prompt, zero=True)
-    tokens = prompt + [5, 6, 7]
+    tokens = [*prompt, 5, 6, 7]
     hit = len(prompt) // chunk_tokens * chunk_tokens
     assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)  # the rest was loaded
     return tokens, hit
@@ -84,7 +84,7 @@ def test_a_partial_first_chunk_loads_from_the_right_sub_block(tmp_path, blocks_p
         rig.add("head", head)
         rig.run()
         rig.drain()
-        tokens = PROMPT + [5, 6, 7]
+        tokens = [*PROMPT, 5, 6, 7]
         chunk_tokens = BLOCK_TOKENS * blocks_per_chunk
         hit = len(PROMPT) // chunk_tokens * chunk_tokens
         assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)

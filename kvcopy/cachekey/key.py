@@ -130,8 +130,8 @@ class CacheKey:
         scales: str | bytes | torch.Tensor | None = None,
         adapter: str | None = None,
         tp_rank: int = 0,
-        rope_theta: float | None | Literal[FromModel.FROM_MODEL] = FROM_MODEL,
-        rope_scaling: Mapping[str, Any] | None | Literal[FromModel.FROM_MODEL] = FROM_MODEL,
+        rope_theta: float | Literal[FromModel.FROM_MODEL] | None = FROM_MODEL,
+        rope_scaling: Mapping[str, Any] | Literal[FromModel.FROM_MODEL] | None = FROM_MODEL,
     ) -> None:
         identity = identity_of_model(model)
         self._tokenizer = None if tokenizer is None else check_str(tokenizer, "tokenizer")

@@ -140,7 +140,7 @@ class OnlineProfile:
         with self._fit_lock:
             copies = {key: stream.snapshot() for key, stream in sorted(self._copies.items())}
             forwards = self._forwards.snapshot()
-            key = tuple((k, count(items)) for k, items in copies.items()) + ((_PREFILL, count(forwards)),)
+            key = (*((k, count(items)) for k, items in copies.items()), (_PREFILL, count(forwards)))
             if self._cached is None or self._cached[0] != key:
                 self._cached = (key, self._fit(copies, forwards))
                 self.refits += 1
