@@ -157,7 +157,7 @@ def fetch_table(reference: kvcopy.ModelSpec) -> list[str]:
             + "; ".join(
                 f"over {n}, "
                 + ("recompute wins at the context length" if t is None else f"fetching pays from {t} tokens")
-                for n, t in zip(nets, said)
+                for n, t in zip(nets, said, strict=True)
             )
         )
     return [*lines, "", "Thresholds for fetching:", "", *thresholds]

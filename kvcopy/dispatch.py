@@ -49,11 +49,13 @@ def check_pair(src: PagedKV, dst: PagedKV) -> None:
     if src.num_planes != dst.num_planes:
         raise ValueError(f"dst: expected {src.num_planes} planes like src, got {dst.num_planes}")
     if src.plane_block_nbytes != dst.plane_block_nbytes:
-        p = next(i for i, (a, b) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes)) if a != b)
+        p = next(
+            i for i, (a, b) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes, strict=True)) if a != b
+        )
         got, expected = dst.plane_block_nbytes[p], src.plane_block_nbytes[p]
         raise ValueError(f"dst: plane {p} blocks are {got} bytes, expected {expected} like src")
     if src.dtypes != dst.dtypes:
-        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes)) if a != b)
+        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes, strict=True)) if a != b)
         raise ValueError(f"dst: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like src")
     if src.device.type == "cuda" and dst.device.type == "cuda" and src.device != dst.device:
         raise ValueError(f"dst: on {dst.device}, src on {src.device}; copies between two GPUs are not supported")
@@ -134,7 +136,7 @@ def prepare_pair(
         check_side(dst_t, names[1], dst.num_blocks, unique=True)
         check_lengths(src_t, dst_t, names)
     allowed = {torch.device("cpu"), cuda_device(src, dst)} if uses_cuda(src, dst) else {torch.device("cpu")}
-    for name, ids in zip(names, (src_t, dst_t)):
+    for name, ids in zip(names, (src_t, dst_t), strict=True):
         if ids.device not in allowed:
             where = " or ".join(str(d) for d in sorted(allowed, key=str))
             raise ValueError(f"{name}: expected ids on {where}, got ids on {ids.device}")

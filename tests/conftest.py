@@ -96,7 +96,7 @@ def snapshot(kv) -> list[torch.Tensor]:
 
 def assert_same_bytes(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(actual) == len(expected)
-    for p, (a, e) in enumerate(zip(actual, expected)):
+    for p, (a, e) in enumerate(zip(actual, expected, strict=True)):
         assert a.dtype == torch.uint8 and e.dtype == torch.uint8
         assert a.shape == e.shape, f"plane {p}: shape {tuple(a.shape)} != {tuple(e.shape)}"
         if not torch.equal(a, e):
@@ -123,7 +123,7 @@ def reference_copy(src, src_ids, dst, dst_ids) -> list[torch.Tensor]:
     s_ids = torch.tensor(as_id_list(src_ids), dtype=torch.int64)
     d_ids = torch.tensor(as_id_list(dst_ids), dtype=torch.int64)
     expected = []
-    for sp, dp in zip(src_planes, dst_planes):
+    for sp, dp in zip(src_planes, dst_planes, strict=True):
         ref = byte_rows(dp).clone().cpu()
         if len(d_ids):
             ref[d_ids] = byte_rows(sp).cpu()[s_ids]
@@ -170,7 +170,9 @@ def make_mla(num_layers, num_blocks, block_size, head_size, dtype, gen, device="
 
 
 def make_planes(num_blocks, block_shapes, dtypes, gen, device="cpu"):
-    planes = [random_tensor((num_blocks, *shape), dt, gen, device) for shape, dt in zip(block_shapes, dtypes)]
+    planes = [
+        random_tensor((num_blocks, *shape), dt, gen, device) for shape, dt in zip(block_shapes, dtypes, strict=True)
+    ]
     return kvcopy.PagedKV.from_planes(planes), planes
 
 

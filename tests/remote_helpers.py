@@ -35,16 +35,16 @@ def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # HostK
 
     shapes, dtypes, per_layer = LAYOUTS[kind]
     if host_layout == "paged":
-        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)]
         raw = torch.empty(num_blocks, sum(sizes), dtype=torch.uint8)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         planes = [
             raw[:, off : off + size].view(dtype).view(num_blocks, *shape)
-            for off, size, shape, dtype in zip(offsets, sizes, shapes, dtypes)
+            for off, size, shape, dtype in zip(offsets, sizes, shapes, dtypes, strict=True)
         ]
         pool = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
     else:
-        planes = [torch.empty((1, *shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+        planes = [torch.empty((1, *shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
         like = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
         pool = kvcopy.HostKVPool(like, num_blocks, layout=host_layout, pin_memory=False)
     data = storage_bytes(pool)

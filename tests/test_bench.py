@@ -493,7 +493,7 @@ def test_csv_round_trip(tmp_path):
             value = identity.get(key)
             assert r[key] == ("" if value is None else str(value)), key
     assert r["device_name"] == "Test Device 9000"
-    for written, raw_row, back in zip(with_ratios(rows), raw, read):
+    for written, raw_row, back in zip(with_ratios(rows), raw, read, strict=True):
         for key, value in written.items():
             if isinstance(value, float) and math.isnan(value):
                 assert raw_row[key] == "" and math.isnan(back[key]), key

@@ -274,7 +274,7 @@ def test_concurrent_double_free_is_caught_once(make):
         lock = threading.Lock()
         start = threading.Barrier(num_threads)
 
-        def worker() -> None:
+        def worker(a=a, ids=ids, start=start, lock=lock, results=results) -> None:  # this round's, bound
             start.wait()
             try:
                 a.free(ids)

@@ -175,7 +175,7 @@ def test_changing_one_token_changes_its_block_and_all_later_ones(position):
     a, b = key.block_hashes(tokens), key.block_hashes(changed)
     block = position // key.block_tokens
     assert a[:block] == b[:block]
-    assert all(x != y for x, y in zip(a[block:], b[block:]))
+    assert all(x != y for x, y in zip(a[block:], b[block:], strict=True))
 
 
 def test_dict_ordering_does_not_matter():
@@ -524,4 +524,4 @@ def test_any_token_change_breaks_the_chain_from_its_block(tokens, block_tokens, 
     a, b = key.block_hashes(tokens), key.block_hashes(changed)
     block = position // block_tokens
     assert a[:block] == b[:block]
-    assert all(x != y for x, y in zip(a[block:], b[block:]))
+    assert all(x != y for x, y in zip(a[block:], b[block:], strict=True))

@@ -96,7 +96,7 @@ def test_gather_then_scatter_round_trip(method, gen):
             kvcopy.scatter(pool, host_ids, fresh, targets, method=method)
             for p, plane in enumerate(fresh.planes):
                 rows = byte_rows(plane)
-                for block, target in zip(selected, targets):
+                for block, target in zip(selected, targets, strict=True):
                     assert torch.equal(rows[target], original[p][block]), (layout, host_layout, p, block)
                 for other in set(range(DEVICE_BLOCKS + 2)) - set(targets):
                     assert torch.equal(rows[other], fresh_before[p][other])
@@ -234,8 +234,8 @@ def test_pool_to_pool(method, gen):
 def test_mixed_dtype_planes(method, gen):
     shapes = [(3, 5), (2, 7), (11,), (), (1, 3)]
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float16, torch.uint8]
-    src = kvcopy.PagedKV.from_planes([random_tensor((6, *s), d, gen) for s, d in zip(shapes, dtypes)])
-    dst = kvcopy.PagedKV.from_planes([random_tensor((9, *s), d, gen) for s, d in zip(shapes, dtypes)])
+    src = kvcopy.PagedKV.from_planes([random_tensor((6, *s), d, gen) for s, d in zip(shapes, dtypes, strict=True)])
+    dst = kvcopy.PagedKV.from_planes([random_tensor((9, *s), d, gen) for s, d in zip(shapes, dtypes, strict=True)])
     check_copy(src, [5, 0, 1, 1], dst, [8, 2, 3, 0], method=method)
 
 

@@ -104,7 +104,7 @@ def test_layer_of_vllm_cache_is_its_k_and_v():
         layer = kv.layer(i)
         assert isinstance(layer, kvcopy.PagedKV)
         assert layer.num_planes == 2 and layer.num_layers == 1
-        for plane, expected in zip(layer.planes, (t[0], t[1])):
+        for plane, expected in zip(layer.planes, (t[0], t[1]), strict=True):
             assert plane.data_ptr() == expected.data_ptr()
             assert plane.shape == expected.shape and plane.stride() == expected.stride()
         layer.planes[1].fill_(i + 1)
@@ -197,7 +197,7 @@ def test_round_trip_matches_reference(engines, method, layout, host_layout):
     t = eng.reload(host_ids, targets)
     t.wait()
     assert_same_bytes(dst_bytes(kv), expected_dev)
-    for src, dst in zip(block_ids, targets):  # bitwise round trip
+    for src, dst in zip(block_ids, targets, strict=True):  # bitwise round trip
         for p, plane in enumerate(kv.planes):
             assert torch.equal(byte_rows(plane)[dst], original[p][src])
 

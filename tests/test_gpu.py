@@ -98,7 +98,7 @@ def test_gather_scatter_round_trip_on_gpu(method, host_layout):
     kvcopy.scatter(pool, host_ids, fresh, targets, method=method)
     torch.cuda.synchronize()
     for p, plane in enumerate(fresh.planes):
-        for block, target in zip(selected, targets):
+        for block, target in zip(selected, targets, strict=True):
             assert torch.equal(byte_rows(plane)[target], original[p][block])
 
 
@@ -515,11 +515,11 @@ def test_copy_is_ordered_on_the_default_stream(method, direction):
         torch.cuda.synchronize()
         s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
         expected = []
-        for old, new in zip(dst_bytes(dst), new_rows):
+        for old, new in zip(dst_bytes(dst), new_rows, strict=True):
             old[d] = new.cpu()[s]
             expected.append(old)
         torch.cuda._sleep(SLEEP_CYCLES // 4)
-        for plane, new in zip(src.planes, new_rows):
+        for plane, new in zip(src.planes, new_rows, strict=True):
             byte_rows(plane).copy_(new)
         kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method)
         torch.cuda.current_stream().synchronize()
@@ -585,7 +585,7 @@ def test_device_ids_outside_the_cache_are_skipped(method, direction):
     torch.cuda.synchronize()
     assert_same_bytes(dst_bytes(dst), expected)
     assert_same_bytes(snapshot(src), src_before)
-    for b, before in zip(guards, guards_before):  # the spare blocks around every plane are untouched
+    for b, before in zip(guards, guards_before, strict=True):  # the spare blocks around every plane are untouched
         rows = byte_rows(b)
         assert torch.equal(rows[:spare], before[:spare]) and torch.equal(rows[-spare:], before[-spare:])
 

@@ -16,8 +16,8 @@ from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, re
 
 
 def _toy_run(src, src_ids, dst, dst_ids, num_ctas):
-    for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
-        for src_plane, dst_plane in zip(src.planes, dst.planes):
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        for src_plane, dst_plane in zip(src.planes, dst.planes, strict=True):
             dst_plane[d].copy_(src_plane[s])
 
 

@@ -197,7 +197,7 @@ def test_torch_compile_still_validates_ids(src_ids, dst_ids, exc, backend, gen):
     before = [b.clone() for b in dst_bases]
     with pytest.raises(exc):
         compiled(torch.tensor(src_ids), torch.tensor(dst_ids))
-    for b, e in zip(dst_bases, before):
+    for b, e in zip(dst_bases, before, strict=True):
         assert torch.equal(byte_rows(b), byte_rows(e)), "dst (or memory past it) was written"
 
 

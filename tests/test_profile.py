@@ -373,7 +373,7 @@ def test_calibrator_turns_timings_into_exact_fits(fake_timer):
         assert mp.fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
         assert mp.fit.r2 == pytest.approx(1.0, abs=1e-6)
         assert mp.by_block_nbytes, method
-        for block, fit in mp.by_block_nbytes.items():
+        for fit in mp.by_block_nbytes.values():
             assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
             assert fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
         # Points: [total bytes, blocks, plane-block bytes, median, p20, p80].
@@ -412,7 +412,7 @@ def test_calibrator_fits_each_block_size_separately(fake_timer):
         assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
         assert fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
     # Predictions at a measured shape come from that shape's block-size fit.
-    for nbytes, count, block, median, _, _ in mp.points:
+    for nbytes, count, _, median, _, _ in mp.points:
         assert p.predict("h2h", nbytes, num_blocks=int(count)) == pytest.approx(median, rel=1e-6)
 
 
@@ -701,7 +701,7 @@ def test_engine_uses_its_profile(record_methods):
         t = eng.reload(host_ids, targets, layerwise=True)
         t.wait()
         assert_same_bytes(dst_bytes(kv), expected_dev)
-    for src, dst in zip(block_ids, targets):  # bitwise round trip
+    for src, dst in zip(block_ids, targets, strict=True):  # bitwise round trip
         for p_i, plane in enumerate(kv.planes):
             assert torch.equal(byte_rows(plane)[dst], original[p_i][src])
     assert record_methods and set(record_methods) == {"torch"}

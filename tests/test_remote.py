@@ -38,7 +38,7 @@ def _blocks(pool, ids):
 
 def _assert_same(actual, expected):
     assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
 
 
@@ -338,5 +338,5 @@ def test_gpu_caches_exchange_blocks_between_two_agents():
         local.read(pool, [5, 0, 31], [1, 2, 3]).wait(WAIT_S)
         local.write([7], pool, [9]).wait(WAIT_S)
         torch.cuda.synchronize()
-        for a, b in zip(mine.planes, theirs.planes):
+        for a, b in zip(mine.planes, theirs.planes, strict=True):
             assert torch.equal(a[[1, 2, 3]], b[[5, 0, 31]]) and torch.equal(b[9], a[7])

@@ -67,7 +67,7 @@ def test_put_then_get_is_bitwise_for_random_ids(tmp_path, kind):
         assert len(slots) == 10
         back = torch.randperm(32, generator=gen)[:10]
         store.get(slots, dst, back).wait()
-        for i, j in zip(ids.tolist(), back.tolist()):
+        for i, j in zip(ids.tolist(), back.tolist(), strict=True):
             assert torch.equal(src.block_bytes(i), dst.block_bytes(j))
 
 
@@ -243,7 +243,7 @@ def test_a_paged_caches_blocks_hash_as_their_page_first_host_blocks():
         ids = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(7))[:9]
         kvcopy.copy_blocks(paged, ids, pool, ids)
         rows = paged_block_bytes(paged, ids)
-        for row, block in zip(rows, ids.tolist()):
+        for row, block in zip(rows, ids.tolist(), strict=True):
             assert torch.equal(row, pool.block_bytes(block))
         assert paged_checksums(paged, ids) == [
             xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()

@@ -56,7 +56,7 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
             assert fit.alpha_s == pytest.approx(alpha, rel=1e-6) and fit.beta_bytes_per_s == pytest.approx(beta)
         assert len(fits.points) == 4  # one per shape
         # NIXL descriptors per call: one per range (fewer where two random ranges happened to be adjacent)
-        assert all(1 <= row[1] <= count for row, (_, count) in zip(fits.points, shapes))
+        assert all(1 <= row[1] <= count for row, (_, count) in zip(fits.points, shapes, strict=True))
     assert "NIXL POSIX" in profile.hardware["disk"] and str(tmp_path / "disk") in profile.hardware["disk"]
     assert list((tmp_path / "disk").iterdir()) == []  # the calibration store is gone
     profile.save(tmp_path / "p.json")

@@ -154,7 +154,7 @@ def test_a_load_of_chunks_a_slow_store_still_writes_reads_what_it_stored(tmp_pat
         assert results[100].success and results[101].success
         assert results[101].transfer_size == 4 * worker.kv.nbytes_per_block
         for cache in rig.caches.values():
-            for b, t in zip(device, target):
+            for b, t in zip(device, target, strict=True):
                 assert torch.equal(cache[t], cache[b])
         assert results[101].transfer_time >= 0.3 - 0.05  # its turnaround includes the wait behind the store
     finally:

@@ -13,6 +13,7 @@ timed over several token counts and fitted the same way.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -135,14 +136,8 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
                     for _ in range(num_sets)
                 ]
                 for method in _methods_to_time(src, dst, methods):
-                    calls = iter(range(1 << 62))
-
-                    def copy_next(m: str = method) -> None:
-                        src_ids, dst_ids = id_sets[next(calls) % num_sets]
-                        copy_blocks(src, src_ids, dst, dst_ids, method=m)
-
                     timing = measure(
-                        copy_next,
+                        _copy_next(src, dst, id_sets, method),
                         warmup=2,
                         repeats=sweep.repeats,
                         device=device,
@@ -154,6 +149,19 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
                 bar.update()
     bar.close()
     return points
+
+
+def _copy_next(
+    src: PagedKV, dst: PagedKV, id_sets: list[tuple[torch.Tensor, torch.Tensor]], method: str
+) -> Callable[[], None]:
+    """A call that copies with ``method`` the blocks of the next of ``id_sets`` each time, round robin."""
+    sets = itertools.cycle(id_sets)
+
+    def copy_next() -> None:
+        src_ids, dst_ids = next(sets)
+        copy_blocks(src, src_ids, dst, dst_ids, method=method)
+
+    return copy_next
 
 
 def fit_lines(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
@@ -294,7 +302,7 @@ def _time_prefill(spec: ModelSpec, device: torch.device, sweep: _Sweep, progress
         alpha_s=fit.alpha * spec.num_layers,  # every layer pays its launch overhead once per forward
         flops_per_s=fit.beta,
         r2=fit.r2,
-        points=tuple(zip(flops, (best[t] for t in counts))),
+        points=tuple(zip(flops, (best[t] for t in counts), strict=True)),
         weight_bytes_per_s=weight_bytes / memory_s if memory_s > 0 else None,
         num_layers=spec.num_layers,
     )

@@ -16,6 +16,7 @@ network namespaces of one machine, unless told ``UCX_TLS=tcp`` or ``UCX_NET_DEVI
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import os
 import time
@@ -142,16 +143,8 @@ def measure_link(
     for size, count in shapes:
         units = size // CALIBRATION_UNIT_BYTES
         id_sets = [_range_ids(pool_blocks, units, count, generator) for _ in range(8)]
-        reads = iter(range(1 << 62))
-        descriptors = []
-
-        def read_next() -> None:
-            remote_ids, local_ids = id_sets[next(reads) % len(id_sets)]
-            transfer = peer.read(remote, remote_ids, local_ids)
-            descriptors.append(transfer.num_descriptors)
-            transfer.wait(READ_TIMEOUT_S)
-
-        timing = measure(read_next, warmup=2, repeats=sweep.repeats)
+        descriptors: list[int] = []
+        timing = measure(_read_next(peer, remote, id_sets, descriptors), warmup=2, repeats=sweep.repeats)
         mean_descriptors = sum(descriptors) / len(descriptors)  # random slots may touch and merge, rarely
         points.append([size * count, mean_descriptors, size, timing.median, timing.p20, timing.p80])
         bar.update()
@@ -159,6 +152,22 @@ def measure_link(
     bar.update()
     bar.close()
     return points, whole.numel() * CALIBRATION_UNIT_BYTES / peak
+
+
+def _read_next(
+    peer: KVPeer, remote: RemotePool, id_sets: list[tuple[torch.Tensor, torch.Tensor]], descriptors: list[int]
+) -> Callable[[], None]:
+    """A call that reads the blocks of the next of ``id_sets`` each time, round robin, and appends to
+    ``descriptors`` how many NIXL descriptors that read took."""
+    sets = itertools.cycle(id_sets)
+
+    def read_next() -> None:
+        remote_ids, local_ids = next(sets)
+        transfer = peer.read(remote, remote_ids, local_ids)
+        descriptors.append(transfer.num_descriptors)
+        transfer.wait(READ_TIMEOUT_S)
+
+    return read_next
 
 
 def check_calibration_descriptor(data: bytes) -> None:

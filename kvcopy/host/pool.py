@@ -192,7 +192,7 @@ def _plane_over(
 
 def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
         planes.append(_plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
         offset += nbytes
     return planes
@@ -200,7 +200,7 @@ def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> 
 
 def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
         planes.append(_plane_over(buffer, plane, index, num_blocks, offset, nbytes))
         offset += num_blocks * nbytes
     return planes

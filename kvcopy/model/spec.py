@@ -364,7 +364,7 @@ class ModelSpec:
 def forward_costs(spec: ModelSpec, new: Sequence[int], cached: Sequence[int]) -> tuple[float, float]:
     """(FLOPs, bytes read) of one forward in which request i computes ``new[i]`` tokens after ``cached[i]``:
     each request's FLOPs, the weights read once for all of them, each request's cached KV read once."""
-    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached))
+    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached, strict=True))
     read = spec.weight_bytes(sum(new), 0) + sum(spec.kv_bytes(p) for p in cached)
     return float(flops), float(read)
 

@@ -311,7 +311,7 @@ def _copy_points(nbytes: np.ndarray, blocks: np.ndarray, seconds: np.ndarray, pl
     """Per distinct transfer shape (the MAX_POINTS most recently seen): [bytes, blocks, plane-block bytes,
     median s, p20 s, p80 s], as the calibrator's points."""
     shapes: dict[tuple[float, float], list[float]] = {}
-    for b, n, s in zip(nbytes.tolist(), blocks.tolist(), seconds.tolist()):
+    for b, n, s in zip(nbytes.tolist(), blocks.tolist(), seconds.tolist(), strict=True):
         shapes.setdefault((b, n), []).append(s)
         shapes[(b, n)] = shapes.pop((b, n))  # most recent last
     rows = []

@@ -197,7 +197,7 @@ class CommitLog:
         flight, and :meth:`append` then only writes and syncs them."""
         entries = list(entries)
         raw = [_hash_bytes(e.block_hash) for e in entries]
-        return Batch(entries, self._encode((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw)))
+        return Batch(entries, self._encode((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw, strict=True)))
 
     def append(self, batch: Batch) -> None:
         """Records ``batch`` (its data already synced), durably; then compacts if the log has grown."""

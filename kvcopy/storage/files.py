@@ -51,7 +51,7 @@ ZEROS_CHUNK_BYTES = 16 << 20
 def layout_of(like: PagedKV) -> dict[str, Any]:
     """The block layout a store keeps: each plane's block bytes and dtype, page-first."""
     table = like.plane_table.tolist()
-    planes = [[row[PLANE_BLOCK_BYTES], torch_name(dtype)] for row, dtype in zip(table, like.dtypes)]
+    planes = [[row[PLANE_BLOCK_BYTES], torch_name(dtype)] for row, dtype in zip(table, like.dtypes, strict=True)]
     return {"layout": "page_first", "planes": planes, "nbytes_per_block": like.nbytes_per_block}
 
 

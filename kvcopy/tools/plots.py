@@ -64,7 +64,7 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     directions = sorted(profile.directions)
     panels = len(directions) + (profile.prefill is not None)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
-    for ax, direction in zip(axes[0], directions):
+    for ax, direction in zip(axes[0], directions, strict=False):  # the prefill panel, if any, comes after
         if direction in PER_SIZE_JUDGED_DIRECTIONS:
             _per_size_panel(ax, profile, direction)
             continue
@@ -272,7 +272,7 @@ def _sweep_panel(ax: Any, rows: Sequence[dict[str, Any]], suite: str, where: str
     field, scale, label = _SWEEP_AXES[suite]
     for method in dict.fromkeys(r["method"] for r in rows):
         points = sorted((r[field] * scale, r["gbps"]) for r in rows if r["method"] == method)
-        xs, ys = zip(*points)
+        xs, ys = zip(*points, strict=True)
         limit = method.startswith("contiguous")
         style = dict(color="black", ls="--", lw=1.5) if limit else dict(marker="o", ms=3, color=colors[method])
         ax.plot(xs, ys, label=method, **style)

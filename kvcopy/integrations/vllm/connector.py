@@ -148,7 +148,7 @@ class KVCopyOffloadingConnector(OffloadingConnector):
             tokens.append(scheduler_output.num_scheduled_tokens[new.req_id])
             cached.append(new.num_computed_tokens)
         running = scheduler_output.scheduled_cached_reqs
-        for request_id, computed in zip(running.req_ids, running.num_computed_tokens):
+        for request_id, computed in zip(running.req_ids, running.num_computed_tokens, strict=True):
             tokens.append(scheduler_output.num_scheduled_tokens[request_id])
             cached.append(computed)
         waited = any(job.sync for job in getattr(meta, "load_jobs", {}).values())
