@@ -107,6 +107,8 @@ def check_output(
     for p, (s_words, d_words) in enumerate(pairs):
         if not torch.equal(d_words[dst_ids].cpu(), s_words[src_ids].cpu()):
             raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
+    if not whole:
+        return seconds
     for p, ((s_words, d_words), (s_before, d_before)) in enumerate(zip(pairs, before, strict=True)):
         d_before[dst_ids] = d_words[dst_ids]  # the copied blocks were checked above
         if not torch.equal(d_words, d_before):
