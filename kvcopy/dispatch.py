@@ -90,11 +90,6 @@ def resolve(
             "before each replay); host ids would be staged once and frozen into the graph"
         )
     available = available_methods(src, dst)
-    if method != "auto" and registry.get(method) is None:
-        raise ValueError(
-            f"method: unknown method {method!r}; known: 'auto', "
-            f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})"
-        )
     if method == "auto":
         name = choose_method(
             src,
@@ -105,19 +100,26 @@ def resolve(
             num_blocks=num_blocks,
             profile=profile if profile is not None else default_profile(),
         )
-        return registry.get(name)  # type: ignore[return-value]
+        auto = registry.get(name)
+        assert auto is not None  # one of the available methods: registered
+        return auto
     chosen = registry.get(method)
+    if chosen is None:
+        raise ValueError(
+            f"method: unknown method {method!r}; known: 'auto', "
+            f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})"
+        )
     if method not in available:
         raise ValueError(
             f"method: {method!r} cannot run for this pair ({unavailable_reason(method, src, dst)}); "
             f"methods that can: {available}"
         )
-    if not usable(chosen, host_ids=host_ids, capturing=False):  # type: ignore[arg-type]
+    if not usable(chosen, host_ids=host_ids, capturing=False):
         raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
-    if capturing and not chosen.capturable:  # type: ignore[union-attr]
+    if capturing and not chosen.capturable:
         capturable = [m.name for m in registry.methods() if m.capturable]
         raise ValueError(f"method: {method!r} cannot be captured in a CUDA graph; capturable: {capturable}")
-    return chosen  # type: ignore[return-value]
+    return chosen
 
 
 def prepare_pair(
@@ -213,7 +215,7 @@ class _HostPlan:
         self.dst_ref = weakref.ref(dst_obj)
         self.auto = method == "auto"  # no strong reference to either side: the plan must not keep a cache alive
         # The compiled side of the plan (csrc/python/module.cpp): the planes, read from the tables once.
-        self.copier = _ext.extension().HostCopyPlan(
+        self.copier = _ext.loaded_extension().HostCopyPlan(
             src.plane_table.data_ptr(),
             dst.plane_table.data_ptr(),
             src.num_planes,
@@ -224,7 +226,7 @@ class _HostPlan:
         self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
         self.generation = default_profile_generation()
 
-    def auto_runs_cpu(self, num_ids: int, src_obj: KVLike, dst_obj: KVLike) -> bool:
+    def auto_runs_cpu(self, num_ids: int, src_obj: object, dst_obj: object) -> bool:
         """Whether "auto" runs the compiled "cpu" copy for ``num_ids`` blocks between the plan's objects (else
         the general path runs)."""
         generation = default_profile_generation()
@@ -265,7 +267,7 @@ def _new_host_plan(src_obj: object, dst_obj: object, method: str) -> _HostPlan |
     check_pair(src, dst)
     if len(_host_plans) >= _MAX_HOST_PLANS:
         _host_plans.clear()
-    plan = _host_plans[(id(src_obj), id(dst_obj), method)] = _HostPlan(src_obj, dst_obj, src, dst, method)  # type: ignore[arg-type]
+    plan = _host_plans[(id(src_obj), id(dst_obj), method)] = _HostPlan(src_obj, dst_obj, src, dst, method)
     return plan
 
 

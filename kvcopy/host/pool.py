@@ -209,7 +209,7 @@ def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) ->
 KVLike = PagedKV | HostKVPool
 
 
-def as_paged(kv: KVLike, name: str) -> PagedKV:
+def as_paged(kv: object, name: str) -> PagedKV:
     """``kv`` as a PagedKV (a HostKVPool's ``paged``); TypeError naming ``name`` for anything else."""
     if isinstance(kv, PagedKV):
         return kv
