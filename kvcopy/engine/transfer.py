@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -148,7 +148,7 @@ class Transfer:
         num_blocks: int,
         nbytes: int,
         done: TransferSignal,
-        layers: list[TransferSignal] | None = None,
+        layers: Sequence[TransferSignal] | None = None,
         timer: Timer | None = None,
         keepalive: tuple[object, ...] = (),
         *,

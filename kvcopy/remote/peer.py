@@ -122,11 +122,11 @@ class KVPeer:
             )
         known = self._remotes.get(layout.agent)
         self._reap()
-        same = known is not None and known.layout == layout and self._metadata[layout.agent] == metadata
-        if same and layout.agent not in self._broken:
-            return known  # the same descriptor again: the same pool
-        if known is not None:  # the peer came back (a restart), or its connection broke: made anew
-            self._forget(layout.agent)
+        if known is not None:
+            same = known.layout == layout and self._metadata[layout.agent] == metadata
+            if same and layout.agent not in self._broken:
+                return known  # the same descriptor again: the same pool
+            self._forget(layout.agent)  # the peer came back (a restart), or its connection broke: made anew
         return self._add(layout, metadata)
 
     def reconnect(self, remote: RemotePool) -> RemotePool:
