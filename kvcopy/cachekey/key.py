@@ -291,8 +291,9 @@ class CacheKey:
         for i in range(num_blocks):
             h = hashlib.sha256(prev)
             h.update(data[i * step : (i + 1) * step])
-            if extras[i] is not None:
-                h.update(extras[i])
+            extra = extras[i]
+            if extra is not None:
+                h.update(extra)
             prev = h.digest()
             hashes.append(h.hexdigest())
         return hashes

@@ -13,6 +13,7 @@ timed over several token counts and fitted the same way.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from kvcopy import _ext
 from kvcopy.calibration.fit import LinearFit, fit_alpha_beta
 from kvcopy.calibration.machine import machine_identity
-from kvcopy.calibration.progress import progress_bar
+from kvcopy.calibration.progress import ProgressBar, progress_bar
 from kvcopy.calibration.timing import COLD_BYTES, measure
 from kvcopy.host.pool import HostKVPool
 from kvcopy.layout import PagedKV
@@ -214,6 +215,7 @@ def _layer_forward(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden, heads = spec.hidden_size, spec.num_attention_heads
     if spec.attention == "mla":  # spec.head_dim is the cached latent; queries use nope + rope dims
+        assert spec.qk_nope_head_dim is not None and spec.qk_rope_head_dim is not None  # an MLA spec has both
         head_dim, kv_heads = spec.qk_nope_head_dim + spec.qk_rope_head_dim, heads
     else:
         head_dim, kv_heads = spec.head_dim, spec.num_kv_heads
@@ -268,7 +270,7 @@ def _time_prefill(spec: ModelSpec, device: torch.device, sweep: _Sweep, progress
     flops = [executed_flops(tokens) for tokens in counts]
     best: dict[int, float] = {}
 
-    def one_round(bar: object) -> None:
+    def one_round(bar: ProgressBar) -> None:
         for tokens, seconds in _time_prefill_round(forward, dtype, spec, device, timed, sweep, bar).items():
             best[tokens] = min(seconds, best.get(tokens, seconds))
 
@@ -328,15 +330,15 @@ def _time_prefill_round(
     device: torch.device,
     counts: Sequence[int],
     sweep: _Sweep,
-    bar: object,
+    bar: ProgressBar,
 ) -> dict[int, float]:
     """Median seconds of one layer forward at each token count, one after the other."""
-    seconds = {}
+    seconds: dict[int, float] = {}
     for tokens in counts:
         x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)
         # Few repeats per round: the rounds' minimum is what rejects a slow spell.
         seconds[tokens] = measure(
-            lambda x=x: forward(x), warmup=1, repeats=max(2, sweep.repeats // 3), device=device
+            functools.partial(forward, x), warmup=1, repeats=max(2, sweep.repeats // 3), device=device
         ).median
         bar.update()
     return seconds
@@ -348,7 +350,7 @@ def calibrate(
     methods: Sequence[str] | None = None,
     quick: bool = False,
     progress: bool = True,
-    model: object | None = None,
+    model: ModelSpec | str | None = None,
 ) -> Profile:
     """Measures copies and prefill on ``device`` (default: the GPU if any, else the CPU).
 

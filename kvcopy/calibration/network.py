@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -275,11 +276,11 @@ def loopback_peer(pool_nbytes: int) -> Iterator[bytes]:
             process.kill()
 
 
-def _serve_loopback(conn: object, pool_nbytes: int) -> None:
+def _serve_loopback(conn: Connection, pool_nbytes: int) -> None:
     with KVPeer(calibration_pool(pool_nbytes), f"kvcopy-loopback-{os.getpid()}") as peer:
-        conn.send(peer.descriptor())  # type: ignore[attr-defined]
+        conn.send(peer.descriptor())
         with contextlib.suppress(EOFError):
-            conn.recv()  # type: ignore[attr-defined]  # "exit", or EOF when the parent is gone
+            conn.recv()  # "exit", or EOF when the parent is gone
 
 
 def serve_calibration_peer(name: str) -> KVPeer:

@@ -167,12 +167,12 @@ class OnlineProfile:
 
     def _online_note(self, counts: dict[str, int]) -> dict[str, Any]:
         base = None
-        if self.base is not None:
+        if self.base is not None and self._base_json is not None:  # (both or neither)
             hw = self.base.hardware
             base = {
                 "device_name": hw.get("device_name"),
                 "date": hw.get("date"),
-                "sha256": hashlib.sha256(self._base_json.encode()).hexdigest()[:16],  # type: ignore[union-attr]
+                "sha256": hashlib.sha256(self._base_json.encode()).hexdigest()[:16],
             }
         return {
             "online": {

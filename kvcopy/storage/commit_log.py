@@ -32,6 +32,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 __all__ = ["COMMIT", "FREE", "Batch", "CommitLog", "Entry"]
@@ -266,9 +267,9 @@ class CommitLog:
             heapq.heappush(self._unused, slot)
         return out
 
-    def least_recent(self, count: int, keep: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    def least_recent(self, count: int, keep: AbstractSet[int] = frozenset()) -> list[int]:
         """Up to ``count`` occupied slots, least recently used first, skipping ``keep``."""
-        out = []
+        out: list[int] = []
         for slot in self._by_slot:
             if len(out) == count:
                 break

@@ -158,12 +158,12 @@ class DiskKVStore:
     def _pool(self, pool: object, pool_ids: BlockIds, count: int) -> tuple[HostKVPool | PagedKV, torch.Tensor]:
         """``pool`` checked (a page-first HostKVPool; with GPUDirect Storage also a GPU cache's PagedKV) and
         registered once, and ``pool_ids`` checked against it."""
-        on_gpu = isinstance(pool, PagedKV) and pool.device.type == "cuda"
-        if not isinstance(pool, HostKVPool) and not on_gpu:
+        if not (isinstance(pool, HostKVPool) or (isinstance(pool, PagedKV) and pool.device.type == "cuda")):
             where = f" on {pool.device}" if isinstance(pool, PagedKV) else ""
             raise TypeError(
                 f"pool: expected a HostKVPool (or a GPU's PagedKV with backend 'gds'), got {type(pool).__name__}{where}"
             )
+        on_gpu = isinstance(pool, PagedKV)  # a GPU's (checked above)
         if on_gpu and self.backend != "gds":
             raise ValueError(
                 f"pool: a GPU's blocks move through GPUDirect Storage; this store opened NIXL {self.backend} "
@@ -229,7 +229,7 @@ class DiskKVStore:
     def _checksums(self, pool: HostKVPool | PagedKV, ids: torch.Tensor) -> list[int]:
         if isinstance(pool, PagedKV):  # a GPU's blocks: gathered and copied to the host (kvcopy.storage.gpu_blocks)
             return paged_checksums(pool, ids)
-        view, size = pool.buffer.numpy(), pool.nbytes_per_block  # page-first: block i is one slice of the buffer
+        view, size = pool.buffer.numpy().data, pool.nbytes_per_block  # page-first: block i is one slice of it
         return [xxhash.xxh3_64_intdigest(view[i * size : (i + 1) * size]) for i in ids.tolist()]
 
     # ------------------------------------------------------------------ put, match, get
