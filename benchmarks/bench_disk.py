@@ -171,7 +171,7 @@ def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             pairs = order("auto", op, i)
             if threads is None:
-                for slot, pool_id in zip(*pairs):
+                for slot, pool_id in zip(*pairs, strict=True):
                     one(slot, pool_id)
             else:  # os.pread/pwrite release the GIL: the disk sees THREADS requests at once
                 list(threads.map(one, *pairs))

@@ -77,7 +77,8 @@ COLUMNS = (
     "error_p90",
     "errors_measured",
     "note",
-) + IDENTITY_COLUMNS
+    *IDENTITY_COLUMNS,
+)
 
 
 class TorchWithoutPinning:

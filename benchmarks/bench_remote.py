@@ -25,6 +25,7 @@ import multiprocessing
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -34,7 +35,7 @@ from kvcopy.calibration.machine import machine_identity
 from kvcopy.calibration.network import interface_rx_bytes
 from kvcopy.calibration.timing import measure
 from kvcopy.nixl.registration import registration_of
-from kvcopy.remote import KVPeer
+from kvcopy.remote import KVPeer, RemotePool, RemoteTransfer
 from kvcopy.tools.bench import IDENTITY_COLUMNS
 
 from netns import RATES_BIT_S, NetnsUnavailable, netns_link
@@ -98,7 +99,7 @@ def _serve(conn, memory: str) -> None:
 def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]], here: object) -> None:
     """One NIXL READ of ``ranges`` ((remote address, local address, bytes)), waited for; ``here``: the local
     registration (its NIXL memory kind and device id)."""
-    agent = peer._agent  # noqa: SLF001 - the baselines use the same agent, without kvcopy's planning
+    agent = peer._agent  # the baselines use the same agent, without kvcopy's planning
     there = remote.layout
     local = agent.get_xfer_descs([(dst, n, here.device_id) for _, dst, n in ranges], here.memory)
     far = agent.get_xfer_descs([(src, n, there.device_id) for src, _, n in ranges], there.memory)
@@ -152,6 +153,30 @@ def _over_netns(args: argparse.Namespace, argv: list[str]) -> int:
     return reader.returncode
 
 
+def _read_calls(
+    peer: KVPeer,
+    remote: RemotePool,
+    remote_ids: torch.Tensor,
+    local_ids: torch.Tensor,
+    contiguous: list[tuple[int, int, int]],
+    per_block: list[list[tuple[int, int, int]]],
+    here: object,
+    last: dict[str, RemoteTransfer],
+) -> dict[str, Callable[[], object]]:
+    """The calls timed, each reading the same blocks: one contiguous range (the limit), kvcopy's read (its
+    transfer left in ``last["t"]``), and one NIXL read per block."""
+
+    def kvcopy_read() -> None:
+        last["t"] = peer.read(remote, remote_ids, local_ids)
+        last["t"].wait(WAIT_S)
+
+    return {
+        "contiguous (limit)": lambda: _raw_read(peer, remote, contiguous, here),
+        "kvcopy read": kvcopy_read,
+        "per-block NIXL loop": lambda: [_raw_read(peer, remote, r, here) for r in per_block],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
@@ -197,29 +222,20 @@ def main(argv: list[str] | None = None) -> int:
                 far_base, near_base = remote.layout.planes[0][0], local_bytes.data_ptr()
                 per_block = [
                     [(far_base + r * block, near_base + q * block, block)]
-                    for r, q in zip(remote_ids.tolist(), local_ids.tolist())
+                    for r, q in zip(remote_ids.tolist(), local_ids.tolist(), strict=True)
                 ]
                 contiguous = [(far_base, near_base, args.blocks * block)]
-                last = {}
-
-                def kvcopy_read() -> None:
-                    last["t"] = peer.read(remote, remote_ids, local_ids)
-                    last["t"].wait(WAIT_S)
-
-                calls = {
-                    "contiguous (limit)": lambda: _raw_read(peer, remote, contiguous, here),
-                    "kvcopy read": kvcopy_read,
-                    "per-block NIXL loop": lambda: [_raw_read(peer, remote, r, here) for r in per_block],
-                }
+                last: dict[str, RemoteTransfer] = {}
+                calls = _read_calls(peer, remote, remote_ids, local_ids, contiguous, per_block, here, last)
                 # one warm-up call each: connection setup and first touches
                 timed = {name: measure(call, warmup=1, repeats=args.repeats).median for name, call in calls.items()}
                 local_bytes.zero_()
                 received = interface_rx_bytes()
-                kvcopy_read()  # checked last, after the other calls wrote the same local blocks
+                calls["kvcopy read"]()  # checked last, after the other calls wrote the same local blocks
                 crossed = (interface_rx_bytes() or 0) - (received or 0)
                 transport = f"{crossed / (args.blocks * block):.2f}x the bytes read crossed a network interface"
                 got = local_bytes.cpu()
-                for r, q in zip(remote_ids.tolist(), local_ids.tolist()):
+                for r, q in zip(remote_ids.tolist(), local_ids.tolist(), strict=True):
                     if not torch.equal(got[q * block : (q + 1) * block], expected[r * block : (r + 1) * block]):
                         raise SystemExit(f"block {r} -> {q}: bytes differ")
                 nbytes = args.blocks * block

@@ -102,10 +102,14 @@ def table() -> str:
         )
     return (
         "\n".join(
-            lines
-            + ["", "Thresholds (smallest prefix from which keeping pays up to the context length):", ""]
-            + thresholds
-            + fetch_table(reference)
+            [
+                *lines,
+                "",
+                "Thresholds (smallest prefix from which keeping pays up to the context length):",
+                "",
+                *thresholds,
+                *fetch_table(reference),
+            ]
         )
         + "\n"
     )
@@ -153,10 +157,10 @@ def fetch_table(reference: kvcopy.ModelSpec) -> list[str]:
             + "; ".join(
                 f"over {n}, "
                 + ("recompute wins at the context length" if t is None else f"fetching pays from {t} tokens")
-                for n, t in zip(nets, said)
+                for n, t in zip(nets, said, strict=True)
             )
         )
-    return lines + ["", "Thresholds for fetching:", ""] + thresholds
+    return [*lines, "", "Thresholds for fetching:", "", *thresholds]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ class Link:
             _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
              "netns", self.ns[1])  # fmt: skip
-        for ns, dev, address in zip(self.ns, self.dev, ADDRESSES):
+        for ns, dev, address in zip(self.ns, self.dev, ADDRESSES, strict=True):
             _run("ip", "-n", ns, "addr", "add", f"{address}/30", "dev", dev)
             _run("ip", "-n", ns, "link", "set", "dev", dev, "up")
             _run("ip", "-n", ns, "link", "set", "dev", "lo", "up")
@@ -60,13 +60,13 @@ class Link:
         """Both directions shaped to ``rate`` (a key of RATES_BIT_S)."""
         if rate not in RATES_BIT_S:
             raise ValueError(f"rate: expected one of {sorted(RATES_BIT_S)}, got {rate!r}")
-        for ns, dev in zip(self.ns, self.dev):
+        for ns, dev in zip(self.ns, self.dev, strict=True):
             _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", TBF_BURST,
                  "latency", TBF_LATENCY)  # fmt: skip
 
     def set_up(self, up: bool) -> None:
         """Brings the link down (both ends) or back up."""
-        for ns, dev in zip(self.ns, self.dev):
+        for ns, dev in zip(self.ns, self.dev, strict=True):
             _run("ip", "-n", ns, "link", "set", "dev", dev, "up" if up else "down")
 
     def rx_bytes(self, side: int) -> int:

@@ -91,7 +91,9 @@ class PagedEngine:
         self.model(torch.tensor([token_ids]), past_key_values=cache, use_cache=True)
         for layer in range(self.num_layers):
             for plane, full in zip(
-                self.planes[2 * layer : 2 * layer + 2], (cache.layers[layer].keys, cache.layers[layer].values)
+                self.planes[2 * layer : 2 * layer + 2],
+                (cache.layers[layer].keys, cache.layers[layer].values),
+                strict=True,
             ):
                 per_token = full[0].transpose(0, 1)  # [tokens, kv heads, head dim]
                 plane[pages] = per_token.reshape(len(pages), PAGE_TOKENS, *per_token.shape[1:])

@@ -21,7 +21,15 @@ import torch
 
 from kvcopy._version import __version__
 
-__all__ = ["TRITON_INTERPRET", "build_info", "extension", "has_cuda_kernels", "has_cpu_kernels", "triton_available"]
+__all__ = [
+    "TRITON_INTERPRET",
+    "build_info",
+    "extension",
+    "has_cpu_kernels",
+    "has_cuda_kernels",
+    "loaded_extension",
+    "triton_available",
+]
 
 # Whether Triton kernels are interpreted on the CPU (tests): read once, as triton itself decides it when first
 # imported. Set TRITON_INTERPRET=1 before importing kvcopy.
@@ -42,19 +50,34 @@ def extension() -> ModuleType | None:
     return _MODULE
 
 
+def loaded_extension() -> ModuleType:
+    """The compiled module, for a caller that only runs when it is loaded (a method whose problem() said so, a
+    CUDA stream kvcopy made): RuntimeError, naming why it is absent, otherwise."""
+    module = extension()
+    if module is None:
+        raise RuntimeError(f"kvcopy's compiled extension is not loaded ({_LOAD_ERROR})")
+    return module
+
+
 def _register_fakes() -> None:
     """Fake implementations: the ops only mutate ``dst``, so tracing needs no output."""
 
     @torch.library.register_fake("kvcopy::copy_blocks")
-    def _copy_blocks_fake(src, src_ids, dst, dst_ids, num_ctas) -> None:  # noqa: ANN001
+    def _copy_blocks_fake(
+        src: list[torch.Tensor], src_ids: torch.Tensor, dst: list[torch.Tensor], dst_ids: torch.Tensor, num_ctas: int
+    ) -> None:
         return None
 
     @torch.library.register_fake("kvcopy::copy_blocks_dma")
-    def _copy_blocks_dma_fake(src, src_ids, dst, dst_ids) -> None:  # noqa: ANN001
+    def _copy_blocks_dma_fake(
+        src: list[torch.Tensor], src_ids: torch.Tensor, dst: list[torch.Tensor], dst_ids: torch.Tensor
+    ) -> None:
         return None
 
     @torch.library.register_fake("kvcopy::check_block_ids")
-    def _check_block_ids_fake(src_ids, dst_ids, src_num_blocks, dst_num_blocks, same_cache=False) -> None:  # noqa: ANN001
+    def _check_block_ids_fake(
+        src_ids: torch.Tensor, dst_ids: torch.Tensor, src_num_blocks: int, dst_num_blocks: int, same_cache: bool = False
+    ) -> None:
         return None
 
     # It returns nothing and mutates nothing: without this, graphs would drop it as dead code.
@@ -90,7 +113,7 @@ def _triton_version() -> str | None:
         return None
     try:
         import triton
-    except Exception:  # a broken triton install is the same as none  # noqa: BLE001
+    except Exception:  # a broken triton install is the same as none
         return None
     return str(triton.__version__)
 

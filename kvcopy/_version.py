@@ -33,6 +33,8 @@ def deprecated_module(old: str, names: dict[str, str]) -> types.ModuleType:
     module that now holds it); each access warns. For a package that was dissolved into others."""
 
     class _Moved(types.ModuleType):
+        __all__: list[str]
+
         def __getattr__(self, name: str) -> Any:
             if name not in names:
                 raise AttributeError(f"module {old!r} has no attribute {name!r}")
@@ -43,6 +45,6 @@ def deprecated_module(old: str, names: dict[str, str]) -> types.ModuleType:
             return sorted(names)
 
     module = _Moved(old, f"Deprecated: its names moved to {sorted(set(names.values()))}.")
-    module.__all__ = sorted(names)  # type: ignore[attr-defined]
+    module.__all__ = sorted(names)
     sys.modules[old] = module
     return module

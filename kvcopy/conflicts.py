@@ -56,7 +56,7 @@ def check_caller(what: str, paged: object, blocks: Iterable[int], *, writes: boo
     with _watch_lock:
         engines = list((_watched.get(paged) or {}).items())
     if engines:
-        blocks = blocks.tolist() if hasattr(blocks, "tolist") else [int(b) for b in blocks]  # type: ignore[union-attr]
+        blocks = blocks.tolist() if hasattr(blocks, "tolist") else [int(b) for b in blocks]
     for engine, side in engines:
         found = engine.caller_conflict(side, blocks, writes=writes)
         if found is not None:

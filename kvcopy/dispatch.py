@@ -49,11 +49,13 @@ def check_pair(src: PagedKV, dst: PagedKV) -> None:
     if src.num_planes != dst.num_planes:
         raise ValueError(f"dst: expected {src.num_planes} planes like src, got {dst.num_planes}")
     if src.plane_block_nbytes != dst.plane_block_nbytes:
-        p = next(i for i, (a, b) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes)) if a != b)
+        p = next(
+            i for i, (a, b) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes, strict=True)) if a != b
+        )
         got, expected = dst.plane_block_nbytes[p], src.plane_block_nbytes[p]
         raise ValueError(f"dst: plane {p} blocks are {got} bytes, expected {expected} like src")
     if src.dtypes != dst.dtypes:
-        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes)) if a != b)
+        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes, strict=True)) if a != b)
         raise ValueError(f"dst: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like src")
     if src.device.type == "cuda" and dst.device.type == "cuda" and src.device != dst.device:
         raise ValueError(f"dst: on {dst.device}, src on {src.device}; copies between two GPUs are not supported")
@@ -88,11 +90,6 @@ def resolve(
             "before each replay); host ids would be staged once and frozen into the graph"
         )
     available = available_methods(src, dst)
-    if method != "auto" and registry.get(method) is None:
-        raise ValueError(
-            f"method: unknown method {method!r}; known: 'auto', "
-            f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})"
-        )
     if method == "auto":
         name = choose_method(
             src,
@@ -103,19 +100,26 @@ def resolve(
             num_blocks=num_blocks,
             profile=profile if profile is not None else default_profile(),
         )
-        return registry.get(name)  # type: ignore[return-value]
+        auto = registry.get(name)
+        assert auto is not None  # one of the available methods: registered
+        return auto
     chosen = registry.get(method)
+    if chosen is None:
+        raise ValueError(
+            f"method: unknown method {method!r}; known: 'auto', "
+            f"{', '.join(repr(m) for m in registry.method_names())} (for this pair: {available})"
+        )
     if method not in available:
         raise ValueError(
             f"method: {method!r} cannot run for this pair ({unavailable_reason(method, src, dst)}); "
             f"methods that can: {available}"
         )
-    if not usable(chosen, host_ids=host_ids, capturing=False):  # type: ignore[arg-type]
+    if not usable(chosen, host_ids=host_ids, capturing=False):
         raise ValueError(f"method: {method!r} reads ids on the host; pass CPU tensors or sequences as ids")
-    if capturing and not chosen.capturable:  # type: ignore[union-attr]
+    if capturing and not chosen.capturable:
         capturable = [m.name for m in registry.methods() if m.capturable]
         raise ValueError(f"method: {method!r} cannot be captured in a CUDA graph; capturable: {capturable}")
-    return chosen  # type: ignore[return-value]
+    return chosen
 
 
 def prepare_pair(
@@ -134,7 +138,7 @@ def prepare_pair(
         check_side(dst_t, names[1], dst.num_blocks, unique=True)
         check_lengths(src_t, dst_t, names)
     allowed = {torch.device("cpu"), cuda_device(src, dst)} if uses_cuda(src, dst) else {torch.device("cpu")}
-    for name, ids in zip(names, (src_t, dst_t)):
+    for name, ids in zip(names, (src_t, dst_t), strict=True):
         if ids.device not in allowed:
             where = " or ".join(str(d) for d in sorted(allowed, key=str))
             raise ValueError(f"{name}: expected ids on {where}, got ids on {ids.device}")
@@ -203,7 +207,7 @@ class _HostPlan:
     pair, and for "auto" the choice per size bucket (powers of two of the block count), dropped when the
     default profile or the method registry changes."""
 
-    __slots__ = ("src_ref", "dst_ref", "auto", "copier", "choices", "generation")
+    __slots__ = ("auto", "choices", "copier", "dst_ref", "generation", "src_ref")
 
     def __init__(self, src_obj: KVLike, dst_obj: KVLike, src: PagedKV, dst: PagedKV, method: str) -> None:
         # Raw plane addresses, valid while src_obj and dst_obj live: every use first checks the weak references.
@@ -211,7 +215,7 @@ class _HostPlan:
         self.dst_ref = weakref.ref(dst_obj)
         self.auto = method == "auto"  # no strong reference to either side: the plan must not keep a cache alive
         # The compiled side of the plan (csrc/python/module.cpp): the planes, read from the tables once.
-        self.copier = _ext.extension().HostCopyPlan(
+        self.copier = _ext.loaded_extension().HostCopyPlan(
             src.plane_table.data_ptr(),
             dst.plane_table.data_ptr(),
             src.num_planes,
@@ -222,7 +226,7 @@ class _HostPlan:
         self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
         self.generation = default_profile_generation()
 
-    def auto_runs_cpu(self, num_ids: int, src_obj: KVLike, dst_obj: KVLike) -> bool:
+    def auto_runs_cpu(self, num_ids: int, src_obj: object, dst_obj: object) -> bool:
         """Whether "auto" runs the compiled "cpu" copy for ``num_ids`` blocks between the plan's objects (else
         the general path runs)."""
         generation = default_profile_generation()
@@ -263,7 +267,7 @@ def _new_host_plan(src_obj: object, dst_obj: object, method: str) -> _HostPlan |
     check_pair(src, dst)
     if len(_host_plans) >= _MAX_HOST_PLANS:
         _host_plans.clear()
-    plan = _host_plans[(id(src_obj), id(dst_obj), method)] = _HostPlan(src_obj, dst_obj, src, dst, method)  # type: ignore[arg-type]
+    plan = _host_plans[(id(src_obj), id(dst_obj), method)] = _HostPlan(src_obj, dst_obj, src, dst, method)
     return plan
 
 

@@ -47,7 +47,7 @@ def _check_plane(index: int, plane: object, first: torch.Tensor | None) -> None:
     block_numel = _block_numel(plane)
     # A block is contiguous when its inner dims are laid out densely (size-1 dims may have any stride).
     expected = 1
-    for size, stride in reversed(list(zip(plane.shape[1:], plane.stride()[1:]))):
+    for size, stride in reversed(list(zip(plane.shape[1:], plane.stride()[1:], strict=True))):
         if size != 1 and stride != expected:
             raise ValueError(
                 f"planes[{index}]: each block must be one contiguous run of bytes; block shape "
@@ -102,7 +102,10 @@ class PagedKV:
         self._plane_block_nbytes = tuple(_block_numel(p) * p.element_size() for p in planes)
         self._dtypes = tuple(p.dtype for p in planes)
         self._plane_table = torch.tensor(
-            [[p.data_ptr(), p.stride(0) * p.element_size(), n] for p, n in zip(planes, self._plane_block_nbytes)],
+            [
+                [p.data_ptr(), p.stride(0) * p.element_size(), n]
+                for p, n in zip(planes, self._plane_block_nbytes, strict=True)
+            ],
             dtype=torch.int64,
         )
         self._plane_tables_on: dict[torch.device, torch.Tensor] = {}

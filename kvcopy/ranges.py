@@ -87,7 +87,7 @@ def plan_table_ranges(
             False,
         )
     ranges = []
-    for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
-        for (sa, ss, n), (da, ds, _) in zip(src_table.tolist(), dst_table.tolist()):
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        for (sa, ss, n), (da, ds, _) in zip(src_table.tolist(), dst_table.tolist(), strict=True):
             ranges.append((sa + s * ss, da + d * ds, n))
     return ranges

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets kvcopy up (scripts/setup.sh), checks the style and runs the whole test suite.
+# Sets kvcopy up (scripts/setup.sh), checks the style and the types, and runs the whole test suite.
 # Fails when nvcc is present but the CUDA kernels were not built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +22,10 @@ if torch.version.cuda and not kvcopy.build_info()["cuda_kernels"]:
     sys.exit("nvcc is present and torch is a CUDA build, but kvcopy's CUDA kernels were not built")
 PY
 fi
-# Style is checked, not remembered: ruff (lint + format) for Python, clang-format for C++ and CUDA.
+# Style is checked, not remembered: ruff (lint + format) for Python, clang-format for C++ and CUDA; and mypy
+# checks the package's types ([tool.mypy] in pyproject.toml says what and how).
 ruff check .
 ruff format --check .
 git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs clang-format --dry-run --Werror
+mypy
 python -m pytest -q "$@"

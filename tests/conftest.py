@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 # "auto" must follow its documented defaults here, whatever a developer's own calibration left in ~/.cache.
 os.environ["KVCOPY_PROFILE"] = "none"
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-import kvcopy  # noqa: E402
+import kvcopy
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -82,7 +82,7 @@ def fill_random_(kv, gen: torch.Generator) -> None:
         rows.copy_(random_bytes(rows.numel(), gen).view(rows.shape).to(rows.device))
 
 
-def paged(kv) -> "kvcopy.PagedKV":
+def paged(kv) -> kvcopy.PagedKV:
     return kv.paged if isinstance(kv, kvcopy.HostKVPool) else kv
 
 
@@ -96,7 +96,7 @@ def snapshot(kv) -> list[torch.Tensor]:
 
 def assert_same_bytes(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(actual) == len(expected)
-    for p, (a, e) in enumerate(zip(actual, expected)):
+    for p, (a, e) in enumerate(zip(actual, expected, strict=True)):
         assert a.dtype == torch.uint8 and e.dtype == torch.uint8
         assert a.shape == e.shape, f"plane {p}: shape {tuple(a.shape)} != {tuple(e.shape)}"
         if not torch.equal(a, e):
@@ -123,7 +123,7 @@ def reference_copy(src, src_ids, dst, dst_ids) -> list[torch.Tensor]:
     s_ids = torch.tensor(as_id_list(src_ids), dtype=torch.int64)
     d_ids = torch.tensor(as_id_list(dst_ids), dtype=torch.int64)
     expected = []
-    for sp, dp in zip(src_planes, dst_planes):
+    for sp, dp in zip(src_planes, dst_planes, strict=True):
         ref = byte_rows(dp).clone().cpu()
         if len(d_ids):
             ref[d_ids] = byte_rows(sp).cpu()[s_ids]
@@ -170,7 +170,9 @@ def make_mla(num_layers, num_blocks, block_size, head_size, dtype, gen, device="
 
 
 def make_planes(num_blocks, block_shapes, dtypes, gen, device="cpu"):
-    planes = [random_tensor((num_blocks, *shape), dt, gen, device) for shape, dt in zip(block_shapes, dtypes)]
+    planes = [
+        random_tensor((num_blocks, *shape), dt, gen, device) for shape, dt in zip(block_shapes, dtypes, strict=True)
+    ]
     return kvcopy.PagedKV.from_planes(planes), planes
 
 
@@ -191,7 +193,7 @@ def make_layout(kind, num_blocks, dtype, gen, device="cpu", *, block_size=3, hea
     raise ValueError(kind)
 
 
-def empty_like_kv(kv: "kvcopy.PagedKV", num_blocks: int, gen: torch.Generator, device=None) -> "kvcopy.PagedKV":
+def empty_like_kv(kv: kvcopy.PagedKV, num_blocks: int, gen: torch.Generator, device=None) -> kvcopy.PagedKV:
     """A fresh PagedKV with contiguous planes shaped like ``kv``'s blocks, filled with random bytes."""
     device = kv.device if device is None else device
     planes = [random_tensor((num_blocks, *p.shape[1:]), p.dtype, gen, device) for p in kv.planes]

@@ -136,7 +136,7 @@ def run_in_thread(fn: Callable, *args) -> tuple[threading.Thread, dict]:
     def target() -> None:
         try:
             out["result"] = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - inspected by the test
+        except BaseException as err:  # inspected by the test
             out["error"] = err
 
     thread = threading.Thread(target=target, daemon=True)

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 import transformers as hf
@@ -141,14 +142,14 @@ class RecordingEngine(TransferEngine):
     """A TransferEngine that checks, bitwise, that every offloaded block landed on the host and that every
     reloaded block equals what was offloaded into that host block. Waits for each copy (tests only)."""
 
-    offloaded: dict[tuple[int, int], torch.Tensor] = {}
+    offloaded: ClassVar[dict[tuple[int, int], torch.Tensor]] = {}  # every engine's, by (host pool id, slot)
     reloaded_blocks = 0
 
     def offload(self, block_ids, host_ids):
         transfer = super().offload(block_ids, host_ids)
         transfer.wait()
         device, host = self.kv.planes[0], self.host.paged.planes[0]
-        for block, slot in zip(block_ids, host_ids):
+        for block, slot in zip(block_ids, host_ids, strict=True):
             assert torch.equal(host[slot], device[block].cpu()), f"offloaded block {block} differs on the host"
             RecordingEngine.offloaded[(id(self.host), slot)] = device[block].cpu().clone()
         return transfer
@@ -157,7 +158,7 @@ class RecordingEngine(TransferEngine):
         transfer = super().reload(host_ids, block_ids, layerwise=layerwise)
         transfer.wait()
         device = self.kv.planes[0]
-        for slot, block in zip(host_ids, block_ids):
+        for slot, block in zip(host_ids, block_ids, strict=True):
             expected = RecordingEngine.offloaded[(id(self.host), slot)]
             assert torch.equal(device[block].cpu(), expected), f"reloaded block {block} differs from its offload"
             RecordingEngine.reloaded_blocks += 1

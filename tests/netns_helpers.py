@@ -6,6 +6,7 @@ file descriptor.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -16,8 +17,8 @@ from pathlib import Path
 # bench_remote.py, its other user, and outside the installed package. Tests import it from this module.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from conftest import HANG_TIMEOUT_S  # noqa: E402
-from netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link  # noqa: E402
+from conftest import HANG_TIMEOUT_S
+from netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link
 
 __all__ = ["RATES_BIT_S", "Link", "NetnsUnavailable", "NsPeer", "PeerError", "netns_link"]
 
@@ -62,10 +63,8 @@ class NsPeer:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(EOFError, OSError, TimeoutError, PeerError):
                 self.ask("exit", timeout=HANG_TIMEOUT_S)
-            except (EOFError, OSError, TimeoutError, PeerError):
-                pass
             try:
                 self.process.wait(HANG_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -20,6 +20,7 @@ side, block ids)). Commands:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -80,7 +81,7 @@ class Served:
                 [torch.empty_like(p) for p in self.pool.paged.planes], planes_per_layer=2
             )
         bounds = [round(i * len(local_ids) / chunks) for i in range(chunks + 1)]
-        parts = [(remote_ids[a:b], local_ids[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        parts = [(remote_ids[a:b], local_ids[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
         started = time.perf_counter()
         remote = self.remotes[agent]
         pending = self.peer.read(remote, *parts[0])
@@ -130,7 +131,7 @@ def main() -> None:
             return
         try:
             conn.send(("ok", commands[name](*args)))
-        except Exception as err:  # noqa: BLE001 - every error goes back to the test, named
+        except Exception as err:  # every error goes back to the test, named
             conn.send(
                 ("error", (type(err).__name__, str(err), getattr(err, "side", None), getattr(err, "block_ids", None)))
             )

@@ -27,7 +27,7 @@ LAYOUTS = {
 }
 
 
-def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa: ANN201 - HostKVPool or PagedKV
+def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # HostKVPool or PagedKV
     """A HostKVPool of ``kind`` (``host_layout`` page_first or layer_first), or for ``"paged"`` an engine's cache
     (a PagedKV whose planes are byte slices of one block-major allocation, so the planes of a block interleave),
     whose every byte is drawn from ``seed``."""
@@ -35,16 +35,16 @@ def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa:
 
     shapes, dtypes, per_layer = LAYOUTS[kind]
     if host_layout == "paged":
-        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)]
         raw = torch.empty(num_blocks, sum(sizes), dtype=torch.uint8)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         planes = [
             raw[:, off : off + size].view(dtype).view(num_blocks, *shape)
-            for off, size, shape, dtype in zip(offsets, sizes, shapes, dtypes)
+            for off, size, shape, dtype in zip(offsets, sizes, shapes, dtypes, strict=True)
         ]
         pool = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
     else:
-        planes = [torch.empty((1, *shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+        planes = [torch.empty((1, *shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
         like = kvcopy.PagedKV.from_planes(planes, planes_per_layer=per_layer)
         pool = kvcopy.HostKVPool(like, num_blocks, layout=host_layout, pin_memory=False)
     data = storage_bytes(pool)
@@ -52,7 +52,7 @@ def make_pool(kind: str, num_blocks: int, host_layout: str, seed: int):  # noqa:
     return pool
 
 
-def storage_bytes(kv) -> torch.Tensor:  # noqa: ANN001 - a HostKVPool or make_pool's PagedKV
+def storage_bytes(kv) -> torch.Tensor:  # a HostKVPool or make_pool's PagedKV
     """Every byte of ``kv``'s memory, as a writable uint8 tensor."""
     import kvcopy
 
@@ -61,7 +61,7 @@ def storage_bytes(kv) -> torch.Tensor:  # noqa: ANN001 - a HostKVPool or make_po
     return torch.empty(0, dtype=torch.uint8).set_(kv.planes[0].untyped_storage())
 
 
-def planes_of(kv) -> tuple[torch.Tensor, ...]:  # noqa: ANN001 - a HostKVPool or a PagedKV
+def planes_of(kv) -> tuple[torch.Tensor, ...]:  # a HostKVPool or a PagedKV
     import kvcopy
 
     return kv.paged.planes if isinstance(kv, kvcopy.HostKVPool) else kv.planes

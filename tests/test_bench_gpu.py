@@ -25,7 +25,7 @@ def _sides(direction, layout, dtype, gen):
     if direction == "d2h":
         return kv, torch.tensor(SRC_IDS), pool.paged, torch.tensor(DST_IDS)
     pool.buffer.view(torch.uint8).random_(generator=gen)
-    return pool.paged, torch.tensor(DST_IDS), kv, torch.tensor(SRC_IDS[:4] + [6, 8])
+    return pool.paged, torch.tensor(DST_IDS), kv, torch.tensor([*SRC_IDS[:4], 6, 8])
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])

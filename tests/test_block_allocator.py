@@ -251,7 +251,7 @@ def test_concurrent_allocate_and_free_are_consistent(make):
                 for i in held:
                     assert owned.pop(i) == index
             a.free(held)
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+        except BaseException as err:  # reported by the main thread
             errors.append(err)
 
     run_threads(worker, num_threads)
@@ -274,7 +274,7 @@ def test_concurrent_double_free_is_caught_once(make):
         lock = threading.Lock()
         start = threading.Barrier(num_threads)
 
-        def worker() -> None:
+        def worker(a=a, ids=ids, start=start, lock=lock, results=results) -> None:  # this round's, bound
             start.wait()
             try:
                 a.free(ids)

@@ -175,7 +175,7 @@ def test_changing_one_token_changes_its_block_and_all_later_ones(position):
     a, b = key.block_hashes(tokens), key.block_hashes(changed)
     block = position // key.block_tokens
     assert a[:block] == b[:block]
-    assert all(x != y for x, y in zip(a[block:], b[block:]))
+    assert all(x != y for x, y in zip(a[block:], b[block:], strict=True))
 
 
 def test_dict_ordering_does_not_matter():
@@ -230,7 +230,7 @@ def test_partial_trailing_block_is_not_hashed():
     full = key.block_hashes(list(range(8)))
     assert len(full) == 2
     assert key.block_hashes(list(range(11))) == full
-    assert key.block_hashes(list(range(8)) + [99, 98, 97]) == full
+    assert key.block_hashes([*range(8), 99, 98, 97]) == full
     assert key.num_full_blocks(11) == 2
 
 
@@ -524,4 +524,4 @@ def test_any_token_change_breaks_the_chain_from_its_block(tokens, block_tokens, 
     a, b = key.block_hashes(tokens), key.block_hashes(changed)
     block = position // block_tokens
     assert a[:block] == b[:block]
-    assert all(x != y for x, y in zip(a[block:], b[block:]))
+    assert all(x != y for x, y in zip(a[block:], b[block:], strict=True))

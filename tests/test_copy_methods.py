@@ -96,7 +96,7 @@ def test_gather_then_scatter_round_trip(method, gen):
             kvcopy.scatter(pool, host_ids, fresh, targets, method=method)
             for p, plane in enumerate(fresh.planes):
                 rows = byte_rows(plane)
-                for block, target in zip(selected, targets):
+                for block, target in zip(selected, targets, strict=True):
                     assert torch.equal(rows[target], original[p][block]), (layout, host_layout, p, block)
                 for other in set(range(DEVICE_BLOCKS + 2)) - set(targets):
                     assert torch.equal(rows[other], fresh_before[p][other])
@@ -150,7 +150,7 @@ ID_KINDS = {
 
 
 @pytest.mark.parametrize("kind", list(ID_KINDS))
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_id_kinds(method, kind, gen):
     src = make_layout("mla", DEVICE_BLOCKS, torch.bfloat16, gen)
     pool = kvcopy.HostKVPool(src, HOST_BLOCKS, pin_memory=False)
@@ -166,7 +166,7 @@ def test_id_kinds(method, kind, gen):
         assert torch.equal(s, s_before)  # ids are not modified
 
 
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_range_ids(method, gen):
     src = make_layout("vllm", DEVICE_BLOCKS, torch.float16, gen)
     pool = kvcopy.HostKVPool(src, HOST_BLOCKS, pin_memory=False)
@@ -179,7 +179,7 @@ def test_range_ids(method, gen):
     [[], (), torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), np.empty(0, dtype=np.int64)],
     ids=["list", "tuple", "int64", "int32", "numpy"],
 )
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_empty_ids_change_nothing(method, empty, gen):
     src = make_layout("vllm", DEVICE_BLOCKS, torch.float8_e4m3fn, gen)
     pool = kvcopy.HostKVPool(src, HOST_BLOCKS, pin_memory=False)
@@ -195,7 +195,7 @@ def test_empty_ids_change_nothing(method, empty, gen):
 # --------------------------------------------------------------------------- other pairs
 
 
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_paged_to_paged_on_cpu(method, layout, gen):
     src = make_layout(layout, DEVICE_BLOCKS, torch.float32, gen)
@@ -234,8 +234,8 @@ def test_pool_to_pool(method, gen):
 def test_mixed_dtype_planes(method, gen):
     shapes = [(3, 5), (2, 7), (11,), (), (1, 3)]
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float16, torch.uint8]
-    src = kvcopy.PagedKV.from_planes([random_tensor((6, *s), d, gen) for s, d in zip(shapes, dtypes)])
-    dst = kvcopy.PagedKV.from_planes([random_tensor((9, *s), d, gen) for s, d in zip(shapes, dtypes)])
+    src = kvcopy.PagedKV.from_planes([random_tensor((6, *s), d, gen) for s, d in zip(shapes, dtypes, strict=True)])
+    dst = kvcopy.PagedKV.from_planes([random_tensor((9, *s), d, gen) for s, d in zip(shapes, dtypes, strict=True)])
     check_copy(src, [5, 0, 1, 1], dst, [8, 2, 3, 0], method=method)
 
 
@@ -380,12 +380,12 @@ def _with_empty_planes(num_blocks, gen, *, empty_first):
         random_tensor((num_blocks, 6), torch.uint8, gen),
     ]
     if empty_first:
-        planes = [torch.empty(num_blocks, 0, dtype=torch.float16)] + planes
+        planes = [torch.empty(num_blocks, 0, dtype=torch.float16), *planes]
     return kvcopy.PagedKV.from_planes(planes)
 
 
 @pytest.mark.parametrize("empty_first", [False, True])
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_zero_byte_planes(method, empty_first, gen):
     kv = _with_empty_planes(DEVICE_BLOCKS, gen, empty_first=empty_first)
     assert 0 in kv.plane_block_nbytes
@@ -402,7 +402,7 @@ def test_zero_byte_planes(method, empty_first, gen):
         check_copy(pool, [0, 1, 2], pool_b, [3, 4, 5], method=method)  # layer_first: empty planes have stride 0
 
 
-@pytest.mark.parametrize("method", CPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*CPU_METHODS, "auto"))
 def test_only_zero_byte_planes(method, gen):
     kv = kvcopy.PagedKV.from_planes([torch.empty(4, 0, dtype=torch.float16), torch.empty(4, 0, dtype=torch.uint8)])
     assert kv.nbytes_per_block == 0

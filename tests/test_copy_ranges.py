@@ -7,6 +7,8 @@ registration chunk.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -87,6 +89,6 @@ def test_copy_engine_ranges_never_cross_a_registration_chunk():
 def test_registration_chunks_end_at_multiples_of_the_chunk_size(address, nbytes):
     chunks = registration_chunks(address, nbytes)
     assert chunks[0][0] == address and sum(length for _, length in chunks) == nbytes
-    for (start, length), (following, _) in zip(chunks, chunks[1:]):
+    for (start, length), (following, _) in itertools.pairwise(chunks):
         assert start + length == following and following % MAX_REGISTER_BYTES == 0
     assert all(0 < length <= MAX_REGISTER_BYTES for _, length in chunks)

@@ -35,7 +35,7 @@ from conftest import (
 )
 from engine_helpers import Engines, run_in_thread, run_threads, writes_into
 
-ENGINE_METHODS = ("auto",) + CPU_METHODS
+ENGINE_METHODS = ("auto", *CPU_METHODS)
 LAYOUTS = ("vllm", "flashinfer", "mla")
 
 
@@ -104,7 +104,7 @@ def test_layer_of_vllm_cache_is_its_k_and_v():
         layer = kv.layer(i)
         assert isinstance(layer, kvcopy.PagedKV)
         assert layer.num_planes == 2 and layer.num_layers == 1
-        for plane, expected in zip(layer.planes, (t[0], t[1])):
+        for plane, expected in zip(layer.planes, (t[0], t[1]), strict=True):
             assert plane.data_ptr() == expected.data_ptr()
             assert plane.shape == expected.shape and plane.stride() == expected.stride()
         layer.planes[1].fill_(i + 1)
@@ -176,7 +176,7 @@ def test_consumer_after_wait_sees_reloaded_data(engines, how):
 
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
-@pytest.mark.parametrize("layout", LAYOUTS + ("planes",))
+@pytest.mark.parametrize("layout", (*LAYOUTS, "planes"))
 @pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_round_trip_matches_reference(engines, method, layout, host_layout):
     dtype = torch.float8_e4m3fn if layout == "flashinfer" else torch.bfloat16
@@ -197,7 +197,7 @@ def test_round_trip_matches_reference(engines, method, layout, host_layout):
     t = eng.reload(host_ids, targets)
     t.wait()
     assert_same_bytes(dst_bytes(kv), expected_dev)
-    for src, dst in zip(block_ids, targets):  # bitwise round trip
+    for src, dst in zip(block_ids, targets, strict=True):  # bitwise round trip
         for p, plane in enumerate(kv.planes):
             assert torch.equal(byte_rows(plane)[dst], original[p][src])
 
@@ -407,7 +407,7 @@ def test_many_transfers_in_flight_from_threads(engines, debug):
                     transfers.append(eng.reload(rel, rel[::-1]))
             for t in transfers:
                 t.wait(timeout=30)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     run_threads(worker, num_threads)
@@ -589,10 +589,9 @@ def test_context_manager(monkeypatch):
 
 def test_context_manager_closes_on_error():
     kv, pool = _setup()
-    with pytest.raises(KeyError):
-        with kvcopy.TransferEngine(kv, pool) as eng:
-            t = eng.offload([3], [4])
-            raise KeyError("caller error")
+    with pytest.raises(KeyError), kvcopy.TransferEngine(kv, pool) as eng:
+        t = eng.offload([3], [4])
+        raise KeyError("caller error")
     assert t.done()
     with pytest.raises(RuntimeError):
         eng.reload([4], [3])

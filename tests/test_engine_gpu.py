@@ -147,7 +147,7 @@ def test_round_trip_per_method(res, method, layout, dtype):
     t = eng.reload(host_ids, targets)
     t.wait_stream()  # no host wait: dst_bytes reads on the current stream, after the transfer
     assert_same_bytes(dst_bytes(kv), expected_dev)
-    for src, dst in zip(block_ids, targets):
+    for src, dst in zip(block_ids, targets, strict=True):
         for p, plane in enumerate(kv.planes):
             assert torch.equal(byte_rows(plane)[dst].cpu(), original[p][src])
 
@@ -287,7 +287,7 @@ def test_reload_writes_after_readers_of_the_old_contents(res, method):
     t.wait_stream()
     after = [byte_rows(p).clone() for p in kv.planes]  # on the current stream, after wait_stream
     torch.cuda.current_stream().synchronize()
-    for p, (r, o) in enumerate(zip(readers, old)):
+    for p, (r, o) in enumerate(zip(readers, old, strict=True)):
         assert torch.equal(r.cpu(), o), f"plane {p}: the reload overwrote blocks before their reader ran"
     assert_same_bytes([a.cpu() for a in after], expected)
 
@@ -412,7 +412,7 @@ def test_layerwise_reload_with_attention_per_layer(res, method, consumer_stream)
             t.wait_layer(layer, None if consumer_stream == "current" else stream)
             outs.append(_attention(q, layers[layer][0].index_select(0, ids), layers[layer][1].index_select(0, ids)))
     stream.synchronize()
-    for layer, (out, exp) in enumerate(zip(outs, expected)):
+    for layer, (out, exp) in enumerate(zip(outs, expected, strict=True)):
         torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-5, msg=lambda m, layer=layer: f"layer {layer}: {m}")
     t.wait()
     assert_same_bytes(dst_bytes(kv), expected_bytes)
@@ -475,7 +475,7 @@ def test_many_transfers_in_flight_from_threads(res, method):
                         transfers.append(eng.reload(rel, rel[::-1]))
                 for t in transfers:
                     t.wait(timeout=30)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     run_threads(worker, num_threads)
@@ -506,7 +506,7 @@ def test_close_waits_for_transfers_from_threads(res):
             for j in range(per_thread):
                 block = (index * per_thread + j) % 64
                 mine.append(eng.offload([block], [block]) if j % 2 else eng.reload([block], [block]))
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
         with lock:
             transfers.extend(mine)
@@ -733,9 +733,9 @@ def test_captured_layerwise_reload_with_consumers(res, method):
         expected_bytes = reference_copy(pool, h, kv, b)
         g.replay()
         torch.cuda.synchronize()
-        for layer, (out, exp) in enumerate(zip(outs, expected)):
+        for layer, (out, exp) in enumerate(zip(outs, expected, strict=True)):
             torch.testing.assert_close(
-                out, exp, rtol=1e-5, atol=1e-5, msg=lambda m, layer=layer: f"replay {i}, layer {layer}: {m}"
+                out, exp, rtol=1e-5, atol=1e-5, msg=lambda m, i=i, layer=layer: f"replay {i}, layer {layer}: {m}"
             )
         assert_same_bytes(dst_bytes(kv), expected_bytes)
 
@@ -758,9 +758,9 @@ def test_engine_orders_its_own_transfers_on_the_gpu(res):
     assert not t.done(), "the sleep ended before the submissions"
     for transfer in (t, back, over, opaque):
         transfer.wait()
-    for plane, expected in zip(dst_bytes(kv), first):
+    for plane, expected in zip(dst_bytes(kv), first, strict=True):
         assert torch.equal(plane[5], expected) and torch.equal(plane[6], expected)
-    for plane, expected in zip(dst_bytes(pool), first):
+    for plane, expected in zip(dst_bytes(pool), first, strict=True):
         assert torch.equal(plane[3], expected)
 
 

@@ -237,7 +237,7 @@ def test_failed_transfer_is_not_observed_and_the_engine_keeps_working(engines, m
     later = [engine.offload([2], [5]), engine.reload([8], [9]), engine.reload([5], [10], layerwise=True)]
     engine.close()
     assert sorted(id(c.transfer) for c in recorder.calls) == sorted(id(t) for t in later)
-    for rows, from_host, from_kv in zip(dst_bytes(kv), host_block, kv_block):
+    for rows, from_host, from_kv in zip(dst_bytes(kv), host_block, kv_block, strict=True):
         assert torch.equal(rows[9], from_host) and torch.equal(rows[10], from_kv)
 
 

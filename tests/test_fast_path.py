@@ -184,7 +184,7 @@ def test_cached_plans_keep_no_cache_alive(method):
 
 
 def test_plane_table_columns_agree_with_the_compiled_code():
-    assert _ext.extension().PLANE_TABLE_COLUMNS == len(layout.PLANE_TABLE_COLUMNS)
+    assert len(layout.PLANE_TABLE_COLUMNS) == _ext.extension().PLANE_TABLE_COLUMNS
     kv, _ = _pair(5)
     table = kv.plane_table
     assert table.shape == (kv.num_planes, len(layout.PLANE_TABLE_COLUMNS))

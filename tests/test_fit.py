@@ -98,13 +98,13 @@ def test_gross_outliers_are_discounted(alpha, beta, seed, where):
     n = len(SIZES)
     index = {"spread": [1, n // 2, n - 3], "small": [0, 3], "large": [n - 1, n - 4]}[where]
     factors = [3.0, 5.0, 3.0][: len(index)]
-    for i, f in zip(index, factors):
+    for i, f in zip(index, factors, strict=True):
         t[i] *= f
     fit = fit_alpha_beta(SIZES, t)
     assert _rel(fit.beta, beta) < 0.05, fit
     assert _rel(fit.alpha, alpha) < 0.08, fit
     # The outliers stand out in the relative residuals; the rest stay near the noise.
-    for i, f in zip(index, factors):
+    for i, f in zip(index, factors, strict=True):
         assert fit.residuals[i] > f - 1.5
     others = [abs(r) for i, r in enumerate(fit.residuals) if i not in index]
     assert max(others) < 0.2
@@ -114,7 +114,7 @@ def test_residuals_are_relative_to_the_prediction():
     rng = np.random.default_rng(7)
     t = _times(1e-5, 1e10) * (1 + 0.05 * rng.standard_normal(len(SIZES)))
     fit = fit_alpha_beta(SIZES, t)
-    for x, ti, r in zip(SIZES, t, fit.residuals):
+    for x, ti, r in zip(SIZES, t, fit.residuals, strict=True):
         predicted = fit.alpha + x / fit.beta
         assert r == pytest.approx((ti - predicted) / predicted, rel=1e-9, abs=1e-12)
     assert fit.max_abs_residual == pytest.approx(max(abs(r) for r in fit.residuals))
@@ -143,7 +143,7 @@ def test_negative_intercept_is_clamped_to_zero():
     # Through the origin the slope is between the true one and the steepest chord from 0.
     assert 1e10 * 0.9 < fit.beta < 1e10 * 1.3
     # Residuals are computed against the clamped line.
-    for xi, ti, r in zip(x, t, fit.residuals):
+    for xi, ti, r in zip(x, t, fit.residuals, strict=True):
         assert r == pytest.approx((ti - xi / fit.beta) / (xi / fit.beta), rel=1e-9, abs=1e-12)
 
 

@@ -64,7 +64,7 @@ def _sides(direction, layout, dtype, gen, *, pinned=True, host_layout="page_firs
 @pytest.mark.parametrize("stream_kind", ["default", "side"])
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 @pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=[name for name, _ in LAYOUT_DTYPES])
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_gpu_methods_match_reference(method, layout, dtype, direction, stream_kind):
     src, dst, src_ids, dst_ids = _sides(direction, layout, dtype, _gen(1))
     torch.cuda.synchronize()
@@ -98,7 +98,7 @@ def test_gather_scatter_round_trip_on_gpu(method, host_layout):
     kvcopy.scatter(pool, host_ids, fresh, targets, method=method)
     torch.cuda.synchronize()
     for p, plane in enumerate(fresh.planes):
-        for block, target in zip(selected, targets):
+        for block, target in zip(selected, targets, strict=True):
             assert torch.equal(byte_rows(plane)[target], original[p][block])
 
 
@@ -161,7 +161,7 @@ def test_planes_on_two_devices_are_rejected():
 
 
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_two_gpus_are_rejected(method):
     gen = _gen(7)
     src = make_layout("vllm", 4, torch.bfloat16, gen, device="cuda:0")
@@ -515,11 +515,11 @@ def test_copy_is_ordered_on_the_default_stream(method, direction):
         torch.cuda.synchronize()
         s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
         expected = []
-        for old, new in zip(dst_bytes(dst), new_rows):
+        for old, new in zip(dst_bytes(dst), new_rows, strict=True):
             old[d] = new.cpu()[s]
             expected.append(old)
         torch.cuda._sleep(SLEEP_CYCLES // 4)
-        for plane, new in zip(src.planes, new_rows):
+        for plane, new in zip(src.planes, new_rows, strict=True):
             byte_rows(plane).copy_(new)
         kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method=method)
         torch.cuda.current_stream().synchronize()
@@ -533,7 +533,7 @@ def test_copy_is_ordered_on_the_default_stream(method, direction):
 
 
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_stream_on_another_device_is_rejected(method):
     src, dst, src_ids, dst_ids = _sides("d2h", "vllm", torch.bfloat16, _gen(43))
     torch.cuda.synchronize()
@@ -585,7 +585,7 @@ def test_device_ids_outside_the_cache_are_skipped(method, direction):
     torch.cuda.synchronize()
     assert_same_bytes(dst_bytes(dst), expected)
     assert_same_bytes(snapshot(src), src_before)
-    for b, before in zip(guards, guards_before):  # the spare blocks around every plane are untouched
+    for b, before in zip(guards, guards_before, strict=True):  # the spare blocks around every plane are untouched
         rows = byte_rows(b)
         assert torch.equal(rows[:spare], before[:spare]) and torch.equal(rows[-spare:], before[-spare:])
 
@@ -680,7 +680,7 @@ FLASHINFER_IDS = {
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("ids", list(FLASHINFER_IDS) + ["random"])
+@pytest.mark.parametrize("ids", [*FLASHINFER_IDS, "random"])
 @pytest.mark.parametrize("method", HOST_BOUND_METHODS)
 def test_flashinfer_page_first_on_gpu(method, ids, num_layers):
     # K and V of a FlashInfer layer are adjacent in both layouts: the DMA planner merges them (and,
@@ -715,7 +715,7 @@ def test_copy_engine_single_range(direction):
 # --------------------------------------------------------------------------- one cache, zero-byte planes
 
 
-@pytest.mark.parametrize("method", GPU_METHODS + ("auto",))
+@pytest.mark.parametrize("method", (*GPU_METHODS, "auto"))
 def test_same_cache_on_gpu(method):
     gen = _gen(80)
     kv = make_layout("flashinfer", DEVICE_BLOCKS, torch.bfloat16, gen, device="cuda")

@@ -258,7 +258,7 @@ def test_close_then_reuse_as_copy_target(gen):
     pool = kvcopy.HostKVPool(like, 4, pin_memory=False)
     pool.close()
     kvcopy.gather(like, [0, 1], pool, [2, 3])
-    for lp, hp in zip(like.planes, pool.paged.planes):
+    for lp, hp in zip(like.planes, pool.paged.planes, strict=True):
         assert torch.equal(byte_rows(hp)[2:4], byte_rows(lp)[0:2])
 
 

@@ -79,7 +79,7 @@ def test_page_first_planes_match_like(gen):
     assert pool.num_blocks == 10
     assert pool.paged.plane_block_nbytes == like.plane_block_nbytes
     assert pool.paged.planes_per_layer == like.planes_per_layer
-    for hp, lp in zip(pool.paged.planes, like.planes):
+    for hp, lp in zip(pool.paged.planes, like.planes, strict=True):
         assert hp.dtype == lp.dtype
         assert hp.shape[1:] == lp.shape[1:]
         assert hp.device == torch.device("cpu")
@@ -104,7 +104,7 @@ def test_layer_first_byte_layout(gen, num_blocks):
         offset += num_blocks * nbytes
     assert offset == pool.buffer.numel()
     assert torch.equal(pool.buffer, expected)
-    for p, plane in enumerate(pool.paged.planes):
+    for plane in pool.paged.planes:
         assert plane.is_contiguous()  # a layer-first plane holds all its blocks contiguously
 
 

@@ -101,7 +101,7 @@ def test_from_mla_one_plane_per_layer(gen):
     kv = kvcopy.PagedKV.from_mla(layers)
     assert kv.num_planes == 3
     assert kv.num_blocks == 7
-    for plane, layer in zip(kv.planes, layers):
+    for plane, layer in zip(kv.planes, layers, strict=True):
         assert plane.data_ptr() == layer.data_ptr()
         assert plane.shape == layer.shape
         assert plane.dtype == torch.float8_e4m3fn
@@ -154,7 +154,7 @@ def test_from_planes_properties(gen):
     assert kv.device == torch.device("cpu")
     assert kv.plane_block_nbytes == (30, 28, 1, 8)
     assert kv.nbytes_per_block == 67
-    assert all(p is q or p.data_ptr() == q.data_ptr() for p, q in zip(kv.planes, planes))
+    assert all(p is q or p.data_ptr() == q.data_ptr() for p, q in zip(kv.planes, planes, strict=True))
     assert isinstance(kv.planes, (tuple, list))
     assert len(kv.planes) == kv.num_planes
 

@@ -188,7 +188,7 @@ def test_predict_paths_is_load_plus_extension_against_recompute(max_forward, ext
 def batch_roofline(new: tuple[int, ...], cached: tuple[int, ...]) -> float:
     """Seconds of one batched forward under the base, written out: each request's FLOPs and cached KV summed,
     the weights read once."""
-    flops = sum(LLAMA.prefill_flops(n, p) for n, p in zip(new, cached))
+    flops = sum(LLAMA.prefill_flops(n, p) for n, p in zip(new, cached, strict=True))
     read = LLAMA.weight_bytes(sum(new)) + sum(LLAMA.kv_bytes(p) for p in cached)
     return PREFILL_ALPHA_S + max(flops / FLOPS_PER_S, read / WEIGHT_BYTES_PER_S)
 

@@ -16,8 +16,8 @@ from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, re
 
 
 def _toy_run(src, src_ids, dst, dst_ids, num_ctas):
-    for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
-        for src_plane, dst_plane in zip(src.planes, dst.planes):
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        for src_plane, dst_plane in zip(src.planes, dst.planes, strict=True):
             dst_plane[d].copy_(src_plane[s])
 
 
@@ -89,7 +89,7 @@ def test_the_engine_and_the_calibrator_use_a_registered_method(toy):
 
 
 def test_a_method_that_cannot_run_says_why(toy):
-    kv, pool = _pair(3)
+    kv, _ = _pair(3)
     with pytest.raises(ValueError, match=r"'toy' cannot run for this pair \(host only\)"):
         kvcopy.copy_blocks(kv, [0], _device_like(kv), [0], method="toy")
 

@@ -665,7 +665,7 @@ def test_from_file_and_directory(tmp_path):
 def test_bad_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ModelSpec.from_hf_config(tmp_path / "nowhere.json")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ModelSpec.from_hf_config(tmp_path)  # a directory without config.json
     with pytest.raises(TypeError):
         ModelSpec.from_hf_config(42)
@@ -674,7 +674,7 @@ def test_bad_path(tmp_path):
 def test_malformed_json_names_the_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"num_hidden_layers": 32,')
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         ModelSpec.from_hf_config(path)
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
@@ -895,7 +895,7 @@ def test_presets_match_the_full_configs(name, config):
 
 
 def test_unknown_preset_lists_the_names():
-    with pytest.raises(ValueError, match="llama-3.1-8b.*mistral-7b"):
+    with pytest.raises(ValueError, match=r"llama-3\.1-8b.*mistral-7b"):
         ModelSpec.preset("unknown")
 
 

@@ -17,11 +17,11 @@ import torch
 
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-import kvcopy  # noqa: E402
-from kvcopy.calibration.network import REMOTE_METHOD  # noqa: E402
+import kvcopy
+from kvcopy.calibration.network import REMOTE_METHOD
 
-from conftest import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
-from netns_helpers import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402
+from conftest import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
+from netns_helpers import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link
 
 # Llama-3.1-8B's 16-token blocks (2 MiB each): 256 of them are a 4096-token prefix.
 BLOCK_TOKENS, POOL_BLOCKS = 16, 256
@@ -73,7 +73,7 @@ def test_reads_and_writes_are_bitwise_right_and_cross_the_link(link, peers):
     a, b = peers
     remote_ids, local_ids = _random_ids(32, 1), _random_ids(32, 2)
     received = link.rx_bytes(0)
-    seconds, _ = a.ask("read", "netns-b", remote_ids, local_ids, HANG_TIMEOUT_S)
+    _seconds, _ = a.ask("read", "netns-b", remote_ids, local_ids, HANG_TIMEOUT_S)
     assert a.ask("digests", local_ids) == b.ask("digests", remote_ids)
     assert link.rx_bytes(0) - received >= 32 * BLOCK_NBYTES  # the bytes crossed the veth (not shared memory)
     sources, targets = _random_ids(16, 3), _random_ids(16, 4)

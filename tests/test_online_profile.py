@@ -79,7 +79,8 @@ def copy_observations(seed: int, count: int, law, *, block: int = BLOCK, outlier
     hit[rng.choice(count, int(OUTLIER_SHARE * count), replace=False)] = True
     factor = np.where(hit & outliers, OUTLIER_FACTOR, 1.0)
     return [
-        (int(n) * block, int(n), law(int(n) * block) * float(e) * float(f)) for n, e, f in zip(blocks, noise, factor)
+        (int(n) * block, int(n), law(int(n) * block) * float(e) * float(f))
+        for n, e, f in zip(blocks, noise, factor, strict=True)
     ]
 
 
@@ -93,7 +94,7 @@ def forward_seconds(
 ):
     """The issue's forward law: alpha + max(flops / F, bytes / W), the weights read once per forward and each
     request's cached KV once."""
-    flops = sum(LLAMA.prefill_flops(n, p) for n, p in zip(new, cached))
+    flops = sum(LLAMA.prefill_flops(n, p) for n, p in zip(new, cached, strict=True))
     read = LLAMA.weight_bytes(sum(new), 0) + sum(LLAMA.kv_bytes(p) for p in cached)
     return alpha + max(flops / flops_per_s, read / bytes_per_s)
 
@@ -498,9 +499,11 @@ def test_the_snapshot_holds_no_clock_values(monkeypatch):
     expected = _fed(base).profile().to_dict()
     year = 365 * 86400
     for name in ("time", "monotonic", "perf_counter"):
-        monkeypatch.setattr(time, name, lambda real=getattr(time, name): real() + year)
+        real = getattr(time, name)
+        monkeypatch.setattr(time, name, lambda real=real: real() + year)
     for name in ("time_ns", "monotonic_ns", "perf_counter_ns"):
-        monkeypatch.setattr(time, name, lambda real=getattr(time, name): real() + year * 10**9)
+        real = getattr(time, name)
+        monkeypatch.setattr(time, name, lambda real=real: real() + year * 10**9)
     monkeypatch.setattr(datetime, "datetime", _FarFuture)
     assert _fed(base).profile().to_dict() == expected
 

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 OPS = ("copy_blocks", "copy_blocks_dma")
-ALL_OPS = OPS + ("check_block_ids",)
+ALL_OPS = (*OPS, "check_block_ids")
 
 
 def _op(name):
@@ -27,7 +27,7 @@ def _op(name):
 
 def _op_args(name, src, src_ids, dst, dst_ids):
     args = (list(src), src_ids, list(dst), dst_ids)
-    return args + (0,) if name == "copy_blocks" else args
+    return (*args, 0) if name == "copy_blocks" else args
 
 
 # --------------------------------------------------------------------------- registration
@@ -197,7 +197,7 @@ def test_torch_compile_still_validates_ids(src_ids, dst_ids, exc, backend, gen):
     before = [b.clone() for b in dst_bases]
     with pytest.raises(exc):
         compiled(torch.tensor(src_ids), torch.tensor(dst_ids))
-    for b, e in zip(dst_bases, before):
+    for b, e in zip(dst_bases, before, strict=True):
         assert torch.equal(byte_rows(b), byte_rows(e)), "dst (or memory past it) was written"
 
 

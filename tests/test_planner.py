@@ -63,7 +63,7 @@ def wins(planner: Planner, prefix: int, new: int = 1) -> bool:
     """decide() keeps the cache: an option that beats recompute (a split by the margin)."""
     d = planner.decide(prefix, new)
     keep = [t for t in (d.t_reload, d.t_layerwise) if t is not None]
-    if d.t_split is not None and d.t_split < min(keep + [d.t_recompute]) * (1 - planner.split_margin):
+    if d.t_split is not None and d.t_split < min([*keep, d.t_recompute]) * (1 - planner.split_margin):
         keep.append(d.t_split)
     assert (d.action != "recompute") == (min(keep) < d.t_recompute), d
     return d.action != "recompute"

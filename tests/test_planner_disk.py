@@ -64,11 +64,11 @@ def test_the_disk_threshold_is_where_reading_starts_to_win_by_brute_force():
 
 def test_without_a_disk_line_a_disk_source_is_a_value_error_naming_it():
     p = Planner(LLAMA, load=CostLine(20e-6, 50e9), prefill_flops_per_s=5e14)
-    with pytest.raises(ValueError, match='source="disk": .*no disk cost line.*calibrate --disk'):
+    with pytest.raises(ValueError, match=r'source="disk": .*no disk cost line.*calibrate --disk'):
         p.decide(1024, source="disk")
     with pytest.raises(ValueError, match="source: expected one of"):
         planner().decide(1024, source="tape")
-    with pytest.deprecated_call(), pytest.raises(ValueError, match="from_peer / from_disk: .*not both"):
+    with pytest.deprecated_call(), pytest.raises(ValueError, match=r"from_peer / from_disk: .*not both"):
         planner().decide(1024, from_peer=True, from_disk=True)
     with pytest.deprecated_call(), pytest.raises(ValueError, match="disk_alpha_s / disk_bytes_per_s: expected both"):
         Planner(LLAMA, load=CostLine(0, 1e9), prefill_flops_per_s=1e14, disk_alpha_s=1e-4)

@@ -128,7 +128,7 @@ def test_a_slower_link_fetches_only_longer_prefixes():
 
 def test_no_network_link_is_a_clear_error():
     p = Planner(LLAMA, load=CostLine(20e-6, 50e9), prefill_flops_per_s=5e14)
-    with pytest.raises(ValueError, match='source="peer": .*no network link.*calibrate --remote'):
+    with pytest.raises(ValueError, match=r'source="peer": .*no network link.*calibrate --remote'):
         p.decide(1024, source="peer")
     with pytest.raises(ValueError, match='source="peer"'):
         p.threshold_tokens(source="peer")

@@ -13,6 +13,7 @@ Three kinds of test:
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import warnings
@@ -148,8 +149,8 @@ def test_predict_interpolates_per_block_costs_between_measured_sizes():
     mp = p.directions["h2h"]["cpu"]
     sizes = sorted(mp.by_block_nbytes)
     cost = {b: b / mp.by_block_nbytes[b].beta_bytes_per_s for b in sizes}  # seconds per plane-block
-    assert all(cost[x] <= cost[y] for x, y in zip(sizes, sizes[1:])), "fixture: costs must already be monotone"
-    assert all(alpha_at(mp, x) <= alpha_at(mp, y) for x, y in zip(sizes, sizes[1:])), "fixture: alphas too"
+    assert all(cost[x] <= cost[y] for x, y in itertools.pairwise(sizes)), "fixture: costs must already be monotone"
+    assert all(alpha_at(mp, x) <= alpha_at(mp, y) for x, y in itertools.pairwise(sizes)), "fixture: alphas too"
     num_blocks = 8
     for plane_block in (*sizes, 2048, 10000, 80000, 1 << 20):
         nbytes = plane_block * CAL_PLANES * num_blocks
@@ -171,7 +172,7 @@ def test_predict_grows_with_blocks_at_a_fixed_block_size():
     p = size_dependent_profile()
     for block in (4096 * CAL_PLANES, 32768 * CAL_PLANES, 262144 * CAL_PLANES):
         times = [p.predict("h2h", block * n, num_blocks=n) for n in (1, 2, 4, 8, 64, 1024)]
-        assert all(a < b for a, b in zip(times, times[1:])), times
+        assert all(a < b for a, b in itertools.pairwise(times)), times
 
 
 def test_predict_is_monotone_in_bytes_at_a_fixed_block_count():
@@ -261,7 +262,7 @@ def test_load_missing_file_names_the_path(tmp_path):
 def test_load_malformed_json_is_a_value_error(tmp_path, text):
     path = tmp_path / "bad.json"
     path.write_text(text)
-    with pytest.raises(ValueError, match="bad.json"):
+    with pytest.raises(ValueError, match=r"bad\.json"):
         Profile.load(path)
 
 
@@ -372,7 +373,7 @@ def test_calibrator_turns_timings_into_exact_fits(fake_timer):
         assert mp.fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
         assert mp.fit.r2 == pytest.approx(1.0, abs=1e-6)
         assert mp.by_block_nbytes, method
-        for block, fit in mp.by_block_nbytes.items():
+        for fit in mp.by_block_nbytes.values():
             assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
             assert fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
         # Points: [total bytes, blocks, plane-block bytes, median, p20, p80].
@@ -411,7 +412,7 @@ def test_calibrator_fits_each_block_size_separately(fake_timer):
         assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
         assert fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
     # Predictions at a measured shape come from that shape's block-size fit.
-    for nbytes, count, block, median, _, _ in mp.points:
+    for nbytes, count, _, median, _, _ in mp.points:
         assert p.predict("h2h", nbytes, num_blocks=int(count)) == pytest.approx(median, rel=1e-6)
 
 
@@ -518,10 +519,10 @@ def test_real_predict_grows_with_bytes(real_profile):
     for block in (4096, 32768, 262144):
         times = [p.predict("h2h", block * CAL_PLANES * n, num_blocks=n) for n in (1, 4, 16, 64, 512)]
         assert all(t > 0 for t in times)
-        assert all(a < b for a, b in zip(times, times[1:])), (block, times)
+        assert all(a < b for a, b in itertools.pairwise(times)), (block, times)
     # One block of growing size: the overall trend grows (by x16 steps across the fits).
     times = [p.predict("h2h", 1024 * CAL_PLANES * 16**k, num_blocks=1) for k in range(4)]
-    assert all(a < b for a, b in zip(times, times[1:])), times
+    assert all(a < b for a, b in itertools.pairwise(times)), times
 
 
 def test_real_best_method_is_measured(real_profile):
@@ -700,7 +701,7 @@ def test_engine_uses_its_profile(record_methods):
         t = eng.reload(host_ids, targets, layerwise=True)
         t.wait()
         assert_same_bytes(dst_bytes(kv), expected_dev)
-    for src, dst in zip(block_ids, targets):  # bitwise round trip
+    for src, dst in zip(block_ids, targets, strict=True):  # bitwise round trip
         for p_i, plane in enumerate(kv.planes):
             assert torch.equal(byte_rows(plane)[dst], original[p_i][src])
     assert record_methods and set(record_methods) == {"torch"}

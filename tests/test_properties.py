@@ -82,7 +82,7 @@ def test_triton_matches_reference(case):
 def _aligned(like: kvcopy.PagedKV, num_blocks: int, layout: str) -> bool:
     """Whether an unpadded host layout can place every plane at an offset aligned to its element size."""
     offset = 0
-    for plane, nbytes in zip(like.planes, like.plane_block_nbytes):
+    for plane, nbytes in zip(like.planes, like.plane_block_nbytes, strict=True):
         itemsize = plane.element_size()
         if offset % itemsize:
             return False

@@ -53,7 +53,7 @@ def _block(name: str, index: int, heading: str) -> str:
 def _run(name: str, code: str, monkeypatch) -> dict:
     monkeypatch.chdir(ROOT)
     namespace: dict = {"__name__": "readme"}
-    exec(compile(code, name, "exec"), namespace)  # noqa: S102
+    exec(compile(code, name, "exec"), namespace)
     return namespace
 
 

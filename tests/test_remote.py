@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-import kvcopy  # noqa: E402
-from kvcopy.remote import KVPeer, RemoteTransferError, RemoteTransferTimeout  # noqa: E402
+import kvcopy
+from kvcopy.remote import KVPeer, RemoteTransferError, RemoteTransferTimeout
 
-from conftest import HANG_TIMEOUT_S, gpu, requires_gpu  # noqa: E402
-from remote_helpers import make_pool, planes_of, remote_peer, storage_bytes  # noqa: E402
+from conftest import HANG_TIMEOUT_S, gpu, requires_gpu
+from remote_helpers import make_pool, planes_of, remote_peer, storage_bytes
 
 # Only a hang reaches it: a loopback transfer of a few MB takes milliseconds; a loaded CI machine, seconds.
 WAIT_S = HANG_TIMEOUT_S
@@ -38,7 +38,7 @@ def _blocks(pool, ids):
 
 def _assert_same(actual, expected):
     assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
 
 
@@ -86,60 +86,64 @@ def test_adjacent_page_first_blocks_are_one_descriptor():
 def test_every_transfer_handle_is_released_once_when_it_ends_even_when_dropped_unfinished():
     import gc
 
-    with remote_peer("bf16", 32, "page_first", seed=23) as remote:
-        with KVPeer(make_pool("bf16", 32, "page_first", seed=24), "local-release") as peer:
-            pool = peer.connect(remote.descriptor)
-            released = []
-            release = peer._agent.release_xfer_handle
-            peer._agent.release_xfer_handle = lambda handle: (released.append(handle), release(handle))
-            finished = peer.read(pool, [0, 1], [2, 3])
-            finished.wait(WAIT_S)
-            assert len(released) == 1
-            del finished
-            dropped = peer.read(pool, list(range(32)), list(range(32)))  # never waited for
-            del dropped
-            gc.collect()  # the peer holds it until NIXL reports it ended: releasing it would not stop its writes
-            deadline = time.monotonic() + WAIT_S
-            while peer.quarantined() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert peer.quarantined() == {}
-            assert len(released) == 2 and released[0] is not released[1]
-            peer.read(pool, [0], [0]).wait(WAIT_S)  # its blocks are free again
-            assert len(released) == 3
+    with (
+        remote_peer("bf16", 32, "page_first", seed=23) as remote,
+        KVPeer(make_pool("bf16", 32, "page_first", seed=24), "local-release") as peer,
+    ):
+        pool = peer.connect(remote.descriptor)
+        released = []
+        release = peer._agent.release_xfer_handle
+        peer._agent.release_xfer_handle = lambda handle: (released.append(handle), release(handle))
+        finished = peer.read(pool, [0, 1], [2, 3])
+        finished.wait(WAIT_S)
+        assert len(released) == 1
+        del finished
+        dropped = peer.read(pool, list(range(32)), list(range(32)))  # never waited for
+        del dropped
+        gc.collect()  # the peer holds it until NIXL reports it ended: releasing it would not stop its writes
+        deadline = time.monotonic() + WAIT_S
+        while peer.quarantined() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.quarantined() == {}
+        assert len(released) == 2 and released[0] is not released[1]
+        peer.read(pool, [0], [0]).wait(WAIT_S)  # its blocks are free again
+        assert len(released) == 3
 
 
 def test_blocks_of_an_unfinished_transfer_are_quarantined_until_it_ends():
-    with remote_peer("bf16", 64, "page_first", seed=31) as remote:
-        with KVPeer(make_pool("bf16", 64, "page_first", seed=32), "local-quarantine") as peer:
-            pool = peer.connect(remote.descriptor)
-            check = peer._agent.check_xfer_state
-            held = [True]  # NIXL's answer held at "PROC" (a transfer still crossing a slow link) while set
-            peer._agent.check_xfer_state = lambda handle: "PROC" if held[0] else check(handle)
-            reading = peer.read(pool, list(range(8)), list(range(16, 24)))
-            writing = peer.write(list(range(40, 48)), pool, list(range(48, 56)))
-            with pytest.raises(RemoteTransferTimeout):
-                reading.wait(0.01)
-            assert peer.quarantined() == {"local": list(range(16, 24)), pool.agent: list(range(48, 56))}
-            with pytest.raises(ValueError, match=r"local_ids: blocks \[20, 21\] are in use by an unfinished read"):
-                peer.read(pool, [30, 31], [20, 21])
-            with pytest.raises(ValueError, match=r"local_ids: blocks \[17\] are in use by an unfinished read"):
-                peer.write([17], pool, [0])  # it would send a block the read is overwriting
-            with pytest.raises(ValueError, match=r"remote_ids: blocks \[50\] are in use by an unfinished write"):
-                peer.read(pool, [50], [60])
-            with pytest.raises(ValueError, match=r"local_ids: blocks \[41\] are in use by an unfinished write"):
-                peer.read(pool, [0], [41])  # it would overwrite a block the write is sending
-            held[0] = False
-            for transfer in (reading, writing):
-                transfer.wait(WAIT_S)
-            assert peer.quarantined() == {}
-            peer.read(pool, [30, 31], [20, 21]).wait(WAIT_S)  # refused while held, free once ended
-            _assert_same(_blocks(peer.pool, [20, 21]), _blocks(_replica("bf16", 64, "page_first", 31), [30, 31]))
-            # What never clashes: two writes sending the same local block, two reads of the same remote one.
-            both = [peer.write([40], pool, [1]), peer.write([40], pool, [2]), peer.read(pool, [5], [3]),
-                    peer.read(pool, [5], [4])]  # fmt: skip
-            for transfer in both:
-                transfer.wait(WAIT_S)
-            _assert_same(_blocks(peer.pool, [3, 4]), _blocks(_replica("bf16", 64, "page_first", 31), [5, 5]))
+    with (
+        remote_peer("bf16", 64, "page_first", seed=31) as remote,
+        KVPeer(make_pool("bf16", 64, "page_first", seed=32), "local-quarantine") as peer,
+    ):
+        pool = peer.connect(remote.descriptor)
+        check = peer._agent.check_xfer_state
+        held = [True]  # NIXL's answer held at "PROC" (a transfer still crossing a slow link) while set
+        peer._agent.check_xfer_state = lambda handle: "PROC" if held[0] else check(handle)
+        reading = peer.read(pool, list(range(8)), list(range(16, 24)))
+        writing = peer.write(list(range(40, 48)), pool, list(range(48, 56)))
+        with pytest.raises(RemoteTransferTimeout):
+            reading.wait(0.01)
+        assert peer.quarantined() == {"local": list(range(16, 24)), pool.agent: list(range(48, 56))}
+        with pytest.raises(ValueError, match=r"local_ids: blocks \[20, 21\] are in use by an unfinished read"):
+            peer.read(pool, [30, 31], [20, 21])
+        with pytest.raises(ValueError, match=r"local_ids: blocks \[17\] are in use by an unfinished read"):
+            peer.write([17], pool, [0])  # it would send a block the read is overwriting
+        with pytest.raises(ValueError, match=r"remote_ids: blocks \[50\] are in use by an unfinished write"):
+            peer.read(pool, [50], [60])
+        with pytest.raises(ValueError, match=r"local_ids: blocks \[41\] are in use by an unfinished write"):
+            peer.read(pool, [0], [41])  # it would overwrite a block the write is sending
+        held[0] = False
+        for transfer in (reading, writing):
+            transfer.wait(WAIT_S)
+        assert peer.quarantined() == {}
+        peer.read(pool, [30, 31], [20, 21]).wait(WAIT_S)  # refused while held, free once ended
+        _assert_same(_blocks(peer.pool, [20, 21]), _blocks(_replica("bf16", 64, "page_first", 31), [30, 31]))
+        # What never clashes: two writes sending the same local block, two reads of the same remote one.
+        both = [peer.write([40], pool, [1]), peer.write([40], pool, [2]), peer.read(pool, [5], [3]),
+                peer.read(pool, [5], [4])]  # fmt: skip
+        for transfer in both:
+            transfer.wait(WAIT_S)
+        _assert_same(_blocks(peer.pool, [3, 4]), _blocks(_replica("bf16", 64, "page_first", 31), [5, 5]))
 
 
 def test_connecting_again_returns_the_pool_or_replaces_a_restarted_peer():
@@ -188,19 +192,26 @@ def test_after_a_failed_transfer_connect_or_reconnect_makes_the_connection_anew(
 
 def test_mismatched_layouts_and_contexts_are_refused():
     key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="org/model@abc", block_tokens=16)
-    with remote_peer("wide", 8, "page_first", seed=8) as wide, remote_peer("bf16", 8, "layer_first", seed=9) as lf:
-        with KVPeer(make_pool("bf16", 8, "page_first", seed=10), "local-mismatch", cache_key=key) as peer:
-            with pytest.raises(ValueError, match="laid out"):
-                peer.connect(wide.descriptor)  # other plane-block bytes
-            with pytest.raises(ValueError, match="laid out"):
-                peer.connect(lf.descriptor)  # layer-first against page-first
+    with (
+        remote_peer("wide", 8, "page_first", seed=8) as wide,
+        remote_peer("bf16", 8, "layer_first", seed=9) as lf,
+        KVPeer(make_pool("bf16", 8, "page_first", seed=10), "local-mismatch", cache_key=key) as peer,
+    ):
+        with pytest.raises(ValueError, match="laid out"):
+            peer.connect(wide.descriptor)  # other plane-block bytes
+        with pytest.raises(ValueError, match="laid out"):
+            peer.connect(lf.descriptor)  # layer-first against page-first
     with remote_peer("bf16", 8, "page_first", seed=11, context="org/model@other") as other:
-        with KVPeer(make_pool("bf16", 8, "page_first", seed=12), "local-context", cache_key=key) as peer:
-            with pytest.raises(ValueError, match="CacheKey context"):
-                peer.connect(other.descriptor)
-        with KVPeer(make_pool("bf16", 8, "page_first", seed=13), "local-nokey") as peer:
-            with pytest.raises(ValueError, match="CacheKey context"):
-                peer.connect(other.descriptor)  # a keyed pool is not read by a peer without the key
+        with (
+            KVPeer(make_pool("bf16", 8, "page_first", seed=12), "local-context", cache_key=key) as peer,
+            pytest.raises(ValueError, match="CacheKey context"),
+        ):
+            peer.connect(other.descriptor)
+        with (
+            KVPeer(make_pool("bf16", 8, "page_first", seed=13), "local-nokey") as peer,
+            pytest.raises(ValueError, match="CacheKey context"),
+        ):
+            peer.connect(other.descriptor)  # a keyed pool is not read by a peer without the key
     with pytest.raises(ValueError, match="not a KVPeer descriptor"):
         KVPeer(make_pool("bf16", 8, "page_first", seed=14), "local-junk").connect(b"not a descriptor at all")
 
@@ -327,5 +338,5 @@ def test_gpu_caches_exchange_blocks_between_two_agents():
         local.read(pool, [5, 0, 31], [1, 2, 3]).wait(WAIT_S)
         local.write([7], pool, [9]).wait(WAIT_S)
         torch.cuda.synchronize()
-        for a, b in zip(mine.planes, theirs.planes):
+        for a, b in zip(mine.planes, theirs.planes, strict=True):
             assert torch.equal(a[[1, 2, 3]], b[[5, 0, 31]]) and torch.equal(b[9], a[7])

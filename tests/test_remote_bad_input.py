@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-import kvcopy  # noqa: E402
-from kvcopy.remote import KVPeer  # noqa: E402
-from kvcopy.remote import descriptor as desc  # noqa: E402
+import kvcopy
+from kvcopy.remote import KVPeer
+from kvcopy.remote import descriptor as desc
 
-from remote_helpers import make_pool  # noqa: E402
+from remote_helpers import make_pool
 
 HEADER = struct.Struct("<4sII")  # the descriptor's header, as docs/decisions.md describes it: magic, format, length
 
@@ -83,7 +83,7 @@ def test_a_broken_descriptor_is_a_value_error_naming_it(peers, case):
 
 def test_ones_own_descriptor_is_refused(peers):
     local, _ = peers
-    with pytest.raises(ValueError, match="remote_descriptor: .*this peer's own name"):
+    with pytest.raises(ValueError, match=r"remote_descriptor: .*this peer's own name"):
         local.connect(local.descriptor())
 
 

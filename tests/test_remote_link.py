@@ -12,17 +12,17 @@ import pytest
 
 pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-from kvcopy.calibration.network import (  # noqa: E402
+from kvcopy.calibration.network import (
     CALIBRATION_UNIT_BYTES,
     LOOPBACK,
     QUICK_SWEEP,
     REMOTE_METHOD,
     add_remote_link,
 )
-from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile, fit_problems  # noqa: E402
-from kvcopy.tools import cli  # noqa: E402
+from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile, fit_problems
+from kvcopy.tools import cli
 
-from remote_helpers import remote_peer  # noqa: E402
+from remote_helpers import remote_peer
 
 # Seconds for a `kvcopy peer` process to write its descriptor (it imports torch and NIXL first).
 PEER_START_S = 120

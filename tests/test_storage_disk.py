@@ -18,12 +18,12 @@ import xxhash
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
-import kvcopy  # noqa: E402
-from kvcopy.storage.files import fill_with_zeros  # noqa: E402
-from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
-from kvcopy.storage.store import CorruptBlockError, DiskKVStore  # noqa: E402
+import kvcopy
+from kvcopy.storage.files import fill_with_zeros
+from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums
+from kvcopy.storage.store import CorruptBlockError, DiskKVStore
 
-from conftest import HAS_CUDA  # noqa: E402
+from conftest import HAS_CUDA
 
 NUM_BLOCKS = 16
 
@@ -67,7 +67,7 @@ def test_put_then_get_is_bitwise_for_random_ids(tmp_path, kind):
         assert len(slots) == 10
         back = torch.randperm(32, generator=gen)[:10]
         store.get(slots, dst, back).wait()
-        for i, j in zip(ids.tolist(), back.tolist()):
+        for i, j in zip(ids.tolist(), back.tolist(), strict=True):
             assert torch.equal(src.block_bytes(i), dst.block_bytes(j))
 
 
@@ -95,9 +95,9 @@ def test_a_store_survives_its_process(tmp_path):
 def test_another_cache_key_or_layout_is_refused(tmp_path):
     pool = filled_pool(layout(), 1)
     DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
-    with pytest.raises(ValueError, match="cache_key: .* holds blocks of CacheKey context"):
+    with pytest.raises(ValueError, match=r"cache_key: .* holds blocks of CacheKey context"):
         DiskKVStore.open(tmp_path / "store", pool, cache_key=key("other weights"))
-    with pytest.raises(ValueError, match="like: .* holds blocks with planes"):
+    with pytest.raises(ValueError, match=r"like: .* holds blocks with planes"):
         DiskKVStore.open(tmp_path / "store", layout("fp8_scales"), cache_key=key())
     with pytest.raises(FileExistsError):
         DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key())
@@ -165,7 +165,7 @@ def test_a_put_that_fails_after_its_write_began_commits_nothing_and_frees_its_sl
     pool = filled_pool(layout(), 1)
     with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
 
-        def failing_checksums(pool, ids):  # noqa: ANN001, ANN202 - as a GPU's gather might, mid-put
+        def failing_checksums(pool, ids):  # as a GPU's gather might, mid-put
             raise RuntimeError("the checksums failed")
 
         monkeypatch.setattr(store, "_checksums", failing_checksums)
@@ -218,7 +218,7 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/test_storage_gds.py runs it there")
 def test_gds_without_a_gpu_says_why_and_leaves_nothing(tmp_path):
     pool = filled_pool(layout(), 1)
-    with pytest.raises(RuntimeError, match="GDS backend \\(GPUDirect Storage\\) would not start here.*CUDA GPU"):
+    with pytest.raises(RuntimeError, match=r"GDS backend \(GPUDirect Storage\) would not start here.*CUDA GPU"):
         DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key(), backend="gds")
     assert not (tmp_path / "store").exists()
     with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:  # "auto": POSIX for host pools
@@ -243,7 +243,7 @@ def test_a_paged_caches_blocks_hash_as_their_page_first_host_blocks():
         ids = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(7))[:9]
         kvcopy.copy_blocks(paged, ids, pool, ids)
         rows = paged_block_bytes(paged, ids)
-        for row, block in zip(rows, ids.tolist()):
+        for row, block in zip(rows, ids.tolist(), strict=True):
             assert torch.equal(row, pool.block_bytes(block))
         assert paged_checksums(paged, ids) == [
             xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 
-from kvcopy.calibration import disk as link  # noqa: E402
-from kvcopy.calibration.network import RangeSweep  # noqa: E402
-from kvcopy.calibration.timing import Timing  # noqa: E402
-from kvcopy.profile import Profile  # noqa: E402
+from kvcopy.calibration import disk as link
+from kvcopy.calibration.network import RangeSweep
+from kvcopy.calibration.timing import Timing
+from kvcopy.profile import Profile
 
 SMALL = RangeSweep((16384, 65536), (1, 4), 1 << 20, 2)
 # Real timings: 16 KiB to 1 MiB per call, a span no load on the machine flattens into one time.
@@ -39,7 +39,7 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
     block_sizes: list[int] = []
     create = link.DiskKVStore.create
 
-    def recording_create(path, like, num_blocks, **kwargs):  # noqa: ANN001, ANN202
+    def recording_create(path, like, num_blocks, **kwargs):
         block_sizes.append(like.nbytes_per_block)
         return create(path, like, num_blocks, **kwargs)
 
@@ -56,7 +56,7 @@ def test_the_disk_lands_in_the_profile_per_range_size(tmp_path, monkeypatch):
             assert fit.alpha_s == pytest.approx(alpha, rel=1e-6) and fit.beta_bytes_per_s == pytest.approx(beta)
         assert len(fits.points) == 4  # one per shape
         # NIXL descriptors per call: one per range (fewer where two random ranges happened to be adjacent)
-        assert all(1 <= row[1] <= count for row, (_, count) in zip(fits.points, shapes))
+        assert all(1 <= row[1] <= count for row, (_, count) in zip(fits.points, shapes, strict=True))
     assert "NIXL POSIX" in profile.hardware["disk"] and str(tmp_path / "disk") in profile.hardware["disk"]
     assert list((tmp_path / "disk").iterdir()) == []  # the calibration store is gone
     profile.save(tmp_path / "p.json")

@@ -15,13 +15,13 @@ import torch
 
 pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
 
-import kvcopy  # noqa: E402
-from kvcopy.integrations import transformers as kvt  # noqa: E402
-from kvcopy.integrations.common.online_planner import REFIT_EVERY, predict_paths  # noqa: E402
-from kvcopy.planner.decision import seconds_text  # noqa: E402
-from kvcopy.tools import cli  # noqa: E402
+import kvcopy
+from kvcopy.integrations import transformers as kvt
+from kvcopy.integrations.common.online_planner import REFIT_EVERY, predict_paths
+from kvcopy.planner.decision import seconds_text
+from kvcopy.tools import cli
 
-from hf_helpers import MODEL_CASES, ROOMY_BLOCKS, crossover_profile  # noqa: E402
+from hf_helpers import MODEL_CASES, ROOMY_BLOCKS, crossover_profile
 
 LLAMA = MODEL_CASES[0]
 # hf_helpers' ContinuousBatchingConfig: forwards of at most this many tokens.

@@ -15,15 +15,15 @@ import torch
 
 pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
 
-from transformers.generation.continuous_batching import continuous_api, offloading_manager  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api, offloading_manager
 
-import kvcopy  # noqa: E402
-from kvcopy.integrations import transformers as kvt  # noqa: E402
-from kvcopy.integrations.common.online_planner import predict_paths  # noqa: E402
-from kvcopy.integrations.transformers import manager as _hf_manager  # noqa: E402
+import kvcopy
+from kvcopy.integrations import transformers as kvt
+from kvcopy.integrations.common.online_planner import predict_paths
+from kvcopy.integrations.transformers import manager as _hf_manager
 
-from conftest import HAS_CUDA, gpu  # noqa: E402
-from hf_helpers import (  # noqa: E402
+from conftest import HAS_CUDA, gpu
+from hf_helpers import (
     MODEL_CASES,
     ROOMY_BLOCKS,
     ModelCase,
@@ -230,10 +230,9 @@ def test_failure_mid_generation_returns_every_host_block():
 
 def test_exception_in_the_context_restores_transformers():
     model = LLAMA.build()
-    with pytest.raises(KeyError, match="from the caller"):
-        with kvt.offloading(model, policy="offload") as stats:
-            assert continuous_api.OffloadingManager is not offloading_manager.OffloadingManager
-            raise KeyError("from the caller")
+    with pytest.raises(KeyError, match="from the caller"), kvt.offloading(model, policy="offload") as stats:
+        assert continuous_api.OffloadingManager is not offloading_manager.OffloadingManager
+        raise KeyError("from the caller")
     assert_clean(stats)
     with kvt.offloading(model, policy="offload"):  # and it can be entered again
         pass
@@ -261,17 +260,18 @@ def test_exception_in_the_context_restores_transformers():
 )
 def test_bad_arguments_fail_before_anything_is_patched(kwargs, error, match):
     model = LLAMA.build()
-    with pytest.raises(error, match=match):
-        with kvt.offloading(model, **kwargs):
-            pytest.fail("the context must not open")
+    with pytest.raises(error, match=match), kvt.offloading(model, **kwargs):
+        pytest.fail("the context must not open")
     assert continuous_api.OffloadingManager is offloading_manager.OffloadingManager
 
 
 @pytest.mark.parametrize("policy", ["auto", "offload"])
 def test_not_a_model_is_a_type_error(policy):
-    with pytest.raises(TypeError, match="model: expected a transformers model"):
-        with kvt.offloading(object(), policy=policy):
-            pass
+    with (
+        pytest.raises(TypeError, match="model: expected a transformers model"),
+        kvt.offloading(object(), policy=policy),
+    ):
+        pass
 
 
 def test_nesting_and_a_second_thread_are_refused():
@@ -288,9 +288,8 @@ def test_nesting_and_a_second_thread_are_refused():
             errors.append(err)
 
     with kvt.offloading(model, policy="offload"):
-        with pytest.raises(RuntimeError, match="already open"):
-            with kvt.offloading(model, policy="offload"):
-                pass
+        with pytest.raises(RuntimeError, match="already open"), kvt.offloading(model, policy="offload"):
+            pass
         thread = threading.Thread(target=enter_from_another_thread)
         thread.start()
         thread.join()
@@ -303,17 +302,21 @@ def test_unsupported_transformers_version_is_refused(monkeypatch):
     import transformers
 
     monkeypatch.setattr(transformers, "__version__", "5.24.0")
-    with pytest.raises(RuntimeError, match=r">=5\.23\.0,<5\.24.*5\.24\.0"):
-        with kvt.offloading(LLAMA.build(), policy="offload"):
-            pass
+    with (
+        pytest.raises(RuntimeError, match=r">=5\.23\.0,<5\.24.*5\.24\.0"),
+        kvt.offloading(LLAMA.build(), policy="offload"),
+    ):
+        pass
     assert continuous_api.OffloadingManager is offloading_manager.OffloadingManager
 
 
 def test_moved_internals_are_refused(monkeypatch):
     monkeypatch.delattr(offloading_manager.OffloadingManager, "_offload_to_cpu")
-    with pytest.raises(RuntimeError, match="_offload_to_cpu.*supports transformers"):
-        with kvt.offloading(LLAMA.build(), policy="offload"):
-            pass
+    with (
+        pytest.raises(RuntimeError, match=r"_offload_to_cpu.*supports transformers"),
+        kvt.offloading(LLAMA.build(), policy="offload"),
+    ):
+        pass
 
 
 def test_without_transformers_the_module_imports_and_offloading_names_the_extra():
@@ -335,9 +338,11 @@ def test_auto_without_a_profile_offloads_and_says_so_once(caplog, monkeypatch):
     monkeypatch.setenv("KVCOPY_PROFILE", "none")  # no default profile either
     monkeypatch.setattr(kvcopy.profile, "_default", {})
     model = LLAMA.build()
-    with caplog.at_level(logging.WARNING, logger="kvcopy.integrations.transformers"):
-        with kvt.offloading(model, policy="auto", profile=None, learn=False) as stats:
-            LLAMA.generate(model)
+    with (
+        caplog.at_level(logging.WARNING, logger="kvcopy.integrations.transformers"),
+        kvt.offloading(model, policy="auto", profile=None, learn=False) as stats,
+    ):
+        LLAMA.generate(model)
     assert stats.reloaded_requests > 0 and stats.recomputed_requests == 0
     assert all(d.predicted_reload_s is None and "no profile" in d.reason for d in stats.decisions)
     assert sum("no calibrated profile" in r.getMessage() for r in caplog.records) == 1

@@ -18,7 +18,7 @@ from conftest import (
     snapshot,
 )
 
-METHODS = CPU_METHODS + ("auto",)
+METHODS = (*CPU_METHODS, "auto")
 NUM_BLOCKS = 6
 
 
@@ -78,7 +78,6 @@ def test_ids_beyond_int64(pair, method, huge):
 @pytest.mark.parametrize("method", METHODS)
 def test_out_of_range_among_many_ids(pair, method):
     # More than a handful of ids (a vectorised check path): the bad id is the last one.
-    kv, pool = pair
     big = make_layout("mla", 200, torch.float16, torch.Generator().manual_seed(3))
     big_dst = make_layout("mla", 150, torch.float16, torch.Generator().manual_seed(4))
     src_ids = torch.arange(100, dtype=torch.int64)
@@ -312,7 +311,7 @@ def test_src_and_dst_must_be_caches(pair, method):
 
 
 def test_gather_and_scatter_need_a_host_pool(pair):
-    kv, pool = pair
+    kv, _ = pair
     other = make_layout("vllm", NUM_BLOCKS, torch.bfloat16, torch.Generator().manual_seed(5))
     before = snapshot(other)
     with pytest.raises(TypeError, match="host"):

@@ -31,7 +31,7 @@ def jobs(draw):
     groups = draw(st.integers(1, 3))
     sizes = [draw(st.integers(0, 12)) for _ in range(groups)]
     indices = [draw(st.integers(0, 20)) for _ in range(groups)]
-    chunks_per_group = [-(-(n + i % bpc) // bpc) if n else 0 for n, i in zip(sizes, indices)]
+    chunks_per_group = [-(-(n + i % bpc) // bpc) if n else 0 for n, i in zip(sizes, indices, strict=True)]
     chunk_ids = draw(st.permutations(range(NUM_CHUNKS)))[: sum(chunks_per_group)]
     device = draw(st.permutations(range(200)))[: sum(sizes)]
     return bpc, sizes, indices, chunk_ids, device, chunks_per_group
@@ -43,7 +43,7 @@ def test_host_blocks_match_vllms_own_addressing(job):
     bpc, sizes, indices, chunk_ids, device, chunks_per_group = job
     got_device, got_host = job_block_ids(device, sizes, indices, chunk_ids, bpc)
     expected, at = [], 0
-    for size, index, n in zip(sizes, indices, chunks_per_group):
+    for size, index, n in zip(sizes, indices, chunks_per_group, strict=True):
         if size:
             expected += vllm_host_rows(chunk_ids[at : at + n], bpc, size, index % bpc)
         at += n

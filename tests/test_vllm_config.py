@@ -11,10 +11,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
 
-import kvcopy.integrations.vllm as kv_vllm  # noqa: E402
-from kvcopy.integrations.vllm import _compat  # noqa: E402
+import kvcopy.integrations.vllm as kv_vllm
+from kvcopy.integrations.vllm import _compat
 
-from vllm_helpers import make_rig  # noqa: E402
+from vllm_helpers import make_rig
 
 
 @pytest.mark.parametrize(

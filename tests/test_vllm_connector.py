@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
-from kvcopy.integrations.vllm import KVCopyOffloadingConnector  # noqa: E402
+from kvcopy.integrations.vllm import KVCopyOffloadingConnector
 
-from vllm_helpers import BLOCK_TOKENS, before_copies, make_rig, write_profile  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, before_copies, make_rig, write_profile
 
 PROMPT = [(3 * i + 2) % 250 for i in range(120)]
-TOKENS = PROMPT + [4, 5, 6]
+TOKENS = [*PROMPT, 4, 5, 6]
 HIT = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
 
 

@@ -12,11 +12,11 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed (scripts/setup.sh installs it; it cannot travel to the lent GPU)"
 )
 
-import torch  # noqa: E402
+import torch
 
-from conftest import gpu, requires_gpu  # noqa: E402
-from test_vllm_offload import PROMPT, assert_blocks_hold, reload_prefix  # noqa: E402
-from vllm_helpers import BLOCK_TOKENS, make_rig  # noqa: E402
+from conftest import gpu, requires_gpu
+from test_vllm_offload import PROMPT, assert_blocks_hold, reload_prefix
+from vllm_helpers import BLOCK_TOKENS, make_rig
 
 
 @gpu

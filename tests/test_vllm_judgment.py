@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
 
-from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
 
-from kvcopy.integrations.vllm.manager import (  # noqa: E402
+from kvcopy.integrations.vllm.manager import (
     COUNTERS,
     HITS_LOADED,
     HITS_RECOMPUTED,
@@ -19,10 +19,10 @@ from kvcopy.integrations.vllm.manager import (  # noqa: E402
     request_hit,
 )
 
-from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile
 
 PROMPT = [(5 * i + 1) % 250 for i in range(160)]
-TOKENS = PROMPT + [9, 8, 7]
+TOKENS = [*PROMPT, 9, 8, 7]
 HIT = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
 
 

@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
 
-import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
-from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker  # noqa: E402
+from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker
 
-from vllm_helpers import BLOCK_TOKENS, before_copies, kv_value, make_rig  # noqa: E402
+from vllm_helpers import BLOCK_TOKENS, before_copies, kv_value, make_rig
 
 PROMPT = [(7 * i + 3) % 250 for i in range(150)]
 
@@ -53,7 +53,7 @@ def reload_prefix(rig, prompt, chunk_tokens: int = BLOCK_TOKENS) -> tuple[list[i
     """Stores ``prompt``, zeroes the cache, reruns it with 3 more tokens: (those tokens, the tokens loaded:
     every complete chunk), asserting the rest was computed."""
     rig.store_and_reset(prompt, zero=True)
-    tokens = prompt + [5, 6, 7]
+    tokens = [*prompt, 5, 6, 7]
     hit = len(prompt) // chunk_tokens * chunk_tokens
     assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)  # the rest was loaded
     return tokens, hit
@@ -84,7 +84,7 @@ def test_a_partial_first_chunk_loads_from_the_right_sub_block(tmp_path, blocks_p
         rig.add("head", head)
         rig.run()
         rig.drain()
-        tokens = PROMPT + [5, 6, 7]
+        tokens = [*PROMPT, 5, 6, 7]
         chunk_tokens = BLOCK_TOKENS * blocks_per_chunk
         hit = len(PROMPT) // chunk_tokens * chunk_tokens
         assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)
@@ -154,7 +154,7 @@ def test_a_load_of_chunks_a_slow_store_still_writes_reads_what_it_stored(tmp_pat
         assert results[100].success and results[101].success
         assert results[101].transfer_size == 4 * worker.kv.nbytes_per_block
         for cache in rig.caches.values():
-            for b, t in zip(device, target):
+            for b, t in zip(device, target, strict=True):
                 assert torch.equal(cache[t], cache[b])
         assert results[101].transfer_time >= 0.3 - 0.05  # its turnaround includes the wait behind the store
     finally:

@@ -40,7 +40,7 @@ class BlockIndex:
             raise ValueError(f"host_ids: expected {len(hashes)} ids like hashes, got {len(ids)}")
         pending: dict[str, int] = {}
         pending_hashes: dict[int, str] = {}
-        for i, (h, host_id) in enumerate(zip(hashes, ids)):
+        for i, (h, host_id) in enumerate(zip(hashes, ids, strict=True)):
             old_id = pending.get(h, self._ids.get(h))
             if old_id is not None and old_id != host_id:
                 raise ValueError(f"hashes[{i}]: {h[:REPR_HASH_CHARS]}... is already mapped to host block {old_id}")

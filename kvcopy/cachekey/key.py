@@ -54,9 +54,9 @@ from kvcopy.cachekey.encoding import (
 from kvcopy.cachekey.index import BlockIndex
 
 __all__ = [
+    "FORMAT_VERSION",
     "BlockIndex",
     "CacheKey",
-    "FORMAT_VERSION",
     "SupportsIdentity",
     "TokenIds",
     "context_hash_of",
@@ -130,8 +130,8 @@ class CacheKey:
         scales: str | bytes | torch.Tensor | None = None,
         adapter: str | None = None,
         tp_rank: int = 0,
-        rope_theta: float | None | Literal[FromModel.FROM_MODEL] = FROM_MODEL,
-        rope_scaling: Mapping[str, Any] | None | Literal[FromModel.FROM_MODEL] = FROM_MODEL,
+        rope_theta: float | Literal[FromModel.FROM_MODEL] | None = FROM_MODEL,
+        rope_scaling: Mapping[str, Any] | Literal[FromModel.FROM_MODEL] | None = FROM_MODEL,
     ) -> None:
         identity = identity_of_model(model)
         self._tokenizer = None if tokenizer is None else check_str(tokenizer, "tokenizer")
@@ -280,10 +280,7 @@ class CacheKey:
         adds nothing; ``h_i = sha256(h_{i-1} || tokens || sha256(extra_i))``.
         """
         data = memoryview(token_bytes(token_ids))
-        if parent is None:
-            prev = self._digest
-        else:
-            prev = hash_bytes(parent, "parent")
+        prev = self._digest if parent is None else hash_bytes(parent, "parent")
         step = self._block_tokens * TOKEN_DTYPE.itemsize
         num_blocks = len(data) // step
         if extra_keys is not None and len(extra_keys) != num_blocks:
@@ -293,8 +290,9 @@ class CacheKey:
         for i in range(num_blocks):
             h = hashlib.sha256(prev)
             h.update(data[i * step : (i + 1) * step])
-            if extras[i] is not None:
-                h.update(extras[i])
+            extra = extras[i]
+            if extra is not None:
+                h.update(extra)
             prev = h.digest()
             hashes.append(h.hexdigest())
         return hashes

@@ -91,7 +91,8 @@ def _time_shape(
     hashes = [
         [hashlib.sha256(f"{size}:{count}:{i}:{j}".encode()).hexdigest() for j in range(count)] for i in range(calls)
     ]
-    written, read, descriptors = iter(range(calls)), iter(range(calls)), {DISK_WRITE: [], DISK_READ: []}
+    written, read = iter(range(calls)), iter(range(calls))
+    descriptors: dict[str, list[int]] = {DISK_WRITE: [], DISK_READ: []}
 
     def put() -> None:
         i = next(written)

@@ -13,6 +13,8 @@ timed over several token counts and fitted the same way.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +24,7 @@ import torch
 from kvcopy import _ext
 from kvcopy.calibration.fit import LinearFit, fit_alpha_beta
 from kvcopy.calibration.machine import machine_identity
-from kvcopy.calibration.progress import progress_bar
+from kvcopy.calibration.progress import ProgressBar, progress_bar
 from kvcopy.calibration.timing import COLD_BYTES, measure
 from kvcopy.host.pool import HostKVPool
 from kvcopy.layout import PagedKV
@@ -32,7 +34,7 @@ from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 if TYPE_CHECKING:
     from kvcopy.model.spec import ModelSpec
 
-__all__ = ["calibrate", "fit_lines", "CALIBRATION_PLANES", "DEFAULT_MODEL"]
+__all__ = ["CALIBRATION_PLANES", "DEFAULT_MODEL", "calibrate", "fit_lines"]
 
 # Planes of the synthetic cache: enough that per-plane costs show, as in a real
 # cache (a llama8b cache has 64), while keeping the largest shapes small.
@@ -135,14 +137,8 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
                     for _ in range(num_sets)
                 ]
                 for method in _methods_to_time(src, dst, methods):
-                    calls = iter(range(1 << 62))
-
-                    def copy_next(m: str = method) -> None:
-                        src_ids, dst_ids = id_sets[next(calls) % num_sets]
-                        copy_blocks(src, src_ids, dst, dst_ids, method=m)
-
                     timing = measure(
-                        copy_next,
+                        _copy_next(src, dst, id_sets, method),
                         warmup=2,
                         repeats=sweep.repeats,
                         device=device,
@@ -154,6 +150,19 @@ def _time_links(device: torch.device, sweep: _Sweep, methods: Sequence[str] | No
                 bar.update()
     bar.close()
     return points
+
+
+def _copy_next(
+    src: PagedKV, dst: PagedKV, id_sets: list[tuple[torch.Tensor, torch.Tensor]], method: str
+) -> Callable[[], None]:
+    """A call that copies with ``method`` the blocks of the next of ``id_sets`` each time, round robin."""
+    sets = itertools.cycle(id_sets)
+
+    def copy_next() -> None:
+        src_ids, dst_ids = next(sets)
+        copy_blocks(src, src_ids, dst, dst_ids, method=method)
+
+    return copy_next
 
 
 def fit_lines(points: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, MethodProfile]]:
@@ -206,6 +215,7 @@ def _layer_forward(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden, heads = spec.hidden_size, spec.num_attention_heads
     if spec.attention == "mla":  # spec.head_dim is the cached latent; queries use nope + rope dims
+        assert spec.qk_nope_head_dim is not None and spec.qk_rope_head_dim is not None  # an MLA spec has both
         head_dim, kv_heads = spec.qk_nope_head_dim + spec.qk_rope_head_dim, heads
     else:
         head_dim, kv_heads = spec.head_dim, spec.num_kv_heads
@@ -260,7 +270,7 @@ def _time_prefill(spec: ModelSpec, device: torch.device, sweep: _Sweep, progress
     flops = [executed_flops(tokens) for tokens in counts]
     best: dict[int, float] = {}
 
-    def one_round(bar: object) -> None:
+    def one_round(bar: ProgressBar) -> None:
         for tokens, seconds in _time_prefill_round(forward, dtype, spec, device, timed, sweep, bar).items():
             best[tokens] = min(seconds, best.get(tokens, seconds))
 
@@ -294,7 +304,7 @@ def _time_prefill(spec: ModelSpec, device: torch.device, sweep: _Sweep, progress
         alpha_s=fit.alpha * spec.num_layers,  # every layer pays its launch overhead once per forward
         flops_per_s=fit.beta,
         r2=fit.r2,
-        points=tuple(zip(flops, (best[t] for t in counts))),
+        points=tuple(zip(flops, (best[t] for t in counts), strict=True)),
         weight_bytes_per_s=weight_bytes / memory_s if memory_s > 0 else None,
         num_layers=spec.num_layers,
     )
@@ -320,15 +330,15 @@ def _time_prefill_round(
     device: torch.device,
     counts: Sequence[int],
     sweep: _Sweep,
-    bar: object,
+    bar: ProgressBar,
 ) -> dict[int, float]:
     """Median seconds of one layer forward at each token count, one after the other."""
-    seconds = {}
+    seconds: dict[int, float] = {}
     for tokens in counts:
         x = torch.randn(tokens, spec.hidden_size, device=device, dtype=dtype)
         # Few repeats per round: the rounds' minimum is what rejects a slow spell.
         seconds[tokens] = measure(
-            lambda x=x: forward(x), warmup=1, repeats=max(2, sweep.repeats // 3), device=device
+            functools.partial(forward, x), warmup=1, repeats=max(2, sweep.repeats // 3), device=device
         ).median
         bar.update()
     return seconds
@@ -340,7 +350,7 @@ def calibrate(
     methods: Sequence[str] | None = None,
     quick: bool = False,
     progress: bool = True,
-    model: object | None = None,
+    model: ModelSpec | str | None = None,
 ) -> Profile:
     """Measures copies and prefill on ``device`` (default: the GPU if any, else the CPU).
 

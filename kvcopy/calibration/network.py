@@ -15,12 +15,15 @@ network namespaces of one machine, unless told ``UCX_TLS=tcp`` or ``UCX_NET_DEVI
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -141,16 +144,8 @@ def measure_link(
     for size, count in shapes:
         units = size // CALIBRATION_UNIT_BYTES
         id_sets = [_range_ids(pool_blocks, units, count, generator) for _ in range(8)]
-        reads = iter(range(1 << 62))
-        descriptors = []
-
-        def read_next() -> None:
-            remote_ids, local_ids = id_sets[next(reads) % len(id_sets)]
-            transfer = peer.read(remote, remote_ids, local_ids)
-            descriptors.append(transfer.num_descriptors)
-            transfer.wait(READ_TIMEOUT_S)
-
-        timing = measure(read_next, warmup=2, repeats=sweep.repeats)
+        descriptors: list[int] = []
+        timing = measure(_read_next(peer, remote, id_sets, descriptors), warmup=2, repeats=sweep.repeats)
         mean_descriptors = sum(descriptors) / len(descriptors)  # random slots may touch and merge, rarely
         points.append([size * count, mean_descriptors, size, timing.median, timing.p20, timing.p80])
         bar.update()
@@ -158,6 +153,22 @@ def measure_link(
     bar.update()
     bar.close()
     return points, whole.numel() * CALIBRATION_UNIT_BYTES / peak
+
+
+def _read_next(
+    peer: KVPeer, remote: RemotePool, id_sets: list[tuple[torch.Tensor, torch.Tensor]], descriptors: list[int]
+) -> Callable[[], None]:
+    """A call that reads the blocks of the next of ``id_sets`` each time, round robin, and appends to
+    ``descriptors`` how many NIXL descriptors that read took."""
+    sets = itertools.cycle(id_sets)
+
+    def read_next() -> None:
+        remote_ids, local_ids = next(sets)
+        transfer = peer.read(remote, remote_ids, local_ids)
+        descriptors.append(transfer.num_descriptors)
+        transfer.wait(READ_TIMEOUT_S)
+
+    return read_next
 
 
 def check_calibration_descriptor(data: bytes) -> None:
@@ -183,16 +194,18 @@ def add_remote_link(
     sweep = QUICK_SWEEP if quick else FULL_SWEEP
     if remote_descriptor is not None:
         check_calibration_descriptor(remote_descriptor)
-    with _remote_descriptor(remote_descriptor, sweep) as (descriptor, label):
-        with KVPeer(calibration_pool(sweep.pool_nbytes), f"kvcopy-calibrate-{os.getpid()}") as peer:
-            remote = peer.connect(descriptor)
-            points, peak = measure_link(peer, remote, sweep, progress=progress)
-            units = min(sweep.max_read_bytes // CALIBRATION_UNIT_BYTES, peer.pool.num_blocks, remote.num_blocks)
-            whole = torch.arange(units)
-            transport = probe_transport(
-                lambda: peer.read(remote, whole, whole).wait(READ_TIMEOUT_S), len(whole) * CALIBRATION_UNIT_BYTES
-            )
-            label = label or f"peer {remote.agent!r} (NIXL, {', '.join(peer.backends)})"
+    with (
+        _remote_descriptor(remote_descriptor, sweep) as (descriptor, label),
+        KVPeer(calibration_pool(sweep.pool_nbytes), f"kvcopy-calibrate-{os.getpid()}") as peer,
+    ):
+        remote = peer.connect(descriptor)
+        points, peak = measure_link(peer, remote, sweep, progress=progress)
+        units = min(sweep.max_read_bytes // CALIBRATION_UNIT_BYTES, peer.pool.num_blocks, remote.num_blocks)
+        whole = torch.arange(units)
+        transport = probe_transport(
+            lambda: peer.read(remote, whole, whole).wait(READ_TIMEOUT_S), len(whole) * CALIBRATION_UNIT_BYTES
+        )
+        label = label or f"peer {remote.agent!r} (NIXL, {', '.join(peer.backends)})"
     profile.directions[REMOTE_DIRECTION] = fit_lines({REMOTE_DIRECTION: {REMOTE_METHOD: points}})[REMOTE_DIRECTION]
     profile.peaks[REMOTE_DIRECTION] = peak
     profile.hardware["remote_link"] = label
@@ -256,22 +269,18 @@ def loopback_peer(pool_nbytes: int) -> Iterator[bytes]:
                 raise TimeoutError(f"the loopback peer did not start within {PEER_START_TIMEOUT_S:.0f} s")
         yield parent.recv()
     finally:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             parent.send("exit")
-        except (BrokenPipeError, OSError):
-            pass
         process.join(PEER_START_TIMEOUT_S)
         if process.is_alive():
             process.kill()
 
 
-def _serve_loopback(conn: object, pool_nbytes: int) -> None:
+def _serve_loopback(conn: Connection, pool_nbytes: int) -> None:
     with KVPeer(calibration_pool(pool_nbytes), f"kvcopy-loopback-{os.getpid()}") as peer:
-        conn.send(peer.descriptor())  # type: ignore[attr-defined]
-        try:
-            conn.recv()  # type: ignore[attr-defined]  # "exit", or EOF when the parent is gone
-        except EOFError:
-            pass
+        conn.send(peer.descriptor())
+        with contextlib.suppress(EOFError):
+            conn.recv()  # "exit", or EOF when the parent is gone
 
 
 def serve_calibration_peer(name: str) -> KVPeer:

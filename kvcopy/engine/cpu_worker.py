@@ -30,11 +30,13 @@ def cpu_copy_job(
                 earlier.wait()
         stamps.append(time.perf_counter())
         try:
-            for layer in range(num_layers) if layers else [None]:
-                copy(layer)
-                if layers:
+            if layers:
+                for layer in range(num_layers):
+                    copy(layer)
                     layers[layer].set()
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+            else:
+                copy(None)
+        except BaseException as err:  # handed to whoever waits
             for signal in layers or []:
                 if not signal.query():
                     signal.set(err)

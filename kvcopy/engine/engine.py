@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 
@@ -56,7 +57,15 @@ from kvcopy.methods.registry import CopyMethod
 from kvcopy.methods.staging import ids_on
 from kvcopy.profile import Profile, direction_of
 
-__all__ = ["TransferEngine", "TransferConflictError", "COPY_STREAM_PRIORITY"]
+__all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine"]
+
+
+class _Labels(TypedDict):
+    """A Transfer's keyword arguments that say what it is besides its size (TransferEngine._labels)."""
+
+    method: str
+    profile_direction: str
+    observer: Callable[[Transfer], None] | None
 
 
 class TransferEngine:
@@ -303,11 +312,11 @@ class TransferEngine:
         with self._lock:
             return self._order.conflict(side, blocks, writes=writes, stream=stream)
 
-    def _labels(self, method: CopyMethod, src: PagedKV, dst: PagedKV) -> dict[str, object]:
+    def _labels(self, method: CopyMethod, src: PagedKV, dst: PagedKV) -> _Labels:
         """What a Transfer says of itself besides its size: method, its direction in a Profile's terms, and who
         observes it."""
         profile_direction = direction_of(src.device.type, dst.device.type)
-        return {"method": method.name, "profile_direction": profile_direction, "observer": self.observer}
+        return _Labels(method=method.name, profile_direction=profile_direction, observer=self.observer)
 
     def _copy(
         self,

@@ -15,9 +15,8 @@ COPY_STREAM_PRIORITY = 0
 
 
 def destroy_streams(handles: list[int]) -> None:
-    module = _ext.extension()
-    for handle in handles:
-        module.destroy_stream(handle)
+    for handle in handles:  # each made by the extension's create_copy_stream
+        _ext.loaded_extension().destroy_stream(handle)
     handles.clear()
 
 

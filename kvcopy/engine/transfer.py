@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from kvcopy._version import warn_renamed
 
-__all__ = ["Transfer", "TransferSignal", "CudaSignal", "ThreadSignal", "wait_until"]
+__all__ = ["CudaSignal", "ThreadSignal", "Transfer", "TransferSignal", "wait_until"]
 
 # Waiting on something that can only be polled: poll without sleeping for this long (a small transfer takes
 # tens of microseconds, less than one sleep), then sleep between polls for a pause that grows with the time
@@ -148,7 +148,7 @@ class Transfer:
         num_blocks: int,
         nbytes: int,
         done: TransferSignal,
-        layers: list[TransferSignal] | None = None,
+        layers: Sequence[TransferSignal] | None = None,
         timer: Timer | None = None,
         keepalive: tuple[object, ...] = (),
         *,
@@ -202,7 +202,7 @@ class Transfer:
             return
         try:
             self._observer(self)
-        except Exception:  # noqa: BLE001 - an observer must never break a copy
+        except Exception:  # an observer must never break a copy
             logger.exception("kvcopy: the transfer observer failed on %r", self)
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:

@@ -18,6 +18,7 @@ import os
 import platform
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,10 +26,10 @@ import torch
 __all__ = [
     "HOST_RESERVE_BYTES",
     "MAX_REGISTER_BYTES",
-    "registration_chunks",
     "HostRegion",
     "available_host_bytes",
     "gpu_numa_node",
+    "registration_chunks",
 ]
 
 # No single cudaHostRegister above this: registrations of 512 GiB and more fail.
@@ -74,7 +75,9 @@ def gpu_numa_node(device: torch.device) -> int | None:
     """The NUMA node of a GPU's PCI slot where sysfs tells it, else None."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    props = torch.cuda.get_device_properties(device)
+    # Any: torch's stubs lack the PCI ids (pci_domain_id, pci_bus_id, pci_device_id) that its builds have;
+    # a build without them is the AttributeError below.
+    props: Any = torch.cuda.get_device_properties(device)
     try:
         address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         with open(f"/sys/bus/pci/devices/{address}/numa_node") as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
@@ -198,7 +198,7 @@ def _plane_over(
 
 def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
         planes.append(_plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
         offset += nbytes
     return planes
@@ -206,16 +206,16 @@ def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> 
 
 def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes)):
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
         planes.append(_plane_over(buffer, plane, index, num_blocks, offset, nbytes))
         offset += num_blocks * nbytes
     return planes
 
 
-KVLike = Union[PagedKV, HostKVPool]
+KVLike = PagedKV | HostKVPool
 
 
-def as_paged(kv: KVLike, name: str) -> PagedKV:
+def as_paged(kv: object, name: str) -> PagedKV:
     """``kv`` as a PagedKV (a HostKVPool's ``paged``); TypeError naming ``name`` for anything else."""
     if isinstance(kv, PagedKV):
         return kv

@@ -71,7 +71,7 @@ def _cpu_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
 
 def _cpu_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     n = src_ids.numel()
-    _ext.extension().copy_blocks_cpu(
+    _ext.loaded_extension().copy_blocks_cpu(
         *_tables(src, dst),
         src_ids.data_ptr(),
         n,
@@ -148,7 +148,7 @@ def _cuda_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
 def _cuda_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     device = cuda_device(src, dst)
     src_ids, dst_ids = ids_on(src_ids, dst_ids, device)
-    _ext.extension().copy_blocks_cuda(
+    _ext.loaded_extension().copy_blocks_cuda(
         *_tables(src, dst),
         src_ids.data_ptr(),
         dst_ids.data_ptr(),
@@ -191,7 +191,7 @@ def _dma_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
 
 def _dma_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     device = cuda_device(src, dst)
-    _ext.extension().copy_blocks_dma(
+    _ext.loaded_extension().copy_blocks_dma(
         *_tables(src, dst), src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(), _raw_stream(device), device.index
     )
 

@@ -41,6 +41,6 @@ def copy_blocks_torch(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids
     """
     src_ids = src_ids.to(src.device)
     dst_ids = dst_ids.to(dst.device)
-    for src_plane, dst_plane in zip(src.planes, dst.planes):
+    for src_plane, dst_plane in zip(src.planes, dst.planes, strict=True):
         src_words, dst_words = word_views(src_plane, dst_plane)
         dst_words.index_copy_(0, dst_ids, src_words.index_select(0, src_ids).to(dst.device))

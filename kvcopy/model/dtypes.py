@@ -32,9 +32,10 @@ def kv_dtype_name(dtype: torch.dtype | str, what: str = "dtype") -> str:
     elif isinstance(dtype, str):
         key = dtype.strip().lower().removeprefix("torch.")
         key = _DTYPE_ALIASES.get(key, key)
-        resolved = getattr(torch, key, None)
-        if not isinstance(resolved, torch.dtype):
+        found = getattr(torch, key, None)
+        if not isinstance(found, torch.dtype):
             raise ValueError(f"{what}: unknown dtype {dtype!r}; expected a torch dtype name like 'bfloat16' or 'fp8'")
+        resolved = found
     else:
         raise TypeError(f"{what}: expected a torch.dtype or a string, got {type(dtype).__name__}")
     name = torch_name(resolved)

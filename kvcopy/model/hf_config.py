@@ -190,7 +190,7 @@ def spec_from_config(
 def _family_of(model_type: object, assume: str | None, origin: str) -> Family:
     """The reading rules of a config's family; ValueError for a family kvcopy does not read."""
     if model_type in FAMILIES:
-        return FAMILIES[model_type]  # type: ignore[index]
+        return FAMILIES[model_type]
     if assume is not None:
         if assume not in FAMILIES:
             raise ValueError(

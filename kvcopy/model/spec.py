@@ -40,7 +40,7 @@ from kvcopy.model.hf_config import (
 )
 from kvcopy.model.presets import PRESETS
 
-__all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "forward_costs"]
+__all__ = ["SUPPORTED_FAMILIES", "ModelSpec", "forward_costs"]
 
 
 _KV_PLANES = 2  # K and V; MLA stores one latent instead
@@ -162,6 +162,7 @@ class ModelSpec:
         """Bytes of one token in one layer (on one rank holding ``kv_heads`` heads, MHA)."""
         itemsize = dtype_itemsize(self.kv_dtype if dtype is None else kv_dtype_name(dtype))
         if self.attention == "mla":
+            assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None  # check_attention
             return (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
         heads = self.num_kv_heads if kv_heads is None else kv_heads
         return _KV_PLANES * heads * self.head_dim * itemsize
@@ -184,6 +185,7 @@ class ModelSpec:
         sliding = self.num_sliding_layers
         kept = (self.num_layers - sliding) * tokens
         if sliding:
+            assert self.sliding_window is not None  # checked_layers: sliding layers have a window
             kept += sliding * min(tokens, self.sliding_window)
         return kept * self._layer_token_bytes(dtype)
 
@@ -219,6 +221,7 @@ class ModelSpec:
         if self.num_experts is None:
             return 0.0
         experts, per_tok = self.num_experts, self.num_experts_per_tok
+        assert per_tok is not None  # check_experts: both or neither
         return experts * (1.0 - (1.0 - per_tok / experts) ** tokens)
 
     def weight_bytes(self, num_tokens: int, cached_tokens: int = 0) -> int:
@@ -240,7 +243,9 @@ class ModelSpec:
     def _attention_flops_per_pair(self) -> int:
         """FLOPs of one query-key pair in one layer: ``2 · H · (d_qk + d_v)`` (QKᵀ and A·V)."""
         if self.attention == "mla":
-            d_qk, d_v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+            nope, rope, d_v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+            assert nope is not None and rope is not None and d_v is not None  # check_attention
+            d_qk = nope + rope
         else:
             d_qk = d_v = self.head_dim
         return _FLOPS_PER_MAC * self.num_attention_heads * (d_qk + d_v)
@@ -366,7 +371,7 @@ class ModelSpec:
 def forward_costs(spec: ModelSpec, new: Sequence[int], cached: Sequence[int]) -> tuple[float, float]:
     """(FLOPs, bytes read) of one forward in which request i computes ``new[i]`` tokens after ``cached[i]``:
     each request's FLOPs, the weights read once for all of them, each request's cached KV read once."""
-    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached))
+    flops = sum(spec.prefill_flops(n, p) for n, p in zip(new, cached, strict=True))
     read = spec.weight_bytes(sum(new), 0) + sum(spec.kv_bytes(p) for p in cached)
     return float(flops), float(read)
 
@@ -392,6 +397,7 @@ def check_attention(spec: ModelSpec) -> None:
             if getattr(spec, field) is None:
                 raise ValueError(f"{field}: attention='mla' needs it, got None")
             positive_int(field, getattr(spec, field))
+        assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None  # (just checked)
         latent = spec.kv_lora_rank + spec.qk_rope_head_dim
         if spec.num_kv_heads != 1 or spec.head_dim != latent:
             raise ValueError(
@@ -423,15 +429,17 @@ def check_experts(spec: ModelSpec) -> None:
     if (spec.num_experts is None) != (spec.num_experts_per_tok is None):
         raise ValueError("num_experts and num_experts_per_tok: give both or neither")
     non_negative_int("expert_params", spec.expert_params)
-    if spec.expert_params and spec.num_experts is None:
-        raise ValueError("expert_params: only for a mixture-of-experts spec (num_experts is None)")
-    if spec.num_experts is not None and spec.num_experts_per_tok * spec.expert_params > spec.active_params:
+    experts, per_tok = spec.num_experts, spec.num_experts_per_tok
+    if experts is None or per_tok is None:  # neither (checked above): a dense model
+        if spec.expert_params:
+            raise ValueError("expert_params: only for a mixture-of-experts spec (num_experts is None)")
+        return
+    if per_tok * spec.expert_params > spec.active_params:
         raise ValueError(
-            f"expert_params {spec.expert_params} x num_experts_per_tok {spec.num_experts_per_tok} "
+            f"expert_params {spec.expert_params} x num_experts_per_tok {per_tok} "
             f"exceeds active_params {spec.active_params}"
         )
-    if spec.num_experts is not None:
-        positive_int("num_experts", spec.num_experts)
-        positive_int("num_experts_per_tok", spec.num_experts_per_tok)
-        if spec.num_experts_per_tok > spec.num_experts:
-            raise ValueError(f"num_experts_per_tok {spec.num_experts_per_tok} exceeds num_experts {spec.num_experts}")
+    positive_int("num_experts", experts)
+    positive_int("num_experts_per_tok", per_tok)
+    if per_tok > experts:
+        raise ValueError(f"num_experts_per_tok {per_tok} exceeds num_experts {experts}")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["nixl_module"]
 
 
-def nixl_module():  # noqa: ANN202 - the nixl module
-    """NIXL's agent and config classes; ImportError saying how to install NIXL without it."""
+def nixl_module() -> tuple[Any, Any]:
+    """NIXL's agent and config classes (nixl_agent, nixl_agent_config); ImportError saying how to install NIXL
+    without it."""
     try:
         from nixl_cu13._api import nixl_agent, nixl_agent_config
     except ImportError as err:

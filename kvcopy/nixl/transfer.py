@@ -3,13 +3,23 @@ the errors that name the blocks it leaves without valid data."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from typing import Protocol
 
 import torch
 
 from kvcopy.engine.transfer import wait_until
 
 __all__ = ["NixlTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
+
+
+class XferAgent(Protocol):
+    """What a transfer asks of its NIXL agent (a ``nixl_agent``)."""
+
+    def check_xfer_state(self, handle: object) -> str: ...
+
+    def release_xfer_handle(self, handle: object) -> None: ...
 
 
 class WrittenBlocks:
@@ -60,12 +70,19 @@ class NixlTransfer:
     their bytes."""
 
     def __init__(
-        self, agent: object, handle: object, direction: str, num_descriptors: int, nbytes: int, written: WrittenBlocks
+        self,
+        agent: XferAgent,
+        handle: object,
+        direction: str,
+        num_descriptors: int,
+        nbytes: int,
+        written: WrittenBlocks,
     ) -> None:
         self._agent, self._handle = agent, handle
         self.direction, self.num_descriptors, self.nbytes = direction, num_descriptors, nbytes
         self._written = written  # which blocks are not valid if it fails, for the error
-        self._state, self._cause = "PROC", None
+        self._state = "PROC"
+        self._cause: Exception | None = None
         # The handle is released once: when NIXL reports the transfer ended, or when the last reference to an
         # unfinished one goes (a KVPeer holds its own until they end: releasing a handle in flight does not
         # stop its writes over a network).
@@ -110,7 +127,7 @@ class NixlTransfer:
         if self._state == "PROC":
             try:
                 state = self._agent.check_xfer_state(self._handle)
-            except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+            except Exception as err:  # NIXL's errors are its own classes
                 state, self._cause = "ERR", err
             if state in ("DONE", "ERR"):
                 self._release()
@@ -118,8 +135,7 @@ class NixlTransfer:
         return self._state
 
 
-def _release_handle(agent: object, handle: object) -> None:
-    try:
-        agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a handle of a vanished peer, or one NIXL could not abort: nothing to free
-        pass
+def _release_handle(agent: XferAgent, handle: object) -> None:
+    # a handle of a vanished peer, or one NIXL could not abort: nothing to free
+    with contextlib.suppress(Exception):
+        agent.release_xfer_handle(handle)

@@ -31,8 +31,13 @@ def checked_seconds(value: object) -> float:
 def _plain_counts(values: object, least: int) -> tuple[int, ...] | None:
     """``values`` as a tuple when it is a list or tuple of plain ints >= ``least`` (an engine's common case,
     checked without the ABC machinery); else None, for the full checks."""
-    if type(values) in (list, tuple) and values and all(type(v) is int for v in values) and min(values) >= least:  # type: ignore[arg-type]
-        return tuple(values)  # type: ignore[arg-type]
+    if (
+        (type(values) is list or type(values) is tuple)
+        and values
+        and all(type(v) is int for v in values)
+        and min(values) >= least
+    ):
+        return tuple(values)
     return None
 
 

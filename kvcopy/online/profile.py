@@ -41,8 +41,8 @@ __all__ = [
     "BANDWIDTH_CAP_FACTOR",
     "DIRECTIONS",
     "HISTORY_HALF_LIVES",
-    "OnlineProfile",
     "PRIOR_WEIGHT",
+    "OnlineProfile",
 ]
 
 # Directions a copy may be observed in: the calibrator's four and the network link to a peer.
@@ -145,7 +145,7 @@ class OnlineProfile:
         with self._fit_lock:
             copies = {key: stream.snapshot() for key, stream in sorted(self._copies.items())}
             forwards = self._forwards.snapshot()
-            key = tuple((k, count(items)) for k, items in copies.items()) + ((_PREFILL, count(forwards)),)
+            key = (*((k, count(items)) for k, items in copies.items()), (_PREFILL, count(forwards)))
             if self._cached is None or self._cached[0] != key:
                 self._cached = (key, self._fit(copies, forwards))
                 self.refits += 1
@@ -172,12 +172,12 @@ class OnlineProfile:
 
     def _online_note(self, counts: dict[str, int]) -> dict[str, Any]:
         base = None
-        if self.base is not None:
+        if self.base is not None and self._base_json is not None:  # (both or neither)
             hw = self.base.hardware
             base = {
                 "device_name": hw.get("device_name"),
                 "date": hw.get("date"),
-                "sha256": hashlib.sha256(self._base_json.encode()).hexdigest()[:16],  # type: ignore[union-attr]
+                "sha256": hashlib.sha256(self._base_json.encode()).hexdigest()[:16],
             }
         return {
             "online": {
@@ -316,7 +316,7 @@ def _copy_points(nbytes: np.ndarray, blocks: np.ndarray, seconds: np.ndarray, pl
     """Per distinct transfer shape (the MAX_POINTS most recently seen): [bytes, blocks, plane-block bytes,
     median s, p20 s, p80 s], as the calibrator's points."""
     shapes: dict[tuple[float, float], list[float]] = {}
-    for b, n, s in zip(nbytes.tolist(), blocks.tolist(), seconds.tolist()):
+    for b, n, s in zip(nbytes.tolist(), blocks.tolist(), seconds.tolist(), strict=True):
         shapes.setdefault((b, n), []).append(s)
         shapes[(b, n)] = shapes.pop((b, n))  # most recent last
     rows = []

@@ -289,7 +289,8 @@ class Planner:
             return fixed + sum(new) / self.prefill_tokens_per_s
         flops, read = forward_costs(self.spec, new, cached)
         memory = read / self.weight_bytes_per_s if self.weight_bytes_per_s else 0.0
-        return fixed + max(flops / self.prefill_flops_per_s, memory)  # type: ignore[operator]
+        assert self.prefill_flops_per_s is not None  # one of the two rates is given (checked in __init__)
+        return fixed + max(flops / self.prefill_flops_per_s, memory)
 
     # ------------------------------------------------------------------ decisions
 

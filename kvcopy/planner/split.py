@@ -28,6 +28,7 @@ def cached_bytes_after(planner: Planner, prefix: int, computed: int) -> int:
     sliding = spec.num_sliding_layers
     full = (spec.num_layers - sliding) * (prefix - computed)
     if sliding:
+        assert spec.sliding_window is not None  # a spec with sliding layers has a window (ModelSpec checks it)
         window = min(prefix, spec.sliding_window)
         full += sliding * (window - max(0, computed - (prefix - window)))
     return full * per_layer

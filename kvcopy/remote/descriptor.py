@@ -43,7 +43,7 @@ class PoolLayout:
         dtypes = [torch_name(d) for d in paged.dtypes]
         planes = tuple(
             (row[PLANE_ADDRESS], row[PLANE_BLOCK_STRIDE], row[PLANE_BLOCK_BYTES], dtype)
-            for row, dtype in zip(paged.plane_table.tolist(), dtypes)
+            for row, dtype in zip(paged.plane_table.tolist(), dtypes, strict=True)
         )
         return cls(
             agent,

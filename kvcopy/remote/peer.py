@@ -3,6 +3,7 @@ other peers."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +84,7 @@ class KVPeer:
         try:
             config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
             self._agent = nixl_agent(name, config)
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
+        except Exception as err:  # NIXL's errors are its own classes: none escapes kvcopy's API
             raise ValueError(f"backends: NIXL could not start {list(backends)} ({type(err).__name__}: {err})") from None
         missing = [b for b in backends if b not in getattr(self._agent, "backends", {})]
         if missing:  # NIXL skips a backend it has no plugin for, with a warning, and fails at the first use
@@ -130,11 +131,11 @@ class KVPeer:
             )
         known = self._remotes.get(layout.agent)
         self._reap()
-        same = known is not None and known.layout == layout and self._metadata[layout.agent] == metadata
-        if same and layout.agent not in self._broken:
-            return known  # the same descriptor again: the same pool
-        if known is not None:  # the peer came back (a restart), or its connection broke: made anew
-            self._forget(layout.agent)
+        if known is not None:
+            same = known.layout == layout and self._metadata[layout.agent] == metadata
+            if same and layout.agent not in self._broken:
+                return known  # the same descriptor again: the same pool
+            self._forget(layout.agent)  # the peer came back (a restart), or its connection broke: made anew
         return self._add(layout, metadata)
 
     def reconnect(self, remote: RemotePool) -> RemotePool:
@@ -159,7 +160,7 @@ class KVPeer:
     def _add(self, layout: PoolLayout, metadata: bytes) -> RemotePool:
         try:
             agent = self._agent.add_remote_agent(metadata)
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes: none escapes kvcopy's API
+        except Exception as err:  # NIXL's errors are its own classes: none escapes kvcopy's API
             raise ValueError(
                 f"remote_descriptor: NIXL refused the agent metadata of {layout.agent!r} "
                 f"({type(err).__name__}: {err}): cut short or garbled in transit?"
@@ -210,7 +211,7 @@ class KVPeer:
         transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for _, _, n in ranges), written)
         try:
             state = self._agent.transfer(handle)
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+        except Exception as err:  # NIXL's errors are its own classes
             transfer._release()
             self._broken.add(remote.agent)
             raise RemoteTransferError(
@@ -248,10 +249,8 @@ class KVPeer:
 
     def _forget(self, agent: str) -> None:
         del self._remotes[agent], self._metadata[agent]
-        try:
+        with contextlib.suppress(Exception):  # a vanished peer is already gone
             self._agent.remove_remote_agent(agent)
-        except Exception:  # noqa: BLE001 - a vanished peer is already gone
-            pass
 
     def _check_open(self) -> None:
         if self._registered is None:

@@ -32,6 +32,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 __all__ = ["COMMIT", "FREE", "Batch", "CommitLog", "Entry"]
@@ -197,7 +198,7 @@ class CommitLog:
         flight, and :meth:`append` then only writes and syncs them."""
         entries = list(entries)
         raw = [_hash_bytes(e.block_hash) for e in entries]
-        return Batch(entries, self._encode((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw)))
+        return Batch(entries, self._encode((COMMIT, e.slot, h, e.checksum) for e, h in zip(entries, raw, strict=True)))
 
     def append(self, batch: Batch) -> None:
         """Records ``batch`` (its data already synced), durably; then compacts if the log has grown."""
@@ -266,9 +267,9 @@ class CommitLog:
             heapq.heappush(self._unused, slot)
         return out
 
-    def least_recent(self, count: int, keep: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    def least_recent(self, count: int, keep: AbstractSet[int] = frozenset()) -> list[int]:
         """Up to ``count`` occupied slots, least recently used first, skipping ``keep``."""
-        out = []
+        out: list[int] = []
         for slot in self._by_slot:
             if len(out) == count:
                 break

@@ -51,7 +51,7 @@ ZEROS_CHUNK_BYTES = 16 << 20
 def layout_of(like: PagedKV) -> dict[str, Any]:
     """The block layout a store keeps: each plane's block bytes and dtype, page-first."""
     table = like.plane_table.tolist()
-    planes = [[row[PLANE_BLOCK_BYTES], torch_name(dtype)] for row, dtype in zip(table, like.dtypes)]
+    planes = [[row[PLANE_BLOCK_BYTES], torch_name(dtype)] for row, dtype in zip(table, like.dtypes, strict=True)]
     return {"layout": "page_first", "planes": planes, "nbytes_per_block": like.nbytes_per_block}
 
 
@@ -143,7 +143,7 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
         try:
             agent.create_backend("GDS", {})
             return agent, "gds", "cuFile"
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+        except Exception as err:  # NIXL's errors are its own classes
             if backend == "gds":
                 raise RuntimeError(
                     f"backend: NIXL's GDS backend (GPUDirect Storage) would not start here ({type(err).__name__}: "
@@ -155,6 +155,6 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
         try:
             agent.create_backend("POSIX", params)
             return agent, "posix", queue or "posix"
-        except Exception as err:  # noqa: BLE001 - NIXL's errors are its own classes
+        except Exception as err:  # NIXL's errors are its own classes
             errors.append(f"{queue}: {err}")
     raise RuntimeError(f"backend: NIXL's POSIX backend would not start here ({'; '.join(errors)})")

@@ -88,7 +88,7 @@ class DiskKVStore:
         # the file as a plane table: one page-first plane per pool plane, at its offset inside a block
         offsets = np.cumsum([0] + [n for n, _ in self._layout["planes"]])[:-1]
         self._table = torch.tensor(
-            [[int(o), self._block_nbytes, int(n)] for o, (n, _) in zip(offsets, self._layout["planes"])],
+            [[int(o), self._block_nbytes, int(n)] for o, (n, _) in zip(offsets, self._layout["planes"], strict=True)],
             dtype=torch.int64,
         )
         # each pool's NIXL registration, memory kind and device id, by id
@@ -167,12 +167,12 @@ class DiskKVStore:
     def _pool(self, pool: object, pool_ids: BlockIds, count: int) -> tuple[HostKVPool | PagedKV, torch.Tensor]:
         """``pool`` checked (a page-first HostKVPool; with GPUDirect Storage also a GPU cache's PagedKV) and
         registered once, and ``pool_ids`` checked against it."""
-        on_gpu = isinstance(pool, PagedKV) and pool.device.type == "cuda"
-        if not isinstance(pool, HostKVPool) and not on_gpu:
+        if not (isinstance(pool, HostKVPool) or (isinstance(pool, PagedKV) and pool.device.type == "cuda")):
             where = f" on {pool.device}" if isinstance(pool, PagedKV) else ""
             raise TypeError(
                 f"pool: expected a HostKVPool (or a GPU's PagedKV with backend 'gds'), got {type(pool).__name__}{where}"
             )
+        on_gpu = isinstance(pool, PagedKV)  # a GPU's (checked above)
         if on_gpu and self.backend != "gds":
             raise ValueError(
                 f"pool: a GPU's blocks move through GPUDirect Storage; this store opened NIXL {self.backend} "
@@ -238,7 +238,7 @@ class DiskKVStore:
     def _checksums(self, pool: HostKVPool | PagedKV, ids: torch.Tensor) -> list[int]:
         if isinstance(pool, PagedKV):  # a GPU's blocks: gathered and copied to the host (kvcopy.storage.gpu_blocks)
             return paged_checksums(pool, ids)
-        view, size = pool.buffer.numpy(), pool.nbytes_per_block  # page-first: block i is one slice of the buffer
+        view, size = pool.buffer.numpy().data, pool.nbytes_per_block  # page-first: block i is one slice of it
         return [xxhash.xxh3_64_intdigest(view[i * size : (i + 1) * size]) for i in ids.tolist()]
 
     # ------------------------------------------------------------------ put, match, get
@@ -257,7 +257,7 @@ class DiskKVStore:
             raise ValueError(f"block_hashes: {len(hashes)} blocks do not fit a store of {self.num_blocks}")
         index = self._index
         found = [index.get(h) for h in hashes]
-        new = [(h, i) for h, i, entry in zip(hashes, ids.tolist(), found) if entry is None]
+        new = [(h, i) for h, i, entry in zip(hashes, ids.tolist(), found, strict=True) if entry is None]
         stored = [entry.slot for entry in found if entry is not None]
         index.touch(stored)  # in the order given, as used again
         free = index.unused(len(new), skip=self._busy)
@@ -280,7 +280,7 @@ class DiskKVStore:
         transfer = self._transfer("WRITE", pool, new_ids, slots, commit)
         try:  # while NIXL writes (both only read the pool blocks): the checksums, and the COMMIT records
             checksums = self._checksums(pool, new_ids)
-            records.append(index.prepare(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums)))
+            records.append(index.prepare(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums, strict=True)))
         except BaseException:  # (a GPU's gather failed, say): nothing is committed, the slots come free again
             transfer._abandon()
             raise
@@ -320,7 +320,11 @@ class DiskKVStore:
         def check() -> None:
             if not verify:
                 return
-            bad = [s for s, c in zip(slot_ids.tolist(), self._checksums(pool, ids)) if c != entries[s].checksum]
+            bad = [
+                s
+                for s, c in zip(slot_ids.tolist(), self._checksums(pool, ids), strict=True)
+                if c != entries[s].checksum
+            ]
             if bad:
                 raise CorruptBlockError(f"slots {bad}: read back different from what was committed", bad)
 

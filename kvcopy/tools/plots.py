@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy.planner.planner import Planner, Source
-from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, CostLine, Profile
+from kvcopy.profile import PER_SIZE_JUDGED_DIRECTIONS, CostLine, PrefillProfile, Profile
 
 __all__ = ["DIRECTION_NAMES", "plot_bench", "plot_calibration", "plot_plan"]
 
@@ -38,7 +38,7 @@ _PLANE_BLOCK_NOTE = (
 _FIGURE_DPI = 120
 
 
-def _pyplot():  # noqa: ANN202
+def _pyplot() -> Any:  # matplotlib.pyplot
     try:
         import matplotlib
 
@@ -64,7 +64,7 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
     directions = sorted(profile.directions)
     panels = len(directions) + (profile.prefill is not None)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
-    for ax, direction in zip(axes[0], directions):
+    for ax, direction in zip(axes[0], directions, strict=False):  # the prefill panel, if any, comes after
         if direction in PER_SIZE_JUDGED_DIRECTIONS:
             _per_size_panel(ax, profile, direction)
             continue
@@ -79,7 +79,7 @@ def plot_calibration(profile: Profile, path: str | os.PathLike[str]) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if profile.prefill is not None:
-        _prefill_panel(axes[0][-1], profile)
+        _prefill_panel(axes[0][-1], profile.prefill)
     fig.suptitle(f"kvcopy calibration: {profile.hardware.get('device_name')} ({profile.hardware.get('date')})")
     _save(
         fig,
@@ -119,8 +119,7 @@ def _per_size_panel(ax: Any, profile: Profile, direction: str) -> None:
     ax.legend(fontsize=7)
 
 
-def _prefill_panel(ax: Any, profile: Profile) -> None:
-    prefill = profile.prefill
+def _prefill_panel(ax: Any, prefill: PrefillProfile) -> None:
     pts = np.array(prefill.points) if prefill.points else np.zeros((0, 2))
     layer_alpha = prefill.alpha_s / (prefill.num_layers or 1)
     if len(pts):
@@ -272,7 +271,7 @@ def _sweep_panel(ax: Any, rows: Sequence[dict[str, Any]], suite: str, where: str
     field, scale, label = _SWEEP_AXES[suite]
     for method in dict.fromkeys(r["method"] for r in rows):
         points = sorted((r[field] * scale, r["gbps"]) for r in rows if r["method"] == method)
-        xs, ys = zip(*points)
+        xs, ys = zip(*points, strict=True)
         limit = method.startswith("contiguous")
         style = dict(color="black", ls="--", lw=1.5) if limit else dict(marker="o", ms=3, color=colors[method])
         ax.plot(xs, ys, label=method, **style)

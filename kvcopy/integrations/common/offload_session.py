@@ -24,7 +24,7 @@ from kvcopy.layout import PagedKV
 from kvcopy.planner.decision import seconds_text
 from kvcopy.profile import Profile
 
-__all__ = ["POLICIES", "Policy", "OffloadSession"]
+__all__ = ["POLICIES", "OffloadSession", "Policy"]
 
 Policy = Literal["auto", "offload", "recompute"]
 POLICIES: tuple[Policy, ...] = ("auto", "offload", "recompute")
@@ -101,10 +101,13 @@ class OffloadSession:
         """Host ids for ``counts[name]`` blocks of each allocator, all or none (None: a pool is full)."""
         with self._lock:
             self.retire()
-            pools = self._pools
-            if any(pools.get(name) is None or pools[name].num_free < n for name, n in counts.items()):  # type: ignore[union-attr]
-                return None
-            return {name: pools[name].allocate(n).tolist() for name, n in counts.items()}  # type: ignore[union-attr]
+            pools: dict[str, HostKVPool] = {}
+            for name, n in counts.items():
+                pool = self._pools.get(name)
+                if pool is None or pool.num_free < n:
+                    return None
+                pools[name] = pool
+            return {name: pools[name].allocate(n).tolist() for name, n in counts.items()}
 
     def release(self, name: str, host_ids: list[int], after: Sequence[Transfer] = ()) -> None:
         """Returns host blocks to their pool, at once or once every copy in ``after`` (copies that use them)
@@ -130,7 +133,7 @@ class OffloadSession:
                     for transfer in transfers:
                         try:
                             transfer.wait()
-                        except Exception:  # noqa: BLE001 - a failed copy's blocks are free all the same
+                        except Exception:  # a failed copy's blocks are free all the same
                             logger.exception("offloading: a copy failed; its host blocks are freed")
                 if all(transfer.done() for transfer in transfers):
                     self._free(name, host_ids)
@@ -173,11 +176,12 @@ class OffloadSession:
         elif self.policy == "offload" or planner is None:
             action, reason = "reload", f"policy '{self.policy}'" + ("" if planner else " (no profile)")
         else:  # the engine reloads or recomputes whole requests: no split, so the cheaper of the two
-            action = "reload" if predicted_reload <= predicted_recompute else "recompute"  # type: ignore[operator]
+            assert predicted_reload is not None and predicted_recompute is not None  # a planner predicted both
+            action = "reload" if predicted_reload <= predicted_recompute else "recompute"
             source = f"learned from {observations} observations" if observations else "calibrated"
             reason = (
-                f"planner ({source}): reload {seconds_text(predicted_reload)} vs recompute "  # type: ignore[arg-type]
-                f"{seconds_text(predicted_recompute)} for {prefix_tokens} cached + {new_tokens} new tokens"  # type: ignore[arg-type]
+                f"planner ({source}): reload {seconds_text(predicted_reload)} vs recompute "
+                f"{seconds_text(predicted_recompute)} for {prefix_tokens} cached + {new_tokens} new tokens"
             )
         return OffloadDecision(
             request_id=request_id,

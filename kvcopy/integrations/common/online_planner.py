@@ -18,9 +18,9 @@ from kvcopy.planner.planner import DEFAULT_BLOCK_TOKENS, Planner
 from kvcopy.profile import Profile
 
 __all__ = [
-    "OnlinePlanner",
     "MATERIAL_CHANGE",
     "REFIT_EVERY",
+    "OnlinePlanner",
     "forward_seconds",
     "own_share",
     "predict_paths",
@@ -40,10 +40,12 @@ _PROBE_BATCH = ((1, 1), (0, 0))  # and a decode step of two requests (the work p
 def own_share(planner: Planner | None, new: Sequence[int], cached: Sequence[int], index: int) -> float:
     """The part of one measured forward that is request ``index``'s own: the forward it would have been alone,
     over the forward of the whole batch, both by ``planner``'s law (at most 1). 1 without a law."""
-    whole = planner.t_forward(new, cached) if planner is not None else 0.0
+    if planner is None:
+        return 1.0
+    whole = planner.t_forward(new, cached)
     if whole <= 0.0:
         return 1.0
-    return min(1.0, planner.t_forward((new[index],), (cached[index],)) / whole)  # type: ignore[union-attr]
+    return min(1.0, planner.t_forward((new[index],), (cached[index],)) / whole)
 
 
 def forward_seconds(planner: Planner, tokens: int, cached: int, max_forward_tokens: int | None) -> float:
@@ -145,7 +147,8 @@ class OnlinePlanner:
                     candidate = self._plan(online.profile())
                 except ValueError:  # no base, and not yet both a copy link and forwards observed
                     candidate = None
-                block = self.spec.block_nbytes(self.block_tokens)  # type: ignore[union-attr]
+                assert self.spec is not None  # an OnlineProfile is only made with a spec
+                block = self.spec.block_nbytes(self.block_tokens)
                 if candidate is not None and (
                     self._planner is None or _materially_different(self._planner, candidate, block)
                 ):

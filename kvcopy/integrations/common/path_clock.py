@@ -146,4 +146,5 @@ def _reload_wait(reloads: list[Transfer]) -> float | None:
     """Seconds a forward waited for its reloads: the longest turnaround (they were submitted together, just
     before it); None if one failed or has no timing."""
     seconds = [transfer.turnaround for transfer in reloads]
-    return None if any(s is None for s in seconds) else max(seconds)  # type: ignore[type-var]
+    known = [s for s in seconds if s is not None]
+    return max(known) if len(known) == len(seconds) else None

@@ -185,12 +185,13 @@ def offloading(
             managers.add(manager)
             return manager
 
-        original = continuous_api.OffloadingManager
-        continuous_api.OffloadingManager = make_manager
+        api: Any = continuous_api  # its OffloadingManager class gives way to a factory for the context
+        original = api.OffloadingManager
+        api.OffloadingManager = make_manager
         try:
             yield session.stats
         finally:
-            continuous_api.OffloadingManager = original
+            api.OffloadingManager = original
             for manager in list(managers):
                 manager.detach()
             session.close()

@@ -13,8 +13,9 @@ import importlib
 import inspect
 import re
 from types import ModuleType
+from typing import Any
 
-__all__ = ["EXTRA", "SUPPORTED_RANGE", "import_transformers", "check_internals"]
+__all__ = ["EXTRA", "SUPPORTED_RANGE", "check_internals", "import_transformers"]
 
 # The versions the adapter was written against and tested with (pyproject's
 # "transformers" extra pins the same range): continuous batching's internals
@@ -87,8 +88,9 @@ def import_transformers() -> ModuleType:
     return transformers
 
 
-def _resolve(module_name: str, path: str) -> object:
-    obj: object = importlib.import_module(module_name)
+def _resolve(module_name: str, path: str) -> Any:
+    """The object at ``path`` in ``module_name`` (transformers' internals: whatever they are)."""
+    obj: Any = importlib.import_module(module_name)
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
@@ -105,7 +107,7 @@ def check_internals() -> None:
                 f"kvcopy.integrations.transformers supports transformers {SUPPORTED_RANGE}"
             ) from None
     manager = _resolve(f"{_CB}.offloading_manager", "OffloadingManager")
-    parameters = tuple(inspect.signature(manager.__init__).parameters)  # type: ignore[misc]
+    parameters = tuple(inspect.signature(manager.__init__).parameters)
     if parameters != MANAGER_INIT_PARAMETERS:
         raise RuntimeError(
             f"transformers' OffloadingManager takes {parameters}, expected {MANAGER_INIT_PARAMETERS}; "
@@ -117,9 +119,9 @@ def check_internals() -> None:
     ):
         cls = _resolve(module_name, cls_name)
         annotations: dict[str, object] = {}
-        for klass in reversed(inspect.getmro(cls)):  # type: ignore[arg-type]
+        for klass in reversed(inspect.getmro(cls)):
             annotations.update(getattr(klass, "__annotations__", {}))
-        source = inspect.getsource(cls)  # type: ignore[arg-type]
+        source = inspect.getsource(cls)
         missing = [
             name
             for name in fields

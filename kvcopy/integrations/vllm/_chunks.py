@@ -53,7 +53,7 @@ def job_block_ids(
     sub_blocks = np.arange(blocks_per_chunk, dtype=np.int64)
     host: list[np.ndarray] = []
     chunk_at = 0
-    for size, first_index in zip(group_sizes, block_indices):
+    for size, first_index in zip(group_sizes, block_indices, strict=True):
         if size == 0:
             continue
         skip = first_index % blocks_per_chunk

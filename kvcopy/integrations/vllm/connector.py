@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -28,6 +28,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvcopy.integrations.vllm.manager import KVCopyOffloadingManager
 from kvcopy.integrations.vllm.worker import CopyObservation, KVCopyOffloadingWorker
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 
 __all__ = ["KVCopyOffloadingConnector", "KVCopyWorkerMetadata"]
 
@@ -44,6 +48,7 @@ class KVCopyWorkerMetadata(OffloadingWorkerMetadata):
 
     def aggregate(self, other: Any) -> KVCopyWorkerMetadata:
         merged = super().aggregate(other)
+        assert isinstance(merged, OffloadingWorkerMetadata)  # what vLLM's OffloadingWorkerMetadata.aggregate makes
         return KVCopyWorkerMetadata(
             completed_jobs=merged.completed_jobs,
             transfer_stats=merged.transfer_stats,
@@ -80,6 +85,13 @@ class KVCopyOffloadingConnector(OffloadingConnector):
 
     # ------------------------------------------------------------------ worker side
 
+    @property
+    def _worker_side(self) -> OffloadingConnectorWorker:
+        """vLLM's worker side of the connector: the worker role's connector has one."""
+        connector = self.connector_worker
+        assert connector is not None, "a worker-side call on the scheduler's connector"
+        return connector
+
     def _kv_worker(self) -> KVCopyOffloadingWorker | None:
         worker = self.connector_worker.worker if self.connector_worker is not None else None
         if isinstance(worker, KVCopyOffloadingWorker):
@@ -96,7 +108,7 @@ class KVCopyOffloadingConnector(OffloadingConnector):
         worker = self._kv_worker()
         if worker is None:
             return results
-        connector = self.connector_worker
+        connector = self._worker_side
         meta = connector._connector_worker_meta  # vLLM's per-step metadata, sent with the step's output
         for job_id, device_ids in worker.failures:
             meta.mark_completed(job_id)  # a failed job is over: vLLM must stop waiting for it
@@ -113,11 +125,16 @@ class KVCopyOffloadingConnector(OffloadingConnector):
         return results
 
     def _failed_stores(self) -> set[int]:
-        meta = self.connector_worker._connector_worker_meta
+        return self._step_meta().failed_stores
+
+    def _step_meta(self) -> KVCopyWorkerMetadata:
+        """The step's worker metadata, made a KVCopyWorkerMetadata (with what vLLM's held) if it is not one yet."""
+        connector = self._worker_side
+        meta = connector._connector_worker_meta
         if not isinstance(meta, KVCopyWorkerMetadata):
             meta = KVCopyWorkerMetadata(completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats)
-            self.connector_worker._connector_worker_meta = meta
-        return meta.failed_stores
+            connector._connector_worker_meta = meta
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         blocks, self._failed_sync_blocks = self._failed_sync_blocks, set()
@@ -126,20 +143,28 @@ class KVCopyOffloadingConnector(OffloadingConnector):
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         worker = self._kv_worker()
         if worker is not None and worker.copies:
-            self._failed_stores()  # makes the step's metadata a KVCopyWorkerMetadata
-            meta = self.connector_worker._connector_worker_meta
+            meta = self._step_meta()
             while worker.copies:
                 meta.copies.append(worker.copies.popleft())
             if not meta.completed_jobs:  # vLLM's own sends nothing without a completed job: send the copies
-                self.connector_worker._connector_worker_meta = OffloadingWorkerMetadata()
+                self._worker_side._connector_worker_meta = OffloadingWorkerMetadata()
                 return meta
         return super().build_connector_worker_meta()
 
     # ------------------------------------------------------------------ scheduler side
 
     @property
+    def _scheduler_side(self) -> OffloadingConnectorScheduler:
+        """vLLM's scheduler side of the connector: the scheduler role's connector has one."""
+        connector = self.connector_scheduler
+        assert connector is not None, "a scheduler-side call on a worker's connector"
+        return connector
+
+    @property
     def _manager(self) -> KVCopyOffloadingManager:
-        return self.connector_scheduler.manager  # type: ignore[union-attr,return-value]
+        manager = self._scheduler_side.manager
+        assert isinstance(manager, KVCopyOffloadingManager)  # kvcopy's spec makes it (checked in __init__)
+        return manager
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -148,7 +173,7 @@ class KVCopyOffloadingConnector(OffloadingConnector):
             tokens.append(scheduler_output.num_scheduled_tokens[new.req_id])
             cached.append(new.num_computed_tokens)
         running = scheduler_output.scheduled_cached_reqs
-        for request_id, computed in zip(running.req_ids, running.num_computed_tokens):
+        for request_id, computed in zip(running.req_ids, running.num_computed_tokens, strict=True):
             tokens.append(scheduler_output.num_scheduled_tokens[request_id])
             cached.append(computed)
         waited = any(job.sync for job in getattr(meta, "load_jobs", {}).values())
@@ -166,7 +191,7 @@ class KVCopyOffloadingConnector(OffloadingConnector):
                 session.live.observe_copy(
                     copy.profile_direction, copy.method, copy.nbytes, copy.seconds, copy.num_blocks
                 )
-            jobs = self.connector_scheduler._jobs  # vLLM's jobs in flight: the keys each store writes
+            jobs = self._scheduler_side._jobs  # vLLM's jobs in flight: the keys each store writes
             for job_id in meta.failed_stores:
                 if job_id in jobs:
                     self._manager.fail_store(jobs[job_id].keys)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, get_offload_group_idx
@@ -81,8 +82,8 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
     tokens and bytes. The other keyword arguments are ``CPUOffloadingManager``'s.
     """
 
-    def __init__(self, *, session: OffloadSession, geometry: HitGeometry, **cpu_manager: object) -> None:
-        super().__init__(**cpu_manager)  # type: ignore[arg-type]
+    def __init__(self, *, session: OffloadSession, geometry: HitGeometry, **cpu_manager: Any) -> None:
+        super().__init__(**cpu_manager)
         self.session = session
         self.geometry = geometry
         self._verdicts: dict[str, bool] = {}  # this step's judgment per request: load its hit or not

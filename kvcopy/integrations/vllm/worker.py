@@ -142,7 +142,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
                     transfer = self.engine.offload(device_ids, host_ids)
                 else:
                     transfer = self.engine.reload(host_ids, device_ids)
-            except Exception:  # noqa: BLE001 - vLLM hears of it as a failed job, never as a done one
+            except Exception:  # vLLM hears of it as a failed job, never as a done one
                 logger.exception("kvcopy: %s job %d failed to start", direction, job_id)
                 transfer = None
             self._jobs[job_id] = _Job(transfer, len(device_ids) * self.kv.nbytes_per_block, device_ids)
@@ -183,7 +183,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
             return TransferResult(job_id=job_id, success=False)
         try:
             transfer.wait()  # done already: re-raises the copy's error, if it had one
-        except Exception:  # noqa: BLE001 - reported, not raised: vLLM decides what a failed job means
+        except Exception:  # reported, not raised: vLLM decides what a failed job means
             logger.exception("kvcopy: job %d failed; its blocks are not valid", job_id)
             return TransferResult(job_id=job_id, success=False)
         return TransferResult(job_id=job_id, success=True, transfer_size=job.nbytes, transfer_time=transfer.turnaround)

@@ -20,12 +20,12 @@ from kvcopy.layout import PagedKV
 from kvcopy.methods.torch_method import word_views
 
 __all__ = [
-    "per_layer_index_loop",
-    "per_block_copy_loop",
+    "DMA_BASELINES",
+    "contiguous_copy",
     "dma_baseline",
     "has_dma_baselines",
-    "contiguous_copy",
-    "DMA_BASELINES",
+    "per_block_copy_loop",
+    "per_layer_index_loop",
 ]
 
 # The baselines of _baselines.copy_blocks_dma_baseline (csrc/bench/dma_baselines.h, DmaBaseline).
@@ -40,15 +40,15 @@ def per_layer_index_loop(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_
 
     ``src_ids`` on src's device, ``dst_ids`` on dst's. kvcopy's "torch" method is this loop.
     """
-    for s, d in zip(src.planes, dst.planes):
+    for s, d in zip(src.planes, dst.planes, strict=True):
         s_words, d_words = word_views(s, d)
         d_words.index_copy_(0, dst_ids, s_words.index_select(0, src_ids).to(d_words.device))
 
 
 def per_block_copy_loop(src: PagedKV, src_ids: list[int], dst: PagedKV, dst_ids: list[int]) -> None:
     """One ``copy_`` per block per plane (asynchronous between a GPU and pinned memory)."""
-    pairs = [word_views(s, d) for s, d in zip(src.planes, dst.planes)]
-    for i, j in zip(src_ids, dst_ids):
+    pairs = [word_views(s, d) for s, d in zip(src.planes, dst.planes, strict=True)]
+    for i, j in zip(src_ids, dst_ids, strict=True):
         for s, d in pairs:
             d[j].copy_(s[i], non_blocking=True)
 

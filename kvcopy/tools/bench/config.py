@@ -4,13 +4,14 @@ bounds the runner (kvcopy.tools.bench.runner) uses."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvcopy.tools.bench.baselines import DMA_BASELINES
 from kvcopy.tools.bench.workloads import WORKLOADS
 
-__all__ = ["BenchConfig", "BenchRow", "LIMIT", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "PER_LAYER_LOOP", "UNMERGED_BATCH"]
+__all__ = ["LIMIT", "PER_BLOCK_LOOP", "PER_BLOCK_MEMCPY", "PER_LAYER_LOOP", "UNMERGED_BATCH", "BenchConfig", "BenchRow"]
 
 LIMIT = "contiguous copy (limit)"
 PER_LAYER_LOOP = "per-layer index loop"
@@ -81,20 +82,18 @@ class BenchConfig:
                 raise ValueError(f"{name}: expected distinct positive ints, got {values}")
 
     @classmethod
-    def default(
-        cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: object
-    ) -> BenchConfig:
+    def default(cls, device: torch.device | str | None = None, *, quick: bool = False, **overrides: Any) -> BenchConfig:
         """The default set for ``device`` (default: the GPU if any, else the CPU); ``quick``: a smoke-test size."""
         device = _resolve_device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
         if quick:
-            base: dict[str, object] = dict(
+            base: dict[str, Any] = dict(
                 blocks=16, counts=(1, 4, 16), block_tokens=(1, 16), sweep_blocks=8, repeats=2, warmup=1
             )
         elif device.type == "cuda":
             base = dict(counts=(1, 4, 16, 64, 256, 1024, 2048), sweep_blocks=256, repeats=10, warmup=3)
         else:
             base = {}
-        return cls(device=device, **{**base, **overrides})  # type: ignore[arg-type]
+        return cls(device=device, **{**base, **overrides})
 
 
 @dataclass(frozen=True)

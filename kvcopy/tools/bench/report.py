@@ -12,7 +12,7 @@ from typing import Any
 from kvcopy.tools.bench.runner import LIMIT, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP, BenchRow
 from kvcopy.tools.bench.workloads import MIXED_PLANE_WORKLOADS
 
-__all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "CsvWriter", "with_ratios", "format_tables", "write_csv", "read_csv"]
+__all__ = ["CSV_COLUMNS", "IDENTITY_COLUMNS", "CsvWriter", "format_tables", "read_csv", "with_ratios", "write_csv"]
 
 IDENTITY_COLUMNS = (
     "device",

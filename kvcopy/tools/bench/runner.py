@@ -67,17 +67,17 @@ from kvcopy.tools.bench.workloads import (
 
 __all__ = [
     "AUTO",
-    "BenchConfig",
-    "BenchRow",
-    "run_benchmarks",
-    "num_points",
-    "point_specs",
-    "check_output",
     "LIMIT",
-    "PER_LAYER_LOOP",
     "PER_BLOCK_LOOP",
     "PER_BLOCK_MEMCPY",
+    "PER_LAYER_LOOP",
     "UNMERGED_BATCH",
+    "BenchConfig",
+    "BenchRow",
+    "check_output",
+    "num_points",
+    "point_specs",
+    "run_benchmarks",
 ]
 
 
@@ -98,7 +98,7 @@ def check_output(
     AssertionError naming ``name`` and the first plane that differs; returns
     the seconds ``fn`` took (to its device's completion).
     """
-    pairs = [word_views(s, d) for s, d in zip(src.planes, dst.planes)]
+    pairs = [word_views(s, d) for s, d in zip(src.planes, dst.planes, strict=True)]
     src_ids, dst_ids = src_ids.to(src.device), dst_ids.to(dst.device)
     for _, d_words in pairs:
         d_words[dst_ids] = 0
@@ -107,7 +107,9 @@ def check_output(
     for p, (s_words, d_words) in enumerate(pairs):
         if not torch.equal(d_words[dst_ids].cpu(), s_words[src_ids].cpu()):
             raise AssertionError(f"{name}: plane {p} differs from plain indexing of the source")
-    for p, ((s_words, d_words), (s_before, d_before)) in enumerate(zip(pairs, before)):
+    if not whole:
+        return seconds
+    for p, ((s_words, d_words), (s_before, d_before)) in enumerate(zip(pairs, before, strict=True)):
         d_before[dst_ids] = d_words[dst_ids]  # the copied blocks were checked above
         if not torch.equal(d_words, d_before):
             raise AssertionError(f"{name}: plane {p} has destination blocks written that dst_ids does not name")

@@ -13,12 +13,12 @@ from kvcopy.layout import PagedKV
 from kvcopy.model.spec import ModelSpec
 
 __all__ = [
-    "Workload",
-    "WORKLOADS",
     "DEFAULT_WORKLOAD",
     "MIXED_PLANE_WORKLOADS",
-    "TINY_PLANES",
     "ONE_PLANE_32K",
+    "TINY_PLANES",
+    "WORKLOADS",
+    "Workload",
     "llama8b_with_block_tokens",
     "random_tensor",
 ]

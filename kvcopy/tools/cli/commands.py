@@ -10,9 +10,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcopy._ext import build_info
 from kvcopy.tools.cli.parser import CliError, check_folder, check_plot, device_arg, load_model, load_profile
+
+if TYPE_CHECKING:
+    from kvcopy.profile import Profile
 
 __all__ = [
     "DEFAULT_PLAN_MODEL",
@@ -39,7 +43,7 @@ def calibrate(args: argparse.Namespace) -> int:
     from kvcopy.calibration import local as calibrator
     from kvcopy.methods import method_names
     from kvcopy.planner.planner import Planner
-    from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile, fit_problems
+    from kvcopy.profile import DEFAULT_PROFILE_PATH, fit_problems
 
     spec = load_model(args.model)
     if args.out:
@@ -95,6 +99,7 @@ def calibrate(args: argparse.Namespace) -> int:
     print_remote_link(profile)
     print_disk_fits(profile)
     prefill = profile.prefill
+    assert prefill is not None  # calibrate() always times the prefill
     floor = (
         f"{prefill.weight_bytes_per_s / 1e9:.1f} GB/s weight reads (few-token forwards)"
         if prefill.weight_bytes_per_s
@@ -142,7 +147,7 @@ def is_poor(path: Path) -> bool:
 
 def plan(args: argparse.Namespace) -> int:
     from kvcopy.planner.decision import seconds_text
-    from kvcopy.planner.planner import Planner
+    from kvcopy.planner.planner import Planner, Source
 
     spec = load_model(args.model)
     profile = load_profile(args.profile)
@@ -163,7 +168,7 @@ def plan(args: argparse.Namespace) -> int:
         raise CliError(
             "--from-disk: the profile has no disk measurements; measure them with `kvcopy calibrate --disk PATH`"
         )
-    source = "peer" if args.from_peer else "disk" if args.from_disk else "host"
+    source: Source = "peer" if args.from_peer else "disk" if args.from_disk else "host"
     decision = planner.decide(args.prefix, args.new, source=source)
     threshold = planner.threshold_tokens(args.new, source=source)
     where = "cached tokens"
@@ -339,27 +344,27 @@ def remote_descriptor(value: str | None) -> bytes | None:
     return data
 
 
-def add_remote_link(profile: object, descriptor: bytes | None, *, quick: bool, progress: bool) -> None:
+def add_remote_link(profile: Profile, descriptor: bytes | None, *, quick: bool, progress: bool) -> None:
     from kvcopy.calibration.network import add_remote_link as measure
 
     try:
-        measure(profile, descriptor, quick=quick, progress=progress)  # type: ignore[arg-type]
+        measure(profile, descriptor, quick=quick, progress=progress)
     except ValueError as err:  # a descriptor that is not one, or of another calibration pool
         raise CliError(f"--remote: {err}") from None
     except (RuntimeError, TimeoutError) as err:  # the peer vanished, or never started (a loopback peer)
         raise CliError(f"--remote: the link could not be measured: {err}") from None
 
 
-def print_remote_link(profile: object) -> None:
+def print_remote_link(profile: Profile) -> None:
     """The link to the peer, per range size (what the planner's fetch uses), below calibrate's table."""
     from kvcopy.calibration.network import REMOTE_METHOD
     from kvcopy.profile import REMOTE_DIRECTION
 
-    link = profile.directions.get(REMOTE_DIRECTION, {}).get(REMOTE_METHOD)  # type: ignore[attr-defined]
+    link = profile.directions.get(REMOTE_DIRECTION, {}).get(REMOTE_METHOD)
     if link is None:
         return
-    print(f"remote link ({REMOTE_DIRECTION}): {profile.hardware.get('remote_link')}")  # type: ignore[attr-defined]
-    print(f"  carried by {profile.hardware.get('remote_transport', 'not recorded')}")  # type: ignore[attr-defined]
+    print(f"remote link ({REMOTE_DIRECTION}): {profile.hardware.get('remote_link')}")
+    print(f"  carried by {profile.hardware.get('remote_transport', 'not recorded')}")
     for size, fit in sorted(link.by_block_nbytes.items()):
         print(
             f"  {size // 1024:>6} KiB ranges: {fit.alpha_s * 1e6:7.1f} us + bytes at {fit.beta_bytes_per_s / 1e9:6.2f} "
@@ -372,11 +377,14 @@ def peer(args: argparse.Namespace) -> int:
     check_folder("--descriptor", args.descriptor, make=True)
     need_nixl("kvcopy peer")
     from kvcopy.calibration.network import serve_calibration_peer
+    from kvcopy.host.pool import HostKVPool
 
     name = args.name or f"kvcopy-peer-{os.uname().nodename}-{os.getpid()}"
     with serve_calibration_peer(name) as served:
         Path(args.descriptor).write_bytes(served.descriptor())
-        print(f"peer {name!r} serving {served.pool.nbytes >> 20} MiB; its descriptor is in {args.descriptor}")
+        pool = served.pool
+        assert isinstance(pool, HostKVPool)  # serve_calibration_peer's pool is in host memory
+        print(f"peer {name!r} serving {pool.nbytes >> 20} MiB; its descriptor is in {args.descriptor}")
         print("copy that file to the other node and run there: kvcopy calibrate --remote <the file>")
         until = None if args.seconds is None else time.monotonic() + args.seconds
         try:
@@ -400,25 +408,25 @@ def check_disk_arg(value: str | None) -> None:
     need_nixl("--disk")
 
 
-def add_disk_fits(profile: object, directory: str, *, quick: bool, progress: bool) -> None:
+def add_disk_fits(profile: Profile, directory: str, *, quick: bool, progress: bool) -> None:
     from kvcopy.calibration.disk import add_disk_fits as measure
 
     try:
-        measure(profile, directory, quick=quick, progress=progress)  # type: ignore[arg-type]
+        measure(profile, directory, quick=quick, progress=progress)
     except OSError as err:  # no room, no permission
         raise CliError(f"--disk: the disk under {directory} could not be measured: {err}") from None
 
 
-def print_disk_fits(profile: object) -> None:
+def print_disk_fits(profile: Profile) -> None:
     """The disk's writes and reads per range size (what a disk reload would use), below calibrate's table."""
     from kvcopy.calibration.disk import DISK_METHOD, DISK_READ, DISK_WRITE
 
-    where = profile.hardware.get("disk")  # type: ignore[attr-defined]
+    where = profile.hardware.get("disk")
     if where is None:
         return
     print(f"disk: {where}")
     for direction, what in ((DISK_WRITE, "write"), (DISK_READ, "read")):
-        link = profile.directions.get(direction, {}).get(DISK_METHOD)  # type: ignore[attr-defined]
+        link = profile.directions.get(direction, {}).get(DISK_METHOD)
         for size, fit in sorted(link.by_block_nbytes.items()) if link else ():
             print(
                 f"  {what} ({direction}) {size // 1024:>6} KiB ranges: {fit.alpha_s * 1e6:8.1f} us + bytes at "

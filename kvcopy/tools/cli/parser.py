@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from kvcopy.model.spec import ModelSpec
+    from kvcopy.profile import Profile
 
 __all__ = [
     "CliError",
@@ -30,11 +35,11 @@ class CliError(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``kvcopy <command>: argument --x: ...``, exit status 2 (see --help)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
+def load_model(name_or_path: str) -> ModelSpec:
     from kvcopy.model.spec import ModelSpec
 
     path = Path(name_or_path)
@@ -51,7 +56,7 @@ def load_model(name_or_path: str):  # noqa: ANN202 - a ModelSpec
         raise CliError(f"--model: {err}") from None
 
 
-def load_profile(path: str | None):  # noqa: ANN202 - a Profile
+def load_profile(path: str | None) -> Profile:
     from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile
 
     where = Path(path) if path else DEFAULT_PROFILE_PATH
