@@ -5,13 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-# tests/test_netns.py makes two network namespaces joined by a veth pair: it needs iproute2 (ip, tc).
+# tests/remote/test_netns.py makes two network namespaces joined by a veth pair: it needs iproute2 (ip, tc).
 if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; } \
-      || echo "iproute2 could not be installed (no package mirror?): tests/test_netns.py will skip" >&2
+      || echo "iproute2 could not be installed (no package mirror?): tests/remote/test_netns.py will skip" >&2
   else
-    echo "iproute2 (ip, tc) is missing and cannot be installed here: tests/test_netns.py will skip" >&2
+    echo "iproute2 (ip, tc) is missing and cannot be installed here: tests/remote/test_netns.py will skip" >&2
   fi
 fi
 export PATH="$PWD/.venv/bin:$PATH"

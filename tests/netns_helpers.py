@@ -1,4 +1,4 @@
-"""A kvcopy peer process in each of two test hosts, for tests/test_netns.py: the namespaces and their shaped
+"""A kvcopy peer process in each of two test hosts, for tests/remote/test_netns.py: the namespaces and their shaped
 link are kvcopy.tools.netns's; a peer is ``tests/netns_peer.py`` run in one of them under UCX over TCP
 (:meth:`~kvcopy.tools.netns.Link.argv`). The test talks to it over a socket pair handed down as a file
 descriptor.

@@ -1,4 +1,4 @@
-"""A remote peer in another process, for tests/test_remote.py: it builds a pool of known random bytes,
+"""A remote peer in another process, for tests/remote/test_remote.py: it builds a pool of known random bytes,
 sends its descriptor over a pipe, and answers commands (connect to ours, its pool's bytes, exit)."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from conftest import HANG_TIMEOUT_S
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 LLAMA_BLOCK = LLAMA.block_nbytes(16)  # one 16-token block, all layers: 2 MiB
 # A realistic calibrated base: a CPU VM's, with per-size fits at 4096/32768/262144-byte plane-blocks.
-CPU_PROFILE = Path(__file__).resolve().parents[1] / "results" / "profile_cpu.json"
+CPU_PROFILE = Path(__file__).resolve().parents[2] / "results" / "profile_cpu.json"
 CAL_PLANES = 16  # the calibrator's planes per block (CPU_PROFILE's calibration_planes)
 
 # The copy law the engine's transfers follow: 200 us per call, 5 GB/s, blocks of 2 MiB.

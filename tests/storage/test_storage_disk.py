@@ -1,7 +1,7 @@
 """kvcopy.storage.store.DiskKVStore on the CPU: bitwise round trips through NIXL's POSIX backend, persistence
 across processes, refusal of another CacheKey or layout, eviction, coalescing, corruption found, bad input, and
 a writer killed with SIGKILL mid-put whose committed blocks all read back right; the GDS backend refused where
-there is no GPU, and the checksum of a PagedKV's blocks (tests/test_storage_gds.py runs GDS on a GPU)."""
+there is no GPU, and the checksum of a PagedKV's blocks (tests/storage/test_storage_gds.py runs GDS on a GPU)."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
     assert not (tmp_path / "other").exists()
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/test_storage_gds.py runs it there")
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/storage/test_storage_gds.py runs it there")
 def test_gds_without_a_gpu_says_why_and_leaves_nothing(tmp_path):
     pool = filled_pool(layout(), 1)
     with pytest.raises(RuntimeError, match="GDS backend \\(GPUDirect Storage\\) would not start here.*CUDA GPU"):

@@ -18,7 +18,7 @@ from kvcopy.tools.bench.baselines import has_dma_baselines
 
 from conftest import SUBPROCESS_TIMEOUT_S
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "kvcopy",
     "torch",

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvcopy.cachekey.key import FORMAT_VERSION, BlockIndex, CacheKey, SupportsIdentity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _identity() -> dict:

@@ -108,7 +108,7 @@ def calibrated(env, home):
     args = ("calibrate", "--quick", "--out", str(profile), "--plot", str(plot), "--no-progress")
     result = run(env, *args)
     if result.returncode == 2 and "do not grow" in result.stderr:
-        # A noisy machine can sink the three-point prefill fit (see tests/test_profile.py); once more.
+        # A noisy machine can sink the three-point prefill fit (see tests/base/test_profile.py); once more.
         warnings.warn(f"kvcopy calibrate failed once: {result.stderr.strip()}; retrying", stacklevel=1)
         result = run(env, *args)
     return result, profile, plot

@@ -1,4 +1,4 @@
-"""kvcopy's vLLM spec with CUDA caches: the store, the reset and the load of tests/test_vllm_offload.py on a
+"""kvcopy's vLLM spec with CUDA caches: the store, the reset and the load of tests/integrations/test_vllm_offload.py on a
 GPU, where the copies run on the TransferEngine's copy streams and the host pool is pinned.
 
 It needs vLLM and a GPU together; the lent GPU machine cannot receive vLLM's wheel, so there it skips

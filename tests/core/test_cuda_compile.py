@@ -16,7 +16,7 @@ import pytest
 
 from conftest import SUBPROCESS_TIMEOUT_S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc")
 PLANE_BYTES = 40  # a PlaneCopy: two addresses, two strides, the block bytes
 

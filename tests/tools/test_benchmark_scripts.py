@@ -24,7 +24,7 @@ from kvcopy.tools.netns import NetnsUnavailable, netns_link
 
 from conftest import HANG_TIMEOUT_S, HAS_CUDA, SUBPROCESS_TIMEOUT_S
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 ROW_METHODS = {LIMIT, "kvcopy cpu", "per-layer index loop", "per-block copy_ loop"}
