@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SUBPROCESS_TIMEOUT_S
+from helpers import SUBPROCESS_TIMEOUT_S
 
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 pytest.importorskip("transformers", reason="the transformers extra is part of the test install")

@@ -12,13 +12,13 @@ import time
 
 import pytest
 import torch
+from test_planner_fetch import brute_fetch_threshold, planner
 
 import kvcopy
 from kvcopy.integrations.common.live_planner import LivePlanner
 from kvcopy.integrations.common.offload_session import OffloadSession
 
-from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy
-from test_planner_fetch import brute_fetch_threshold, planner
+from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy
 
 # How long the test gives an unordered reload to run (and so read the wrong bytes) while B is held: it
 # only needs to be long enough to catch the bug most of the time; the right ordering passes whatever it is.

@@ -16,7 +16,7 @@ import kvcopy
 from kvcopy import _ext
 from kvcopy.tools.bench.baselines import has_dma_baselines
 
-from conftest import SUBPROCESS_TIMEOUT_S
+from helpers import SUBPROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {

@@ -7,7 +7,7 @@ import torch
 
 import kvcopy
 
-from conftest import byte_rows, random_tensor
+from helpers.copies import byte_rows, random_tensor
 
 
 def _shares_storage(view: torch.Tensor, base: torch.Tensor) -> bool:

@@ -29,16 +29,8 @@ from kvcopy.calibration.timing import Timing, measure
 from kvcopy.methods import available_methods, choose_method
 from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
-from conftest import (
-    HAS_CUDA,
-    assert_same_bytes,
-    byte_rows,
-    dst_bytes,
-    fill_random_,
-    make_layout,
-    reference_copy,
-    snapshot,
-)
+from helpers import HAS_CUDA
+from helpers.copies import assert_same_bytes, byte_rows, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 CAL_PLANES = calibrator.CALIBRATION_PLANES
 # What a CPU calibration times in this process ("triton" under the interpreter is left out).

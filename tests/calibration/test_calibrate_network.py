@@ -22,7 +22,7 @@ from kvcopy.calibration.network import (  # noqa: E402
 from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile, fit_problems  # noqa: E402
 from kvcopy.tools import cli  # noqa: E402
 
-from remote_helpers import remote_peer  # noqa: E402
+from helpers.remote import remote_peer  # noqa: E402
 
 # Seconds for a `kvcopy peer` process to write its descriptor (it imports torch and NIXL first).
 PEER_START_S = 120

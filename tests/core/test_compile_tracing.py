@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from kvcopy import dispatch
 from kvcopy.methods import staging
 
-from conftest import make_layout
+from helpers.copies import make_layout
 
 
 def test_capture_query_is_not_traced(monkeypatch):

@@ -8,15 +8,8 @@ import torch
 
 import kvcopy
 
-from conftest import (
-    CPU_METHODS,
-    assert_same_bytes,
-    check_copy,
-    fill_random_,
-    make_layout,
-    random_tensor,
-    snapshot,
-)
+from helpers import CPU_METHODS
+from helpers.copies import assert_same_bytes, check_copy, fill_random_, make_layout, random_tensor, snapshot
 
 METHODS = CPU_METHODS + ("auto",)
 NUM_BLOCKS = 6

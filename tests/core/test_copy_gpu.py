@@ -14,8 +14,8 @@ import torch
 import kvcopy
 from kvcopy.methods import HOST_LINK_CTA_BUDGET
 
-from conftest import (
-    HAS_CUDA,
+from helpers import HAS_CUDA, gpu, requires_gpu
+from helpers.copies import (
     as_id_list,
     assert_same_bytes,
     byte_rows,
@@ -23,7 +23,6 @@ from conftest import (
     dst_bytes,
     empty_like_kv,
     fill_random_,
-    gpu,
     make_flashinfer,
     make_layout,
     make_vllm,
@@ -31,7 +30,6 @@ from conftest import (
     random_bytes,
     random_tensor,
     reference_copy,
-    requires_gpu,
     snapshot,
 )
 

@@ -8,11 +8,9 @@ import torch
 
 import kvcopy
 
-from conftest import (
-    CPU_METHODS,
-    DTYPES,
+from helpers import CPU_METHODS, DTYPES, TRITON_ON_CPU
+from helpers.copies import (
     LAYOUTS,
-    TRITON_ON_CPU,
     assert_same_bytes,
     byte_rows,
     check_copy,

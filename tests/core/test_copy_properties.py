@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import kvcopy
 
-from conftest import DTYPES, TRITON_ON_CPU, assert_same_bytes, check_copy, dst_bytes, random_bytes, reference_copy
+from helpers import DTYPES, TRITON_ON_CPU
+from helpers.copies import assert_same_bytes, check_copy, dst_bytes, random_bytes, reference_copy
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -14,7 +14,7 @@ import kvcopy
 from kvcopy import _ext
 from kvcopy.host.memory import MAX_REGISTER_BYTES, registration_chunks
 
-from conftest import make_layout
+from helpers.copies import make_layout
 
 pytestmark = pytest.mark.skipif(not _ext.has_cpu_kernels(), reason="needs the compiled extension (the planner)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SUBPROCESS_TIMEOUT_S
+from helpers import SUBPROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc")

@@ -14,7 +14,7 @@ import kvcopy
 from kvcopy import _ext, dispatch, layout
 from kvcopy import ids as _ids
 
-from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 pytestmark = pytest.mark.skipif(not _ext.has_cpu_kernels(), reason="the fast path runs the compiled CPU copy")
 

@@ -12,7 +12,7 @@ from kvcopy import methods
 from kvcopy.calibration import local as calibrator
 from kvcopy.methods import CopyMethod
 
-from conftest import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 
 def _toy_run(src, src_ids, dst, dst_ids, num_ctas):

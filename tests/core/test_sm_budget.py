@@ -17,7 +17,7 @@ import kvcopy
 from kvcopy import _ext, dispatch, methods
 from kvcopy.methods import builtin, choice, pairs, sm_budget
 
-from conftest import make_layout
+from helpers.copies import make_layout
 
 
 def _pair():

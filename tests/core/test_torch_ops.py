@@ -7,7 +7,7 @@ import torch
 
 import kvcopy
 
-from conftest import (
+from helpers.copies import (
     assert_same_bytes,
     byte_rows,
     dst_bytes,

@@ -2,7 +2,7 @@
 
 On CPU the engine runs one worker thread per direction. To hold transfers in
 flight deterministically the tests wrap ``kvcopy.dispatch.run`` (what the workers
-call for each copy) with a gate (tests/engine_helpers.py).
+call for each copy) with a gate (tests/helpers/engines.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 
 import kvcopy
 
-from conftest import (
-    CPU_METHODS,
-    HANG_TIMEOUT_S,
+from helpers import CPU_METHODS, HANG_TIMEOUT_S
+from helpers.copies import (
     assert_same_bytes,
     byte_rows,
     dst_bytes,
@@ -33,7 +32,7 @@ from conftest import (
     reference_copy,
     snapshot,
 )
-from engine_helpers import Engines, run_in_thread, run_threads, writes_into
+from helpers.engines import Engines, run_in_thread, run_threads, writes_into
 
 ENGINE_METHODS = ("auto",) + CPU_METHODS
 LAYOUTS = ("vllm", "flashinfer", "mla")

@@ -1,6 +1,6 @@
 """TransferEngine: its own transfers are ordered per block; debug mode reports the caller's conflicting work.
 
-The first transfer is held in flight by the gate (tests/engine_helpers.py).
+The first transfer is held in flight by the gate (tests/helpers/engines.py).
 A second transfer touching one of its blocks is accepted and runs after it,
 so the result is that of running the two in submission order; one touching
 none runs beside it. In debug mode, the caller's own ``copy_blocks`` on the
@@ -17,8 +17,9 @@ import torch
 
 import kvcopy
 
-from conftest import HANG_TIMEOUT_S, assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
-from engine_helpers import run_threads
+from helpers import HANG_TIMEOUT_S
+from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from helpers.engines import run_threads
 
 NUM_BLOCKS, HOST_BLOCKS = 12, 10
 

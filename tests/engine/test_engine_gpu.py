@@ -19,19 +19,9 @@ import torch
 
 import kvcopy
 
-from conftest import (
-    HANG_TIMEOUT_S,
-    assert_same_bytes,
-    byte_rows,
-    dst_bytes,
-    fill_random_,
-    gpu,
-    make_layout,
-    reference_copy,
-    requires_gpu,
-    snapshot,
-)
-from engine_helpers import run_threads
+from helpers import HANG_TIMEOUT_S, gpu, requires_gpu
+from helpers.copies import assert_same_bytes, byte_rows, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from helpers.engines import run_threads
 
 pytestmark = [gpu, requires_gpu]
 

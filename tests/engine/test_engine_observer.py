@@ -22,7 +22,8 @@ import torch
 import kvcopy
 from kvcopy.engine.transfer import ThreadSignal
 
-from conftest import CPU_METHODS, HANG_TIMEOUT_S, assert_same_bytes, dst_bytes, reference_copy
+from helpers import CPU_METHODS, HANG_TIMEOUT_S
+from helpers.copies import assert_same_bytes, dst_bytes, reference_copy
 
 NUM_BLOCKS = 16
 HOST_BLOCKS = 16

@@ -12,8 +12,8 @@ import torch
 
 import kvcopy
 
-from conftest import HANG_TIMEOUT_S
-from engine_helpers import run_threads
+from helpers import HANG_TIMEOUT_S
+from helpers.engines import run_threads
 
 NUM_BLOCKS = 16
 

@@ -12,7 +12,8 @@ import torch
 import kvcopy
 from kvcopy.host import memory as _host_memory
 
-from conftest import HAS_CUDA, byte_rows, make_vllm
+from helpers import HAS_CUDA
+from helpers.copies import byte_rows, make_vllm
 
 PAGE = mmap.PAGESIZE
 

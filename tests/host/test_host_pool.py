@@ -7,7 +7,8 @@ import torch
 
 import kvcopy
 
-from conftest import HAS_CUDA, byte_rows, make_flashinfer, make_vllm, random_bytes, random_tensor
+from helpers import HAS_CUDA
+from helpers.copies import byte_rows, make_flashinfer, make_vllm, random_bytes, random_tensor
 
 
 def _like(gen) -> kvcopy.PagedKV:

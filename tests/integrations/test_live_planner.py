@@ -40,7 +40,7 @@ from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.path_clock import ForwardRequest, PathClock
 from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
-from conftest import HANG_TIMEOUT_S
+from helpers import HANG_TIMEOUT_S
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 BLOCK = LLAMA.block_nbytes(16)

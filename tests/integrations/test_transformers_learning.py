@@ -1,6 +1,6 @@
 """kvcopy learns transformers' own costs while it serves (``kvt.offloading(..., learn=True)``).
 
-The calibration given is the engine's real case: far too fast for what the engine measures (hf_helpers'
+The calibration given is the engine's real case: far too fast for what the engine measures (helpers.hf's
 crossover profile: copies at 1 ms + 10 GB/s and prefill with no per-forward cost, against forwards of
 transformers' continuous batching that carry milliseconds of Python each). Each test asserts that the path
 it is about ran: forwards and copies observed, decisions made from the learned profile.
@@ -21,10 +21,10 @@ from kvcopy.integrations.common.live_planner import REFIT_EVERY, predict_paths  
 from kvcopy.planner.decision import seconds_text  # noqa: E402
 from kvcopy.tools import cli  # noqa: E402
 
-from hf_helpers import MODEL_CASES, ROOMY_BLOCKS, crossover_profile  # noqa: E402
+from helpers.hf import MODEL_CASES, ROOMY_BLOCKS, crossover_profile  # noqa: E402
 
 LLAMA = MODEL_CASES[0]
-# hf_helpers' ContinuousBatchingConfig: forwards of at most this many tokens.
+# helpers.hf's ContinuousBatchingConfig: forwards of at most this many tokens.
 MAX_BATCH_TOKENS = 256
 
 

@@ -1,6 +1,6 @@
 """kvcopy inside a real engine: transformers' continuous batching offloads, decides and reloads through it.
 
-Tiny random-weight models (tests/hf_helpers.py), 10 requests of 40-300 prompt
+Tiny random-weight models (tests/helpers/hf.py), 10 requests of 40-300 prompt
 tokens and 40 new tokens, greedy, on a cache small enough that requests are
 preempted several times. Each test asserts that the path it is about ran.
 """
@@ -22,8 +22,8 @@ from kvcopy.integrations import transformers as kvt  # noqa: E402
 from kvcopy.integrations.common.live_planner import predict_paths  # noqa: E402
 from kvcopy.integrations.transformers import manager as _hf_manager  # noqa: E402
 
-from conftest import HAS_CUDA, gpu  # noqa: E402
-from hf_helpers import (  # noqa: E402
+from helpers import HAS_CUDA, gpu  # noqa: E402
+from helpers.hf import (  # noqa: E402
     MODEL_CASES,
     ROOMY_BLOCKS,
     ModelCase,
@@ -84,7 +84,7 @@ def test_auto_follows_the_planner_and_measures_the_path_taken():
     assert {d.action for d in stats.decisions} == {"reload", "recompute"}
     assert stats.profile is profile  # learn=False: the calibration decides
     for d in stats.decisions:
-        # in forwards of at most the cache's batch token budget (hf_helpers: max_batch_tokens=256)
+        # in forwards of at most the cache's batch token budget (helpers.hf: max_batch_tokens=256)
         reload, recompute = predict_paths(planner, d.prefix_tokens, d.new_tokens, d.reload_nbytes, 256)
         assert (d.predicted_reload_s, d.predicted_recompute_s) == (reload, recompute)
         assert reload == planner.t_load_nbytes(d.reload_nbytes) + sum(

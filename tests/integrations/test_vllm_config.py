@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 import kvcopy.integrations.vllm as kv_vllm  # noqa: E402
 from kvcopy.integrations.vllm import _compat  # noqa: E402
 
-from vllm_helpers import make_rig  # noqa: E402
+from helpers.vllm import make_rig  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 from kvcopy.integrations.vllm import KVCopyOffloadingConnector  # noqa: E402
 
-from vllm_helpers import BLOCK_TOKENS, before_copies, make_rig, write_profile  # noqa: E402
+from helpers.vllm import BLOCK_TOKENS, before_copies, make_rig, write_profile  # noqa: E402
 
 PROMPT = [(3 * i + 2) % 250 for i in range(120)]
 TOKENS = PROMPT + [4, 5, 6]

@@ -1,5 +1,6 @@
-"""kvcopy's vLLM spec with CUDA caches: the store, the reset and the load of tests/integrations/test_vllm_offload.py on a
-GPU, where the copies run on the TransferEngine's copy streams and the host pool is pinned.
+"""kvcopy's vLLM spec with CUDA caches: the store, the reset and the load of
+tests/integrations/test_vllm_offload.py on a GPU, where the copies run on the TransferEngine's copy streams and
+the host pool is pinned.
 
 It needs vLLM and a GPU together; the lent GPU machine cannot receive vLLM's wheel, so there it skips
 (docs/engines.md, "vLLM": what ran where)."""
@@ -14,9 +15,8 @@ pytest.importorskip(
 
 import torch  # noqa: E402
 
-from conftest import gpu, requires_gpu  # noqa: E402
-from test_vllm_offload import PROMPT, assert_blocks_hold, reload_prefix  # noqa: E402
-from vllm_helpers import BLOCK_TOKENS, make_rig  # noqa: E402
+from helpers import gpu, requires_gpu  # noqa: E402
+from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold, make_rig, reload_prefix  # noqa: E402
 
 
 @gpu

@@ -1,6 +1,6 @@
 """The load-or-recompute judgment inside vLLM's scheduler: a hit the Planner predicts slower to load than to
 recompute is refused (vLLM computes its tokens); the opposite is loaded; ``kvcopy_policy: "offload"`` loads
-every hit. vLLM's real Scheduler and OffloadingConnector on the CPU (tests/vllm_helpers.py)."""
+every hit. vLLM's real Scheduler and OffloadingConnector on the CPU (tests/helpers/vllm.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvcopy.integrations.vllm.manager import (  # noqa: E402
     request_hit,
 )
 
-from vllm_helpers import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
+from helpers.vllm import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
 
 PROMPT = [(5 * i + 1) % 250 for i in range(160)]
 TOKENS = PROMPT + [9, 8, 7]

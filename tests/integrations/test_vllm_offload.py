@@ -1,5 +1,5 @@
 """kvcopy as vLLM's offloading data path, on the CPU: vLLM's real Scheduler and OffloadingConnector in both
-roles, kvcopy's spec, CPU tensors in the GPU's place (tests/vllm_helpers.py).
+roles, kvcopy's spec, CPU tensors in the GPU's place (tests/helpers/vllm.py).
 
 The loaded blocks are compared bitwise with what the forwards wrote (kv_value), after the cache was zeroed."""
 
@@ -20,43 +20,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker  # noqa: E402
 
-from vllm_helpers import BLOCK_TOKENS, before_copies, kv_value, make_rig  # noqa: E402
-
-PROMPT = [(7 * i + 3) % 250 for i in range(150)]
-
-
-def expected_block(rig, tokens, name: str, block_index: int) -> torch.Tensor:
-    """A full block's page as the forwards write it (tests/vllm_helpers.py): kv_value of its whole prefix."""
-    layer = int(name.split(".")[1])
-    return torch.full_like(rig.caches[name][0], kv_value(tokens, (block_index + 1) * BLOCK_TOKENS - 1, layer))
-
-
-def assert_blocks_hold(rig, request_id: str, tokens, blocks: range, groups=None) -> int:
-    """The request's blocks ``blocks`` (indices into its block table) hold the prefix's KV, bitwise, in every
-    layer of its groups; returns how many blocks were compared."""
-    compared = 0
-    table = rig.blocks_of(request_id)
-    for name, cache in rig.caches.items():
-        group = rig._group_of[name]
-        if groups is not None and group not in groups:
-            continue
-        for index in blocks:
-            block = table[group][index]
-            if block == 0:  # vLLM's null block: outside a sliding window
-                continue
-            assert torch.equal(cache[block], expected_block(rig, tokens, name, index)), (name, index, block)
-            compared += 1
-    return compared
-
-
-def reload_prefix(rig, prompt, chunk_tokens: int = BLOCK_TOKENS) -> tuple[list[int], int]:
-    """Stores ``prompt``, zeroes the cache, reruns it with 3 more tokens: (those tokens, the tokens loaded:
-    every complete chunk), asserting the rest was computed."""
-    rig.store_and_reset(prompt, zero=True)
-    tokens = prompt + [5, 6, 7]
-    hit = len(prompt) // chunk_tokens * chunk_tokens
-    assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)  # the rest was loaded
-    return tokens, hit
+from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold, before_copies, make_rig, reload_prefix  # noqa: E402
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 4])

@@ -30,7 +30,7 @@ from kvcopy import OnlineProfile, Planner
 from kvcopy.online.profile import BANDWIDTH_CAP_FACTOR, PRIOR_WEIGHT
 from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
-from conftest import HANG_TIMEOUT_S
+from helpers import HANG_TIMEOUT_S
 
 LLAMA = kvcopy.ModelSpec.preset("llama-3.1-8b")
 LLAMA_BLOCK = LLAMA.block_nbytes(16)  # one 16-token block, all layers: 2 MiB

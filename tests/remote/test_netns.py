@@ -1,5 +1,5 @@
 """kvcopy.remote between two test hosts: network namespaces joined by a tbf-shaped veth pair, a kvcopy peer in
-each, UCX over TCP (tests/netns_helpers.py). The link is real: bytes cross a network stack at a known rate,
+each, UCX over TCP (tests/helpers/netns.py). The link is real: bytes cross a network stack at a known rate,
 and it can be brought down or its peer killed in the middle of a transfer.
 
 Skipped, saying why, where the sandbox cannot make namespaces (not root, no iproute2); CI installs iproute2.
@@ -19,8 +19,8 @@ pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip
 import kvcopy  # noqa: E402
 from kvcopy.calibration.network import REMOTE_METHOD  # noqa: E402
 
-from conftest import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
-from netns_helpers import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402
+from helpers import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
+from helpers.netns import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402
 
 # Llama-3.1-8B's 16-token blocks (2 MiB each): 256 of them are a 4096-token prefix.
 BLOCK_TOKENS, POOL_BLOCKS = 16, 256

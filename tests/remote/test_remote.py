@@ -15,8 +15,8 @@ pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip
 import kvcopy  # noqa: E402
 from kvcopy.remote import KVPeer, RemoteTransferError, RemoteTransferTimeout  # noqa: E402
 
-from conftest import HANG_TIMEOUT_S, gpu, requires_gpu  # noqa: E402
-from remote_helpers import make_pool, planes_of, remote_peer, storage_bytes  # noqa: E402
+from helpers import HANG_TIMEOUT_S, gpu, requires_gpu  # noqa: E402
+from helpers.remote import make_pool, planes_of, remote_peer, storage_bytes  # noqa: E402
 
 # Only a hang reaches it: a loopback transfer of a few MB takes milliseconds; a loaded CI machine, seconds.
 WAIT_S = HANG_TIMEOUT_S

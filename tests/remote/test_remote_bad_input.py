@@ -15,7 +15,7 @@ import kvcopy  # noqa: E402
 from kvcopy.remote import KVPeer  # noqa: E402
 from kvcopy.remote import descriptor as desc  # noqa: E402
 
-from remote_helpers import make_pool  # noqa: E402
+from helpers.remote import make_pool  # noqa: E402
 
 HEADER = struct.Struct("<4sII")  # the descriptor's header, as docs/decisions.md describes it: magic, format, length
 

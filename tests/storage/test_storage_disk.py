@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,36 +24,12 @@ from kvcopy.storage.files import fill_with_zeros  # noqa: E402
 from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums  # noqa: E402
 from kvcopy.storage.store import CorruptBlockError, DiskKVStore  # noqa: E402
 
-from conftest import HAS_CUDA  # noqa: E402
+from helpers import HAS_CUDA  # noqa: E402
+from helpers.storage import filled_pool, hashes, key, layout  # noqa: E402
 
 NUM_BLOCKS = 16
-
-
-def key(weights: str = "w") -> kvcopy.CacheKey:
-    return kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id=weights, block_tokens=16)
-
-
-def layout(kind: str = "bf16", num_blocks: int = 32) -> kvcopy.PagedKV:
-    """Multi-plane bf16 K/V (2 layers), or fp8 data planes with float32 scale planes."""
-    if kind == "bf16":
-        planes = [torch.empty(num_blocks, 16, 2, 64, dtype=torch.bfloat16) for _ in range(4)]
-        return kvcopy.PagedKV.from_planes(planes, planes_per_layer=2)
-    data = [torch.empty(num_blocks, 16, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
-    scales = [torch.empty(num_blocks, 16, 2, dtype=torch.float32) for _ in range(2)]
-    return kvcopy.PagedKV.from_planes(data + scales, planes_per_layer=2)
-
-
-def filled_pool(paged: kvcopy.PagedKV, seed: int) -> kvcopy.HostKVPool:
-    pool = kvcopy.HostKVPool(paged, paged.num_blocks, pin_memory=False)
-    gen = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), generator=gen, dtype=torch.uint8))
-    return pool
-
-
-def hashes(n: int, start: int = 0) -> list[str]:
-    import hashlib
-
-    return [hashlib.sha256(f"block {i}".encode()).hexdigest() for i in range(start, start + n)]
+# tests/, where the processes a test starts find the helpers
+TESTS = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8_scales"])
@@ -75,8 +52,9 @@ def test_a_store_survives_its_process(tmp_path):
     path = tmp_path / "store"
     script = textwrap.dedent(
         f"""
-        import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_storage_disk import DiskKVStore, filled_pool, hashes, key, layout
+        import sys; sys.path.insert(0, {TESTS!r})
+        from helpers.storage import filled_pool, hashes, key, layout
+        from kvcopy.storage.store import DiskKVStore
         pool = filled_pool(layout(), 1)
         with DiskKVStore.create({str(path)!r}, pool, {NUM_BLOCKS}, cache_key=key()) as store:
             store.put(hashes(8), pool, list(range(8))).wait()
@@ -215,7 +193,9 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
     assert not (tmp_path / "other").exists()
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/storage/test_storage_gds.py runs it there")
+@pytest.mark.skipif(
+    HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/storage/test_storage_gds.py runs it there"
+)
 def test_gds_without_a_gpu_says_why_and_leaves_nothing(tmp_path):
     pool = filled_pool(layout(), 1)
     with pytest.raises(RuntimeError, match="GDS backend \\(GPUDirect Storage\\) would not start here.*CUDA GPU"):
@@ -268,7 +248,8 @@ def test_a_store_that_does_not_fit_is_an_error_at_create(tmp_path):
 WRITER = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_storage_disk import DiskKVStore, hashes, key, layout
+from helpers.storage import hashes, key, layout
+from kvcopy.storage.store import DiskKVStore
 import kvcopy, torch
 pool = kvcopy.HostKVPool(layout(), 32, pin_memory=False)
 store = DiskKVStore.open({path!r}, pool, cache_key=key())
@@ -284,7 +265,7 @@ for i in range(100000):
 def test_a_writer_killed_mid_put_leaves_only_right_blocks(tmp_path, delay_s):
     path = str(tmp_path / "store")
     DiskKVStore.create(path, layout(), NUM_BLOCKS, cache_key=key()).close()
-    code = WRITER.format(tests=os.path.dirname(__file__), path=path)
+    code = WRITER.format(tests=TESTS, path=path)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     first = child.stdout.readline()
     while first and not first.strip().isdigit():  # NIXL's own start-up lines

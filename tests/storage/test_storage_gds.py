@@ -11,13 +11,12 @@ import torch
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
-from test_storage_disk import filled_pool, hashes, key, layout  # noqa: E402
-
 import kvcopy  # noqa: E402
 from kvcopy.storage.gpu_blocks import paged_block_bytes  # noqa: E402
 from kvcopy.storage.store import CorruptBlockError, DiskKVStore  # noqa: E402
 
-from conftest import gpu, requires_gpu  # noqa: E402
+from helpers import gpu, requires_gpu  # noqa: E402
+from helpers.storage import filled_pool, hashes, key, layout  # noqa: E402
 
 pytestmark = [gpu, requires_gpu]
 

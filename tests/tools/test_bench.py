@@ -38,7 +38,8 @@ from kvcopy.tools.bench.report import MEASURED_COLUMNS
 from kvcopy.tools.bench.runner import AUTO, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
 from kvcopy.tools.bench.workloads import ONE_PLANE_32K, TINY_PLANES
 
-from conftest import HAS_CUDA, assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
+from helpers import HAS_CUDA
+from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
 CPU = torch.device("cpu")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

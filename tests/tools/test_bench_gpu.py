@@ -12,7 +12,8 @@ import kvcopy
 from kvcopy.tools.bench import BenchConfig, run_benchmarks
 from kvcopy.tools.bench.baselines import DMA_BASELINES, dma_baseline, per_block_copy_loop, per_layer_index_loop
 
-from conftest import assert_same_bytes, dst_bytes, gpu, make_layout, reference_copy, requires_gpu, snapshot
+from helpers import gpu, requires_gpu
+from helpers.copies import assert_same_bytes, dst_bytes, make_layout, reference_copy, snapshot
 
 pytestmark = [gpu, requires_gpu]
 

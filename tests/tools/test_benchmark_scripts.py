@@ -22,7 +22,7 @@ import pytest
 from kvcopy.tools.bench import CSV_COLUMNS, IDENTITY_COLUMNS, LIMIT, read_csv
 from kvcopy.tools.netns import NetnsUnavailable, netns_link
 
-from conftest import HANG_TIMEOUT_S, HAS_CUDA, SUBPROCESS_TIMEOUT_S
+from helpers import HANG_TIMEOUT_S, HAS_CUDA, SUBPROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -22,7 +22,7 @@ from kvcopy.profile import Profile
 from kvcopy.tools.bench import CSV_COLUMNS, read_csv
 from kvcopy.tools.cli import main
 
-from conftest import SUBPROCESS_TIMEOUT_S
+from helpers import SUBPROCESS_TIMEOUT_S
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT_S = SUBPROCESS_TIMEOUT_S

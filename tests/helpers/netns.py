@@ -1,5 +1,5 @@
 """A kvcopy peer process in each of two test hosts, for tests/remote/test_netns.py: the namespaces and their shaped
-link are kvcopy.tools.netns's; a peer is ``tests/netns_peer.py`` run in one of them under UCX over TCP
+link are kvcopy.tools.netns's; a peer is ``tests/helpers/netns_peer.py`` run in one of them under UCX over TCP
 (:meth:`~kvcopy.tools.netns.Link.argv`). The test talks to it over a socket pair handed down as a file
 descriptor.
 """
@@ -14,11 +14,13 @@ from pathlib import Path
 
 from kvcopy.tools.netns import RATES_BIT_S, Link, NetnsUnavailable, netns_link
 
-from conftest import HANG_TIMEOUT_S
+from helpers import HANG_TIMEOUT_S
 
 __all__ = ["RATES_BIT_S", "Link", "NetnsUnavailable", "NsPeer", "PeerError", "netns_link"]
 
-_PEER_SCRIPT = Path(__file__).with_name("netns_peer.py")
+# The peer runs as ``python -m helpers.netns_peer`` with tests/ on its path (as a script, its own folder would
+# be first on the path, and helpers' modules would hide the packages they are named after).
+_TESTS = Path(__file__).resolve().parents[1]
 
 
 class PeerError(RuntimeError):
@@ -31,13 +33,13 @@ class PeerError(RuntimeError):
 
 class NsPeer:
     """A kvcopy peer process in namespace ``ns`` of ``link`` (side 0 or 1); :meth:`ask` runs one command there
-    (tests/netns_peer.py lists them)."""
+    (tests/helpers/netns_peer.py lists them)."""
 
     def __init__(self, link: Link, side: int, name: str, *, extra_env: dict[str, str] | None = None) -> None:
         self.link, self.side, self.name = link, side, name
         ours, theirs = socket.socketpair()
-        command = [sys.executable, str(_PEER_SCRIPT), str(theirs.fileno()), name]
-        argv = link.argv(side, command, extra_env, python_path=[str(_PEER_SCRIPT.parent)])
+        command = [sys.executable, "-m", "helpers.netns_peer", str(theirs.fileno()), name]
+        argv = link.argv(side, command, extra_env, python_path=[str(_TESTS)])
         self.process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),))
         theirs.close()
         self.conn = Connection(ours.detach())

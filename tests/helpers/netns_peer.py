@@ -1,9 +1,9 @@
-"""A kvcopy peer process inside a test namespace (tests/netns_helpers.py starts it): one KVPeer whose pool
+"""A kvcopy peer process inside a test namespace (tests/helpers/netns.py starts it): one KVPeer whose pool
 holds known random bytes, answering the test's commands over the socket whose descriptor is argv[1].
 
 Each command is a tuple (name, *arguments); each answer ("ok", value) or ("error", (class name, message,
 side, block ids)). Commands:
-- ``pool(kind, num_blocks, seed, progress_thread=True)``: a page-first pool of remote_helpers.LAYOUTS[kind]
+- ``pool(kind, num_blocks, seed, progress_thread=True)``: a page-first pool of helpers.remote.LAYOUTS[kind]
   filled from ``seed``, and a KVPeer on it; answers its descriptor;
 - ``connect(descriptor)``: answers the remote agent's name; ``reconnect(agent)``: KVPeer.reconnect;
 - ``read(agent, remote_ids, local_ids, timeout)`` / ``write(agent, local_ids, remote_ids, timeout)``: one
@@ -29,7 +29,7 @@ import torch
 import kvcopy
 from kvcopy.remote import KVPeer
 
-from remote_helpers import make_pool, storage_bytes
+from helpers.remote import make_pool, storage_bytes
 
 
 class Served:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from conftest import HANG_TIMEOUT_S
+from helpers import HANG_TIMEOUT_S
 
 # Seconds a test waits for the remote process to answer (it imports torch and NIXL first): only a hang.
 REPLY_TIMEOUT_S = HANG_TIMEOUT_S

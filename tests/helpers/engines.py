@@ -17,7 +17,7 @@ import pytest
 
 import kvcopy
 
-from conftest import HANG_TIMEOUT_S
+from helpers import HANG_TIMEOUT_S
 
 # A held call gives up after this long (the transfer then fails) rather than hang the suite.
 GATE_TIMEOUT_S = HANG_TIMEOUT_S

@@ -342,3 +342,42 @@ def make_rig(
         )
         worker.register_kv_caches(caches)
     return Rig(vllm_config, scheduler, worker, caches, kv_cache_config)
+
+
+# --------------------------------------------------------------------------- what a load brings back
+
+PROMPT = [(7 * i + 3) % 250 for i in range(150)]
+
+
+def expected_block(rig, tokens, name: str, block_index: int) -> torch.Tensor:
+    """A full block's page as the forwards write it (above): kv_value of its whole prefix."""
+    layer = int(name.split(".")[1])
+    return torch.full_like(rig.caches[name][0], kv_value(tokens, (block_index + 1) * BLOCK_TOKENS - 1, layer))
+
+
+def assert_blocks_hold(rig, request_id: str, tokens, blocks: range, groups=None) -> int:
+    """The request's blocks ``blocks`` (indices into its block table) hold the prefix's KV, bitwise, in every
+    layer of its groups; returns how many blocks were compared."""
+    compared = 0
+    table = rig.blocks_of(request_id)
+    for name, cache in rig.caches.items():
+        group = rig._group_of[name]
+        if groups is not None and group not in groups:
+            continue
+        for index in blocks:
+            block = table[group][index]
+            if block == 0:  # vLLM's null block: outside a sliding window
+                continue
+            assert torch.equal(cache[block], expected_block(rig, tokens, name, index)), (name, index, block)
+            compared += 1
+    return compared
+
+
+def reload_prefix(rig, prompt, chunk_tokens: int = BLOCK_TOKENS) -> tuple[list[int], int]:
+    """Stores ``prompt``, zeroes the cache, reruns it with 3 more tokens: (those tokens, the tokens loaded:
+    every complete chunk), asserting the rest was computed."""
+    rig.store_and_reset(prompt, zero=True)
+    tokens = prompt + [5, 6, 7]
+    hit = len(prompt) // chunk_tokens * chunk_tokens
+    assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)  # the rest was loaded
+    return tokens, hit

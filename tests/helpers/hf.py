@@ -122,7 +122,7 @@ def crossover_profile(model: torch.nn.Module, crossover_tokens: int = 150) -> Pr
 
 def _bench_engine() -> ModuleType:
     """benchmarks/bench_engine.py, which holds the stand-in that lets transformers' own offload run here."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
     spec = importlib.util.spec_from_file_location("bench_engine", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
