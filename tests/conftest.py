@@ -18,6 +18,9 @@ os.environ["KVCOPY_PROFILE"] = "none"
 
 import pytest  # noqa: E402
 
+import kvcopy  # noqa: E402
+import kvcopy.profile  # noqa: E402
+
 
 @pytest.fixture
 def gen() -> torch.Generator:
@@ -34,3 +37,15 @@ def engines():
     made = Engines()
     yield made
     made.close_all()
+
+
+@pytest.fixture
+def restore_default_profile():
+    """set_default_profile changes module state (kvcopy.profile): put it back whatever the test does."""
+    saved = dict(kvcopy.profile._default)
+    try:
+        yield
+    finally:
+        kvcopy.set_default_profile(None)
+        kvcopy.profile._default.clear()
+        kvcopy.profile._default.update(saved)

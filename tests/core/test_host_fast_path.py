@@ -139,7 +139,7 @@ def test_other_ids_take_the_general_path(general_path_calls):
 
 
 def test_a_new_default_profile_changes_the_cached_choice(general_path_calls):
-    from test_profile import synthetic_profile
+    from helpers.profiles import synthetic_profile
 
     kv, pool = _pair(4)
     ids = torch.tensor([1, 2])

@@ -3,6 +3,7 @@ only fixtures and hooks. Here: the facts of this machine the tests branch on, an
 
 - ``copies``: random caches of every engine layout, and a copy checked byte for byte against the reference;
 - ``engines``: TransferEngines made by a test, and the gate that holds their CPU workers' copies;
+- ``profiles``: Profiles built by hand, whose every prediction is known in advance;
 - ``hf``: tiny random-weight transformers models and preempting workloads;
 - ``vllm``: vLLM's real Scheduler and OffloadingConnector around CPU tensors;
 - ``remote``: a kvcopy peer in another process;
