@@ -11,6 +11,7 @@ a TransferConflictError raised before anything is written.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -114,6 +115,37 @@ def test_ordering_holds_when_the_first_copy_is_slow(engines, monkeypatch):
     back = eng.reload([0, 1], [9, 10])
     back.wait()
     assert out.done()
+    assert_same_bytes(dst_bytes(kv), expected)
+
+
+# How long the test gives an unordered reload to run (and so read the wrong bytes) while B is held: it
+# only needs to be long enough to catch the bug most of the time; the right ordering passes whatever it is.
+UNORDERED_GRACE_S = 0.3
+
+
+def test_a_later_writer_of_a_host_block_is_waited_for_after_an_earlier_one_finishes(engines, monkeypatch):
+    """Offload A into host 3, then B into host 3 (held); once A is done, a reload of host 3 still waits for
+    B, and reads B's bytes."""
+    gen = torch.Generator().manual_seed(3)
+    kv = make_layout("vllm", 12, torch.bfloat16, gen, num_layers=2)
+    pool = kvcopy.HostKVPool(kv, 8, pin_memory=False)
+    fill_random_(pool, gen)
+    eng = engines(kv, pool)
+    gate = engines.gate(monkeypatch, hold=lambda src, dst: src is eng.kv)  # offloads wait at the gate
+    expected = reference_copy(kv, [5], kv, [9])  # device 5 reaches device 9 through host 3
+    a = eng.offload([4], [3])
+    b = eng.offload([5], [3])  # write after write: runs after A
+    gate.release(1)  # A only
+    a.wait()
+    gate.wait_held(1)  # B is at the gate: A finished, B still writes host 3 (the case under test)
+    back = eng.reload([3], [9])
+    deadline = time.monotonic() + UNORDERED_GRACE_S
+    while not back.done() and time.monotonic() < deadline:  # a reload that forgot B would finish now
+        time.sleep(0.01)
+    assert not b.done()
+    gate.open()
+    back.wait()
+    assert b.done()
     assert_same_bytes(dst_bytes(kv), expected)
 
 

@@ -123,6 +123,14 @@ def test_fetch_threshold_matches_a_brute_force_scan(fa):
     assert p.threshold_tokens(max_tokens=limit, from_peer=True) == brute_fetch_threshold(p, limit)
 
 
+@pytest.mark.parametrize(("fetch_alpha_s", "limit"), [(0.2, 8192), (0.5, 16384)])
+def test_the_fetch_threshold_above_4096_tokens_matches_a_brute_force_scan(fetch_alpha_s, limit):
+    p = planner(fa=fetch_alpha_s)  # a link so slow per read that fetching pays only beyond 4096 tokens
+    threshold = p.threshold_tokens(max_tokens=limit, from_peer=True)
+    assert threshold is not None and threshold > 4096  # in the geometric grid, where the bisection runs
+    assert threshold == brute_fetch_threshold(p, limit)
+
+
 def test_a_slower_link_fetches_only_longer_prefixes():
     thresholds = [planner(fa=fa).threshold_tokens(from_peer=True) for fa in (50e-6, 2e-3, 20e-3)]
     assert thresholds == sorted(thresholds) and thresholds[0] < thresholds[-1]

@@ -81,6 +81,15 @@ def test_a_broken_descriptor_is_a_value_error_naming_it(peers, case):
     assert local.connect(other.descriptor()) is not None  # the peer still works
 
 
+def test_a_descriptor_of_a_newer_format_is_refused_by_name():
+    layout = desc.PoolLayout("peer-a", "page_first", 4, ((4096, 512, 512, "bfloat16"),), None)
+    data = bytearray(desc.encode(layout, b"metadata"))
+    data[4:8] = (desc.DESCRIPTOR_FORMAT + 1).to_bytes(4, "little")
+    with pytest.raises(ValueError, match=rf"remote_descriptor: format {desc.DESCRIPTOR_FORMAT + 1}, this"):
+        desc.decode(bytes(data))
+    assert desc.decode(desc.encode(layout, b"metadata")) == (layout, b"metadata")  # the format it reads
+
+
 def test_ones_own_descriptor_is_refused(peers):
     local, _ = peers
     with pytest.raises(ValueError, match="remote_descriptor: .*this peer's own name"):
