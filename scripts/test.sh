@@ -1,8 +1,31 @@
 #!/usr/bin/env bash
-# Sets kvcopy up (scripts/setup.sh), checks the style and runs the whole test suite.
+# Sets kvcopy up (scripts/setup.sh), checks the style and runs the whole test suite: what CI runs.
 # Fails when nvcc is present but the CUDA kernels were not built.
+#
+# --quick (first argument) is the inner loop, on a machine already set up: the same style checks, then
+# `python -m pytest -q -m "not slow"` (under 3 minutes on 2 idle cores; docs/testing.md says what it
+# leaves out). Other arguments pass through to pytest: bash scripts/test.sh --quick tests/engine -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+quick=0
+if [ "${1:-}" = --quick ]; then
+  quick=1
+  shift
+fi
+
+# Style is checked, not remembered: ruff (lint + format) for Python, clang-format for C++ and CUDA.
+check_style() {
+  ruff check .
+  ruff format --check .
+  git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs clang-format --dry-run --Werror
+}
+
+if [ "$quick" = 1 ]; then
+  export PATH="$PWD/.venv/bin:$PATH"
+  check_style
+  exec python -m pytest -q -m "not slow" "$@"
+fi
 
 bash scripts/setup.sh
 # tests/remote/test_netns.py makes two network namespaces joined by a veth pair: it needs iproute2 (ip, tc).
@@ -22,8 +45,5 @@ if torch.version.cuda and not kvcopy.build_info()["cuda_kernels"]:
     sys.exit("nvcc is present and torch is a CUDA build, but kvcopy's CUDA kernels were not built")
 PY
 fi
-# Style is checked, not remembered: ruff (lint + format) for Python, clang-format for C++ and CUDA.
-ruff check .
-ruff format --check .
-git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs clang-format --dry-run --Werror
+check_style
 python -m pytest -q "$@"

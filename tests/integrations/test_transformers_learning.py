@@ -23,6 +23,8 @@ from kvcopy.tools import cli  # noqa: E402
 
 from helpers.hf import MODEL_CASES, ROOMY_BLOCKS, crossover_profile  # noqa: E402
 
+pytestmark = pytest.mark.engine
+
 LLAMA = MODEL_CASES[0]
 # helpers.hf's ContinuousBatchingConfig: forwards of at most this many tokens.
 MAX_BATCH_TOKENS = 256

@@ -32,6 +32,8 @@ from helpers.hf import (  # noqa: E402
     transformers_own_offload,
 )
 
+pytestmark = pytest.mark.engine
+
 DEVICES = ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
 LLAMA = MODEL_CASES[0]
 _references: dict[tuple[str, str, str], dict[str, list[int]]] = {}

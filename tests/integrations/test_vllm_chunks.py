@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from kvcopy.integrations.vllm._chunks import job_block_ids
 
+pytestmark = pytest.mark.vllm
+
 gpu_worker = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker", reason="vLLM is not installed")
 torch = pytest.importorskip("torch")
 

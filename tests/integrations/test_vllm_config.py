@@ -16,6 +16,8 @@ from kvcopy.integrations.vllm import _compat  # noqa: E402
 
 from helpers.vllm import make_rig  # noqa: E402
 
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
 
 @pytest.mark.parametrize(
     ("extra", "error", "message"),

@@ -11,6 +11,8 @@ from kvcopy.integrations.vllm import KVCopyOffloadingConnector  # noqa: E402
 
 from helpers.vllm import BLOCK_TOKENS, before_copies, make_rig, write_profile  # noqa: E402
 
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
 PROMPT = [(3 * i + 2) % 250 for i in range(120)]
 TOKENS = PROMPT + [4, 5, 6]
 HIT = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS

@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from helpers import gpu, requires_gpu  # noqa: E402
 from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold, make_rig, reload_prefix  # noqa: E402
 
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
 
 @gpu
 @requires_gpu

@@ -21,6 +21,8 @@ from kvcopy.integrations.vllm.manager import (  # noqa: E402
 
 from helpers.vllm import BLOCK_TOKENS, make_rig, write_profile  # noqa: E402
 
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
 PROMPT = [(5 * i + 1) % 250 for i in range(160)]
 TOKENS = PROMPT + [9, 8, 7]
 HIT = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS

@@ -22,6 +22,8 @@ from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker  # noqa: E402
 
 from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold, before_copies, make_rig, reload_prefix  # noqa: E402
 
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 4])
 @pytest.mark.parametrize("num_layers", [2, 3])

@@ -22,6 +22,8 @@ from kvcopy.calibration.network import REMOTE_METHOD  # noqa: E402
 from helpers import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
 from helpers.netns import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402
 
+pytestmark = pytest.mark.netns
+
 # Llama-3.1-8B's 16-token blocks (2 MiB each): 256 of them are a 4096-token prefix.
 BLOCK_TOKENS, POOL_BLOCKS = 16, 256
 BLOCK_NBYTES = 2 << 20

@@ -140,6 +140,7 @@ def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
     assert all(r["link"].startswith("loopback") and r["host_cpu"] and float(r["gbps"]) > 0 for r in rows)
 
 
+@pytest.mark.netns
 def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
     try:
@@ -202,6 +203,7 @@ def test_bench_disk_checks_and_reports_each_way(tmp_path: Path) -> None:
     assert all(r["host_cpu"] and r["filesystem"] and float(r["gbps"]) > 0 for r in rows)
 
 
+@pytest.mark.engine
 def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
     out = tmp_path / "engine.csv"
@@ -244,6 +246,7 @@ def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     assert "pin_memory dropped" in rows[1]["note"]
 
 
+@pytest.mark.engine
 def test_transformers_example_runs_and_every_token_matches() -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
     result = _run("examples/transformers_offload.py", "--requests", "10")
