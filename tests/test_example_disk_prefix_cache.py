@@ -33,6 +33,7 @@ def _example(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_a_prefix_saved_by_one_process_is_reused_by_the_next(tmp_path):
     store = str(tmp_path / "cache")
     served = _example("serve", "--store", store)

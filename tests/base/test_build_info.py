@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import kvcopy
@@ -109,6 +110,7 @@ def _run_cli(*args):
     )
 
 
+@pytest.mark.slow
 def test_cli_info_runs():
     done = _run_cli("info")
     assert done.returncode == 0, done.stderr
@@ -117,6 +119,7 @@ def test_cli_info_runs():
     assert "cuda_kernels" in done.stdout
 
 
+@pytest.mark.slow
 def test_cli_info_json():
     done = _run_cli("info", "--json")
     assert done.returncode == 0, done.stderr
@@ -127,6 +130,7 @@ def test_cli_info_json():
     assert "device" in info
 
 
+@pytest.mark.slow
 def test_cli_without_command_fails():
     done = _run_cli()
     assert done.returncode != 0

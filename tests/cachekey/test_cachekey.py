@@ -89,6 +89,7 @@ def test_digest_is_hard_coded_value():
     assert json.loads(namespace["result"]) == [EXPECTED_CONTEXT, EXPECTED_BLOCKS]
 
 
+@pytest.mark.slow
 def test_digest_is_the_same_in_a_fresh_process():
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(

@@ -68,12 +68,14 @@ def _assert_link(profile: Profile, label: str) -> None:
     assert profile.hardware["remote_link"] == label
 
 
+@pytest.mark.slow
 def test_loopback_calibration_measures_the_link_to_a_peer_process_and_says_so():
     profile = add_remote_link(_local_profile(), progress=False)
     _assert_link(profile, LOOPBACK)
     assert "h2h" in profile.directions  # the local links stay
 
 
+@pytest.mark.slow
 def test_calibration_against_a_served_peer_reads_its_descriptor_file(tmp_path):
     descriptor = tmp_path / "peer.desc"
     peer = subprocess.Popen(
@@ -98,6 +100,7 @@ def test_calibration_against_a_served_peer_reads_its_descriptor_file(tmp_path):
     assert "its descriptor is in" in out and "kvcopy calibrate --remote" in out, (out, err)
 
 
+@pytest.mark.slow
 def test_calibrate_remote_adds_the_link_and_prints_it_per_range_size(monkeypatch, tmp_path, capsys):
     from kvcopy.calibration import local as calibrator
 
@@ -115,6 +118,7 @@ def test_calibrate_remote_adds_the_link_and_prints_it_per_range_size(monkeypatch
         assert f"{size // 1024:>6} KiB ranges:" in printed
 
 
+@pytest.mark.slow
 def test_calibrate_remote_refuses_a_bad_descriptor_before_measuring(monkeypatch, tmp_path, capsys):
     from kvcopy.calibration import local as calibrator
 
@@ -139,6 +143,7 @@ def _with_link(profile: Profile) -> Profile:
     return profile
 
 
+@pytest.mark.slow
 def test_plan_from_peer_prints_fetch_against_recompute(tmp_path, capsys):
     path = tmp_path / "profile.json"
     _with_link(_local_profile()).save(path)

@@ -144,6 +144,7 @@ def test_calibrator_fits_each_block_size_separately(fake_timer):
         assert p.predict("h2h", nbytes, num_blocks=int(count)) == pytest.approx(median, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_calibrator_with_a_preset_or_spec_model(fake_timer):
     spec = kvcopy.ModelSpec.preset("qwen3-8b")
     for model in ("qwen3-8b", spec):
@@ -194,6 +195,7 @@ def real_profile() -> Profile:
         return kvcopy.calibrate("cpu", quick=True, progress=False)
 
 
+@pytest.mark.slow
 def test_real_calibration_fits_are_positive(real_profile):
     p = real_profile
     assert set(p.directions) == {"h2h"}
@@ -216,6 +218,7 @@ def test_real_calibration_fits_are_positive(real_profile):
     assert p.prefill.model == calibrator.DEFAULT_MODEL
 
 
+@pytest.mark.slow
 def test_real_calibration_records_the_hardware(real_profile):
     hw = real_profile.hardware
     assert hw["device"] == "cpu"
@@ -230,6 +233,7 @@ def test_real_calibration_records_the_hardware(real_profile):
     json.dumps(hw)
 
 
+@pytest.mark.slow
 def test_real_profile_round_trips_through_json(real_profile, tmp_path):
     path = tmp_path / "cache" / "kvcopy" / "profile.json"
     real_profile.save(path)
@@ -242,6 +246,7 @@ def test_real_profile_round_trips_through_json(real_profile, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_real_predict_grows_with_bytes(real_profile):
     p = real_profile
     for block in (4096, 32768, 262144):
@@ -253,6 +258,7 @@ def test_real_predict_grows_with_bytes(real_profile):
     assert all(a < b for a, b in zip(times, times[1:])), times
 
 
+@pytest.mark.slow
 def test_real_best_method_is_measured(real_profile):
     p = real_profile
     for block, count in ((4096, 1), (32768, 8), (262144, 64)):
@@ -265,6 +271,7 @@ def test_real_best_method_is_measured(real_profile):
         p.predict("h2h", 1 << 20, method="copy_engine")
 
 
+@pytest.mark.slow
 def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     """A mid-size copy (8 blocks of 16 x 32 KiB planes, 4 MiB) measured afresh, cold blocks as the
     calibrator times them: the prediction is within a loose factor (a sanity bound, not a benchmark)."""
@@ -323,6 +330,7 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     pytest.fail(f"{method}: predicted {predicted * 1e6:.0f} us for 4 MiB in 8 blocks; measured {seen}")
 
 
+@pytest.mark.slow
 def test_real_profile_gives_a_planner(real_profile):
     spec = kvcopy.ModelSpec.preset("llama-3.1-8b")
     planner = kvcopy.Planner.from_profile(real_profile, spec)

@@ -280,6 +280,7 @@ def _big_planes(num_planes, num_blocks, block_bytes, *, strided):
     return kvcopy.PagedKV.from_planes(planes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ids", "strided"),
     [("random", False), ("sequential", False), ("random", True)],

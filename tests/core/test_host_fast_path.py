@@ -157,6 +157,7 @@ def test_a_new_default_profile_changes_the_cached_choice(general_path_calls):
     assert general_path_calls == ["torch"]
 
 
+@pytest.mark.slow
 def test_cached_plans_never_outlive_their_caches():
     """New caches made in a loop (the same ids may come back for new objects) are copied right each time."""
     for seed in range(8):

@@ -699,6 +699,7 @@ def test_nbytes_num_blocks_and_elapsed(engines, monkeypatch):
 # --------------------------------------------------------------------------- no growth over many cycles
 
 
+@pytest.mark.slow
 def test_10000_cycles_do_not_grow():
     """10,000 offload/reload cycles, each waited: no transfers, memory, threads or fds pile up."""
     kv = kvcopy.PagedKV.from_mla([torch.zeros(4, 1, 4, dtype=torch.float16)])

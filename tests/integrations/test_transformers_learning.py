@@ -23,7 +23,7 @@ from kvcopy.tools import cli  # noqa: E402
 
 from helpers.hf import MODEL_CASES, ROOMY_BLOCKS, crossover_profile  # noqa: E402
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 LLAMA = MODEL_CASES[0]
 # helpers.hf's ContinuousBatchingConfig: forwards of at most this many tokens.

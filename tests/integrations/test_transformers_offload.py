@@ -56,6 +56,7 @@ def assert_clean(stats: kvt.OffloadStats) -> None:
 # --------------------------------------------------------------------------- identical tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
@@ -77,6 +78,7 @@ def test_fp32_tokens_identical_to_never_preempted(case, policy, device):
     assert_clean(stats)
 
 
+@pytest.mark.slow
 def test_auto_follows_the_planner_and_measures_the_path_taken():
     model = LLAMA.build()
     profile = crossover_profile(model)
@@ -103,6 +105,7 @@ def test_auto_follows_the_planner_and_measures_the_path_taken():
 # --------------------------------------------------------------------------- bf16: against transformers' own offload
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_offload_matches_transformers_own_offload_and_reloads_bitwise(monkeypatch, device):
     model = LLAMA.build(torch.bfloat16, device)
@@ -128,6 +131,7 @@ _SLOW_COPY_SECONDS = 0.05
 _GPU_SLEEP_CYCLES = 100_000_000  # about 50 ms at 2 GHz
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", MODEL_CASES[:2], ids=lambda c: c.name)
 def test_slow_offload_copies_keep_tokens_identical(monkeypatch, case, device):
@@ -157,6 +161,7 @@ def test_slow_offload_copies_keep_tokens_identical(monkeypatch, case, device):
 # --------------------------------------------------------------------------- full pool, cancellation, failures
 
 
+@pytest.mark.slow
 def test_full_host_pool_falls_back_to_recompute():
     model = LLAMA.build()
     expected = reference(LLAMA, model, "cpu")
@@ -170,6 +175,7 @@ def test_full_host_pool_falls_back_to_recompute():
     assert LLAMA.generate(model) == expected  # transformers on its own afterwards
 
 
+@pytest.mark.slow
 def test_cancelled_offloaded_request_frees_its_host_blocks(monkeypatch):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -208,6 +214,7 @@ def test_cancelled_offloaded_request_frees_its_host_blocks(monkeypatch):
     assert LLAMA.generate(model) == expected  # transformers on its own afterwards
 
 
+@pytest.mark.slow
 def test_failure_mid_generation_returns_every_host_block():
     model = LLAMA.build()
     expected = reference(LLAMA, model, "cpu")
@@ -318,6 +325,7 @@ def test_moved_internals_are_refused(monkeypatch):
             pass
 
 
+@pytest.mark.slow
 def test_without_transformers_the_module_imports_and_offloading_names_the_extra():
     import subprocess
     import sys
@@ -333,6 +341,7 @@ def test_without_transformers_the_module_imports_and_offloading_names_the_extra(
     assert "pip install 'kvcopy[transformers]'" in out.stdout
 
 
+@pytest.mark.slow
 def test_auto_without_a_profile_offloads_and_says_so_once(caplog, monkeypatch):
     monkeypatch.setenv("KVCOPY_PROFILE", "none")  # no default profile either
     monkeypatch.setattr(kvcopy.profile, "_default", {})

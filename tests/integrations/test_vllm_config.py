@@ -59,6 +59,7 @@ def test_the_tested_range_accepts_its_patch_releases():
         _compat.check_vllm(version)
 
 
+@pytest.mark.slow
 def test_the_module_imports_without_vllm_and_building_says_how_to_install():
     script = (
         "import sys; sys.modules['vllm'] = None\n"  # an interpreter where `import vllm` fails

@@ -464,6 +464,7 @@ def test_without_a_base_the_snapshot_says_so():
     assert note["observations"] == {"h2h cpu": 20}
 
 
+@pytest.mark.slow
 def test_a_saved_snapshot_plans_and_plots_as_a_calibration_does(tmp_path, capsys):
     from kvcopy.tools import cli, plots
 

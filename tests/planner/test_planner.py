@@ -148,6 +148,7 @@ THRESHOLD_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "kw"), THRESHOLD_CASES)
 @pytest.mark.parametrize("new", [1, 64])
 def test_threshold_matches_a_brute_force_scan_of_decide(spec, kw, new):
@@ -157,6 +158,7 @@ def test_threshold_matches_a_brute_force_scan_of_decide(spec, kw, new):
     assert planner.threshold_tokens(new, max_tokens=limit) == expected
 
 
+@pytest.mark.slow
 def test_threshold_on_an_h200_like_machine_is_past_the_roofline_knee():
     """Short prefixes are as cheap to recompute as one token's forward: keeping them does not pay."""
     threshold = h200_like().threshold_tokens(max_tokens=8192)
@@ -476,6 +478,7 @@ def test_from_profile_errors():
         Planner.from_profile(_profile({"h2h": {"torch": MethodProfile(_fit(1e-6, 1e10))}}, prefill=False), LLAMA)
 
 
+@pytest.mark.slow
 def test_from_profile_plans_for_mla_and_sliding_specs():
     p = _profile({"h2h": {"torch": MethodProfile(_fit(7e-6, 9e9), {4096: _fit(5e-6, 5e9), 32768: _fit(7e-6, 9e9)})}})
     for spec in (kvcopy.ModelSpec.preset("deepseek-v3"), kvcopy.ModelSpec.preset("gemma-2-9b"), MISTRAL_SWA):

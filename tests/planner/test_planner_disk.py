@@ -54,6 +54,7 @@ def test_a_prefix_on_disk_is_read_and_reloaded_or_recomputed(prefix):
         assert "fetch from the disk (disk read and reload" in d.explanation
 
 
+@pytest.mark.slow
 def test_the_disk_threshold_is_where_reading_starts_to_win_by_brute_force():
     p = planner(da=5e-3)  # a slow disk: a few ms a read
     limit = 8192
@@ -102,6 +103,7 @@ def _profile_with_disk(disk: bool) -> Profile:
     return Profile(hardware=hardware, directions=links, prefill=prefill)
 
 
+@pytest.mark.slow
 def test_plan_from_disk_prints_the_disk_read_against_recompute(tmp_path, capsys):
     from kvcopy.tools import cli
 

@@ -116,6 +116,7 @@ def brute_fetch_threshold(p: Planner, limit: int) -> int | None:
     return threshold
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fa", [50e-6, 2e-3, 20e-3])
 def test_fetch_threshold_matches_a_brute_force_scan(fa):
     p = planner(fa=fa)
@@ -131,6 +132,7 @@ def test_the_fetch_threshold_above_4096_tokens_matches_a_brute_force_scan(fetch_
     assert threshold == brute_fetch_threshold(p, limit)
 
 
+@pytest.mark.slow
 def test_a_slower_link_fetches_only_longer_prefixes():
     thresholds = [planner(fa=fa).threshold_tokens(from_peer=True) for fa in (50e-6, 2e-3, 20e-3)]
     assert thresholds == sorted(thresholds) and thresholds[0] < thresholds[-1]

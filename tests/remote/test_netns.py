@@ -22,7 +22,7 @@ from kvcopy.calibration.network import REMOTE_METHOD  # noqa: E402
 from helpers import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S  # noqa: E402
 from helpers.netns import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link  # noqa: E402
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 # Llama-3.1-8B's 16-token blocks (2 MiB each): 256 of them are a 4096-token prefix.
 BLOCK_TOKENS, POOL_BLOCKS = 16, 256

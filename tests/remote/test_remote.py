@@ -42,6 +42,7 @@ def _assert_same(actual, expected):
         assert torch.equal(a, e)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "paged"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8-scales"])
 def test_read_and_write_are_bitwise_plain_indexing(kind, host_layout):
@@ -68,6 +69,7 @@ def test_read_and_write_are_bitwise_plain_indexing(kind, host_layout):
             _assert_same(_blocks(after, untouched), _blocks(_replica(kind, 96, host_layout, 3), untouched))
 
 
+@pytest.mark.slow
 def test_adjacent_page_first_blocks_are_one_descriptor():
     with remote_peer("bf16", 96, "page_first", seed=6) as remote:
         local = make_pool("bf16", 96, "page_first", seed=7)
@@ -83,6 +85,7 @@ def test_adjacent_page_first_blocks_are_one_descriptor():
             _assert_same(_blocks(local, range(20, 84)), _blocks(_replica("bf16", 96, "page_first", 6), range(10, 74)))
 
 
+@pytest.mark.slow
 def test_every_transfer_handle_is_released_once_when_it_ends_even_when_dropped_unfinished():
     import gc
 
@@ -108,6 +111,7 @@ def test_every_transfer_handle_is_released_once_when_it_ends_even_when_dropped_u
             assert len(released) == 3
 
 
+@pytest.mark.slow
 def test_blocks_of_an_unfinished_transfer_are_quarantined_until_it_ends():
     with remote_peer("bf16", 64, "page_first", seed=31) as remote:
         with KVPeer(make_pool("bf16", 64, "page_first", seed=32), "local-quarantine") as peer:
@@ -142,6 +146,7 @@ def test_blocks_of_an_unfinished_transfer_are_quarantined_until_it_ends():
             _assert_same(_blocks(peer.pool, [3, 4]), _blocks(_replica("bf16", 64, "page_first", 31), [5, 5]))
 
 
+@pytest.mark.slow
 def test_connecting_again_returns_the_pool_or_replaces_a_restarted_peer():
     local = make_pool("bf16", 16, "page_first", seed=28)
     with KVPeer(local, "local-reconnect") as peer:
@@ -160,6 +165,7 @@ def test_connecting_again_returns_the_pool_or_replaces_a_restarted_peer():
         peer.read(again, [0], [0])
 
 
+@pytest.mark.slow
 def test_after_a_failed_transfer_connect_or_reconnect_makes_the_connection_anew():
     local = make_pool("bf16", 16, "page_first", seed=33)
     with KVPeer(local, "local-broken") as peer, remote_peer("bf16", 16, "page_first", seed=34) as remote:
@@ -186,6 +192,7 @@ def test_after_a_failed_transfer_connect_or_reconnect_makes_the_connection_anew(
         _assert_same(_blocks(local, [6]), _blocks(_replica("bf16", 16, "page_first", 34), [5]))
 
 
+@pytest.mark.slow
 def test_mismatched_layouts_and_contexts_are_refused():
     key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="org/model@abc", block_tokens=16)
     with remote_peer("wide", 8, "page_first", seed=8) as wide, remote_peer("bf16", 8, "layer_first", seed=9) as lf:
@@ -205,6 +212,7 @@ def test_mismatched_layouts_and_contexts_are_refused():
         KVPeer(make_pool("bf16", 8, "page_first", seed=14), "local-junk").connect(b"not a descriptor at all")
 
 
+@pytest.mark.slow
 def test_bad_ids_are_refused_before_anything_moves():
     with remote_peer("bf16", 16, "page_first", seed=15) as remote:
         local = make_pool("bf16", 8, "page_first", seed=16)
@@ -227,6 +235,7 @@ def test_bad_ids_are_refused_before_anything_moves():
         assert torch.equal(remote.pool_bytes(), _replica("bf16", 16, "page_first", 15).buffer)
 
 
+@pytest.mark.slow
 def test_a_peer_that_disappears_is_an_exception_within_the_timeout():
     with remote_peer("bf16", 64, "page_first", seed=17) as remote:
         local = make_pool("bf16", 64, "page_first", seed=18)
@@ -249,6 +258,7 @@ KILL_BLOCKS = 16384  # of the "wide" kind's 16 KiB blocks
 KILL_AFTER_S = 0.02
 
 
+@pytest.mark.slow
 def test_a_peer_killed_mid_transfer_is_an_exception_within_the_timeout():
     with remote_peer("wide", KILL_BLOCKS, "page_first", seed=25) as remote:
         local = make_pool("wide", KILL_BLOCKS, "page_first", seed=26)

@@ -173,6 +173,7 @@ for i in range(100000):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay_s", [0.05, 0.1, 0.2, 0.3, 0.5, 0.8])
 def test_a_writer_killed_mid_append_leaves_every_reported_commit(tmp_path, delay_s):
     path = tmp_path / "index.log"

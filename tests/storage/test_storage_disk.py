@@ -48,6 +48,7 @@ def test_put_then_get_is_bitwise_for_random_ids(tmp_path, kind):
             assert torch.equal(src.block_bytes(i), dst.block_bytes(j))
 
 
+@pytest.mark.slow
 def test_a_store_survives_its_process(tmp_path):
     path = tmp_path / "store"
     script = textwrap.dedent(
@@ -261,6 +262,7 @@ for i in range(100000):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay_s", [0.02, 0.1, 0.3, 0.6])
 def test_a_writer_killed_mid_put_leaves_only_right_blocks(tmp_path, delay_s):
     path = str(tmp_path / "store")

@@ -126,6 +126,7 @@ def test_default_rejects_other_device_types():
 # --------------------------------------------------------------------------- runner
 
 
+@pytest.mark.slow
 def test_run_has_every_method_per_suite_and_direction(tiny):
     config, rows, _ = tiny
     assert config.fixed_cost  # on by default
@@ -140,6 +141,7 @@ def test_run_has_every_method_per_suite_and_direction(tiny):
     assert all(r.ids == "random" for r in rows)
 
 
+@pytest.mark.slow
 def test_run_rows_have_sane_times_and_bytes(tiny):
     _, rows, _ = tiny
     for r in rows:
@@ -154,6 +156,7 @@ def test_run_rows_have_sane_times_and_bytes(tiny):
     assert {(r.workload, r.plane_block_bytes) for r in size_rows} == {("llama8b-1", 2048)}
 
 
+@pytest.mark.slow
 def test_fixed_cost_point_is_one_block_of_small_plane_blocks(tiny):
     _, rows, _ = tiny
     fixed = [r for r in rows if r.suite == "fixed_cost"]
@@ -166,6 +169,7 @@ def test_fixed_cost_point_is_one_block_of_small_plane_blocks(tiny):
         assert mine >= {(d, m) for d in DIRECTIONS for m in CPU_ROW_METHODS | {AUTO}}
 
 
+@pytest.mark.slow
 def test_on_point_is_called_once_per_point(tiny):
     config, rows, seen = tiny
     assert len(seen) == num_points(config) == 6
@@ -174,6 +178,7 @@ def test_on_point_is_called_once_per_point(tiny):
         assert len({(r.suite, r.workload, r.num_blocks) for r in point}) == 1
 
 
+@pytest.mark.slow
 def test_predictions_are_the_profiles_for_kvcopy_rows_only(tiny):
     _, rows, _ = tiny
     for r in rows:
@@ -190,6 +195,7 @@ def test_device_is_resolved_from_a_string():
         BenchConfig(device="gpu")
 
 
+@pytest.mark.slow
 def test_slow_rows_get_fewer_repeats_and_say_so(monkeypatch):
     import kvcopy.tools.bench.runner as runner
 
@@ -209,6 +215,7 @@ def test_slow_rows_get_fewer_repeats_and_say_so(monkeypatch):
     assert {r["repeats"] for r in with_ratios(rows)} == {runner.SLOW_ROW_REPEATS}
 
 
+@pytest.mark.slow
 def test_large_calls_are_checked_on_their_first_ids(monkeypatch):
     import kvcopy.tools.bench.runner as runner
 
@@ -239,6 +246,7 @@ def test_large_calls_are_checked_on_their_first_ids(monkeypatch):
     assert {r.num_blocks for r in rows} == {5}
 
 
+@pytest.mark.slow
 def test_csv_writer_saves_each_point_as_it_ends(tmp_path):
     from kvcopy.tools.bench import CsvWriter
 
@@ -268,6 +276,7 @@ def test_csv_writer_saves_each_point_as_it_ends(tmp_path):
     assert [r["method"] for r in read_csv(out)] == [r.method for r in rows]
 
 
+@pytest.mark.slow
 def test_other_workloads_and_sequential_ids_run():
     config = BenchConfig(
         device=CPU,
@@ -517,6 +526,7 @@ def test_format_tables_on_hand_made_rows():
     assert "fixed cost" not in format_tables(_hand_made_rows(), {})
 
 
+@pytest.mark.slow
 def test_format_tables_names_workloads_methods_and_device(tiny):
     _, rows, _ = tiny
     identity = {**machine_identity(CPU), "device_name": "Test Device 9000"}
@@ -531,6 +541,7 @@ def test_format_tables_names_workloads_methods_and_device(tiny):
 # --------------------------------------------------------------------------- plot
 
 
+@pytest.mark.slow
 def test_plot_bench_writes_a_png(tiny, tmp_path):
     pytest.importorskip("matplotlib", reason="plot_bench needs matplotlib")
     from kvcopy.tools.plots import plot_bench
@@ -546,6 +557,7 @@ def test_plot_bench_writes_a_png(tiny, tmp_path):
     assert from_csv.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_plot_bench_draws_what_there_is_and_refuses_nothing(tiny, tmp_path):
     pytest.importorskip("matplotlib", reason="plot_bench needs matplotlib")
     from kvcopy.tools.plots import plot_bench

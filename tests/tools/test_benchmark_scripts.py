@@ -42,6 +42,7 @@ def _describe(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("workload", "ids"),
     [
@@ -68,6 +69,7 @@ def test_bench_copy_runs_and_checks_its_rows(tmp_path: Path, workload: str, ids:
     assert all(r["device"] == "cpu" and r["kvcopy"] for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_copy_sweeps_fixed_cost_and_plot(tmp_path: Path) -> None:
     out, plot = tmp_path / "copy.csv", tmp_path / "copy.png"
     result = _run(
@@ -102,6 +104,7 @@ def test_bench_copy_sweeps_fixed_cost_and_plot(tmp_path: Path) -> None:
         assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_bench_copy_help_lists_the_options() -> None:
     result = _run("benchmarks/bench_copy.py", "--help")
     assert result.returncode == 0, _describe(result)
@@ -109,6 +112,7 @@ def test_bench_copy_help_lists_the_options() -> None:
         assert option in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_overlap_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "overlap.csv"
     result = _run("benchmarks/bench_overlap.py", "--blocks", "4", "--rounds", "1", "--csv", str(out))
@@ -118,6 +122,7 @@ def test_bench_overlap_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(r["device"] == "cpu" and r["host_cpu"] for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_call_overhead_reports_each_call_against_the_bare_copy(tmp_path: Path) -> None:
     out = tmp_path / "overhead.txt"
     result = _run("benchmarks/bench_call_overhead.py", "--rounds", "1", "--calls", "20", "--out", str(out))
@@ -129,6 +134,7 @@ def test_bench_call_overhead_reports_each_call_against_the_bare_copy(tmp_path: P
     assert lines[2].rstrip().endswith("1.0x")  # the bare copy_ is the unit; the others are not judged here
 
 
+@pytest.mark.slow
 def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
     out = tmp_path / "remote.csv"
@@ -140,6 +146,7 @@ def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
     assert all(r["link"].startswith("loopback") and r["host_cpu"] and float(r["gbps"]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
@@ -164,6 +171,7 @@ def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: 
     assert not any(name.startswith("kvcopy-") for name in _namespaces())  # torn down
 
 
+@pytest.mark.slow
 def test_bench_remote_over_network_namespaces_says_why_it_cannot(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
     env = {**os.environ, "PATH": str(tmp_path)}  # no iproute2 on it (the script runs as sys.executable)
@@ -178,6 +186,7 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_bench_disk_checks_and_reports_each_way(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the disk bench needs the nixl extra (pip install 'kvcopy[nixl]')")
     out = tmp_path / "disk.csv"
@@ -203,6 +212,7 @@ def test_bench_disk_checks_and_reports_each_way(tmp_path: Path) -> None:
     assert all(r["host_cpu"] and r["filesystem"] and float(r["gbps"]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
@@ -246,6 +256,7 @@ def test_bench_engine_runs_every_path_on_the_cpu(tmp_path: Path) -> None:
     assert "pin_memory dropped" in rows[1]["note"]
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_transformers_example_runs_and_every_token_matches() -> None:
     pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
@@ -261,6 +272,7 @@ def test_transformers_example_runs_and_every_token_matches() -> None:
 # --------------------------------------------------------------------------- device_check.sh
 
 
+@pytest.mark.slow
 def test_device_check_dry_run(tmp_path: Path) -> None:
     """Every step of the GPU check the CPU can walk: a staged build, collect the GPU tests, calibrate, plan, bench."""
     out = tmp_path / "out"
@@ -329,6 +341,7 @@ def test_a_skipped_step_is_reported_and_not_run() -> None:
     assert out.splitlines()[0] == "late" and "late skipped (deadline)" in out and "ran" not in out.split()
 
 
+@pytest.mark.slow
 def test_preflight_fails_in_seconds_without_a_gpu(tmp_path: Path) -> None:
     if HAS_CUDA:
         pytest.skip("this machine has a GPU: the preflight passes here")
@@ -434,6 +447,7 @@ def test_unpack_wheelhouse_shadows_installed_distributions_older_than_the_minimu
     assert [unpack_wheelhouse._release(v) for v in ("77.0.3", "2.1rc1", "x")] == [(77, 0, 3), (2, 1), ()]
 
 
+@pytest.mark.slow
 def test_decision_table_labels_itself_not_measured(tmp_path: Path) -> None:
     out = tmp_path / "decisions.md"
     result = _run("benchmarks/decision_table.py", "--out", str(out))

@@ -125,6 +125,7 @@ def profile_path(calibrated) -> Path:
 # --------------------------------------------------------------------------- calibrate
 
 
+@pytest.mark.slow
 def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
     result, profile_file, plot = calibrated
     assert result.returncode == 0, _describe(result)
@@ -166,6 +167,7 @@ def test_calibrate_prints_the_fits_and_saves_profile_and_plot(calibrated, home):
 # --------------------------------------------------------------------------- plan
 
 
+@pytest.mark.slow
 def test_plan_preset_prints_the_decision_and_plots(env, profile_path, home):
     plot = home / "plan.png"
     result = run(
@@ -196,6 +198,7 @@ def test_plan_preset_prints_the_decision_and_plots(env, profile_path, home):
     assert_png(plot)
 
 
+@pytest.mark.slow
 def test_plan_with_new_tokens_and_decode_share(env, profile_path):
     result = run(
         env,
@@ -219,6 +222,7 @@ def test_plan_with_new_tokens_and_decode_share(env, profile_path):
     assert f"decision: {decision.action} ({decision.explanation})" in result.stdout
 
 
+@pytest.mark.slow
 def test_plan_with_a_config_file_and_its_directory(env, profile_path, home):
     model_dir = home / "models" / "tiny-llama"
     model_dir.mkdir(parents=True)
@@ -247,6 +251,7 @@ def test_plan_with_a_config_file_and_its_directory(env, profile_path, home):
         assert "threshold:" in result.stdout
 
 
+@pytest.mark.slow
 def test_plan_model_errors(env, profile_path, home):
     bad_dir = home / "bad"
     bad_dir.mkdir()
@@ -271,6 +276,7 @@ def test_plan_model_errors(env, profile_path, home):
     assert_user_error(results["preset"], "no-such-model-7b", "llama-3.1-8b")  # the known presets are listed
 
 
+@pytest.mark.slow
 def test_plan_profile_errors(env, profile_path, home):
     garbled = home / "garbled.json"
     garbled.write_text("{ this is not json")
@@ -299,6 +305,7 @@ def test_plan_profile_errors(env, profile_path, home):
 # --------------------------------------------------------------------------- info and usage
 
 
+@pytest.mark.slow
 def test_info_text_and_json(env):
     results = run_all(env, {"text": ("info",), "json": ("info", "--json"), "none": ()})
     text, as_json = results["text"], results["json"]
@@ -333,6 +340,7 @@ SMALL_BENCH = (
 )
 
 
+@pytest.mark.slow
 def test_bench_prints_tables_and_writes_the_csv(tmp_path, capsys):
     out = tmp_path / "bench.csv"
     assert main([*SMALL_BENCH, "--csv", str(out)]) == 0
@@ -444,6 +452,7 @@ BAD_VALUES = {
 }
 
 
+@pytest.mark.slow
 def test_every_subcommand_answers_a_bad_value_with_one_line_and_status_2(env, profile_path):
     results = run_all(
         env,
@@ -459,6 +468,7 @@ def test_every_subcommand_answers_a_bad_value_with_one_line_and_status_2(env, pr
         assert result.stderr.startswith(f"kvcopy {name.split()[0]}: "), f"{name}: {result.stderr}"
 
 
+@pytest.mark.slow
 def test_version_and_help_say_what_each_command_does(env):
     results = run_all(
         env,
