@@ -129,16 +129,17 @@ has_transformers=$("$python" -c 'import importlib.util as u; print(int(u.find_sp
 # The default GPU bench set, trimmed to fit the check's minutes: 4 sizes, 5 counts, 5 repeats.
 gpu_bench=(--repeats 5 --counts 1,16,256,1024,2048 --block-tokens 1,4,16,64)
 if [ "$dry_run" = 1 ]; then
-  step gpu_tests_collect 60 "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_gpu.py \
-    tests/test_engine_gpu.py tests/test_bench_gpu.py tests/test_transformers_offload.py
+  step gpu_tests_collect 60 "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu \
+    tests/core/test_copy_gpu.py tests/engine/test_engine_gpu.py tests/tools/test_bench_gpu.py tests/integrations/test_transformers_offload.py
   step gpu_bench_points 20 "$python" -m kvcopy bench "${gpu_bench[@]}" --list
   calibrate=(--quick) bench=(--quick) overlap=(--blocks 16 --rounds 1)
   engine=(--requests 8 --min-prompt 32 --max-prompt 64 --new-tokens 16 --hidden 128 --layers 2)
 else
   # Correctness first, each file in its own process; torch.compile tests last (inductor compiles are slow).
-  pytest_step gpu_tests 120 -m gpu -k "not torch_compile" tests/test_gpu.py
-  pytest_step engine_gpu_tests 90 -m gpu -k "not torch_compile" tests/test_engine_gpu.py tests/test_vllm_gpu.py
-  pytest_step bench_gpu_tests 45 -m gpu tests/test_bench_gpu.py
+  pytest_step gpu_tests 120 -m gpu -k "not torch_compile" tests/core/test_copy_gpu.py
+  pytest_step engine_gpu_tests 90 -m gpu -k "not torch_compile" tests/engine/test_engine_gpu.py \
+    tests/integrations/test_vllm_gpu.py
+  pytest_step bench_gpu_tests 45 -m gpu tests/tools/test_bench_gpu.py
   calibrate=() bench=("${gpu_bench[@]}") overlap=()
   engine=(--dtype bfloat16 --hidden 1024 --layers 8)
 fi
@@ -160,21 +161,22 @@ shortened 45 && overlap=(--blocks 32 --rounds 1)
 soft_step bench_overlap 45 "$python" benchmarks/bench_overlap.py ${overlap[@]+"${overlap[@]}"} \
   --csv "$out/bench_overlap.csv"
 if [ "$has_transformers" = 1 ]; then
-  [ "$dry_run" = 0 ] && pytest_step transformers_gpu_tests 90 -m gpu tests/test_transformers_offload.py
+  [ "$dry_run" = 0 ] && pytest_step transformers_gpu_tests 90 -m gpu tests/integrations/test_transformers_offload.py
   shortened 120 && engine+=(--requests 16 --max-prompt 512)
   soft_step bench_engine 120 "$python" benchmarks/bench_engine.py "${engine[@]}" --csv "$out/bench_engine.csv"
 fi
 # GPU memory over NIXL between two agents and two processes, where NIXL is installed (kvcopy[nixl]).
 if "$python" -c 'import nixl_cu13' 2>/dev/null; then
-  [ "$dry_run" = 0 ] && pytest_step remote_gpu_tests 60 -m gpu tests/test_remote.py
+  [ "$dry_run" = 0 ] && pytest_step remote_gpu_tests 60 -m gpu tests/remote/test_remote.py
   # The disk store through GPUDirect Storage (skipped, saying why, where cuFile will not start).
-  [ "$dry_run" = 0 ] && pytest_step storage_gds_tests 45 -m gpu tests/test_storage_gds.py
+  [ "$dry_run" = 0 ] && pytest_step storage_gds_tests 45 -m gpu tests/storage/test_storage_gds.py
   [ "$dry_run" = 0 ] && soft_step bench_remote_gpu 60 "$python" benchmarks/bench_remote.py --memory gpu \
     --csv "$out/bench_remote_gpu.csv"
 else
   echo "device_check: NIXL is not here: the GPU-memory remote test and bench_remote --memory gpu are skipped" >&2
 fi
-[ "$dry_run" = 0 ] && pytest_step gpu_compile_tests 120 -m gpu -k torch_compile tests/test_gpu.py tests/test_engine_gpu.py
+[ "$dry_run" = 0 ] && pytest_step gpu_compile_tests 120 -m gpu -k torch_compile tests/core/test_copy_gpu.py \
+  tests/engine/test_engine_gpu.py
 [ ${#skipped[@]} = 0 ] || echo "device_check: skipped for the deadline: ${skipped[*]}" >&2
 [ ${#failed[@]} = 0 ] || fail "failed steps: ${failed[*]} (logs in $out)"
 echo "done in $((SECONDS - started)) s" >>"$out/summary.txt"

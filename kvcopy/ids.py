@@ -11,7 +11,7 @@ destination ids among device ids leave which source wins unspecified.
 The value checks are one implementation, in C++ (csrc/include/kvcopy/block_ids.h),
 used here, by the registered ops and by the eager fast path, with one wording
 of each error. The Python checks below run only where the compiled extension
-is not loaded; tests/test_fast_path.py holds them to the same problems and
+is not loaded; tests/core/test_host_fast_path.py holds them to the same problems and
 messages.
 """
 

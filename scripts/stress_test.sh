@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the README's test command (scripts/test.sh) beside a CPU and memory-bandwidth hog, to show that no test
-# needs an idle machine: a test's timeouts catch hangs, never a slow machine (tests/conftest.py, HANG_TIMEOUT_S).
+# needs an idle machine: a test's timeouts catch hangs, never a slow machine (tests/helpers/__init__.py,
+# HANG_TIMEOUT_S).
 #
 #   bash scripts/stress_test.sh [pytest arguments]
 #   KVCOPY_STRESS_BUSY=N        busy-looping processes (default: one per core)

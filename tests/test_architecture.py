@@ -1,20 +1,26 @@
 """The architecture docs/architecture.md describes, checked on the source: which room may import which (an
 explicit graph, with no cycle), how large a file and a folder may grow, and that the page names every room
-and only modules that exist; in csrc/, which folder may include which (torch headers in ops/ only) and that
-setup.py builds every source."""
+and only modules that exist; that tests/ has a folder per room, each keeping tests in the quick loop, and
+no test module imports another; in csrc/, which folder may include which (torch headers in ops/ only) and
+that setup.py builds every source."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
+from helpers import SUBPROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvcopy"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
+TESTS = ROOT / "tests"
 
 # The package root holds two rooms: the base every room stands on, and the copy core (with its methods).
 BASE = {"_checks", "_ext", "_version", "conflicts", "ids", "layout", "profile"}
@@ -180,6 +186,51 @@ def test_architecture_page_names_every_room():
     text = ARCHITECTURE.read_text()
     missing = [room for room in ALLOWED if f"**{room}**" not in text]
     assert not missing, f"docs/architecture.md does not describe the rooms {missing} (as **room**)"
+
+
+# --------------------------------------------------------------------------- the tests (tests/)
+# tests/<room>/ holds the tests of each room; tests/helpers/ what they share; tests/ itself the repo's own.
+NOT_ROOMS = {"helpers", "__pycache__"}
+
+
+def test_tests_have_a_folder_per_room_and_no_other():
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir()} - NOT_ROOMS
+    assert folders == set(ALLOWED), (
+        f"tests/ folders without a room: {sorted(folders - set(ALLOWED))}; "
+        f"rooms without a folder: {sorted(set(ALLOWED) - folders)}"
+    )
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/ (fixtures in conftest.py): a test module imports neither
+    another test module nor conftest."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if re.match(r"(test_|conftest$)", n)]
+    assert not found, f"imports of test modules: {found}"
+
+
+@pytest.mark.slow  # one more collection of the whole suite (about 20 s on 2 idle cores)
+def test_every_room_keeps_tests_in_the_quick_loop():
+    """``pytest -m "not slow"`` runs at least one test of every room: the quick loop touches them all."""
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "not slow"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    quick = {}
+    for line in collected.stdout.splitlines():
+        match = re.match(r"tests/([^/]+)/[^/]+\.py::", line)
+        if match:
+            quick[match.group(1)] = quick.get(match.group(1), 0) + 1
+    missing = sorted(room for room in ALLOWED if not quick.get(room))
+    assert not missing, f"rooms with no test outside slow (the quick loop leaves them untested): {missing}"
 
 
 # --------------------------------------------------------------------------- C++ (csrc/)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SUBPROCESS_TIMEOUT_S
+from helpers import SUBPROCESS_TIMEOUT_S
 
 pytest.importorskip("nixl_cu13", reason="the disk store needs the nixl extra (pip install 'kvcopy[nixl]')")
 pytest.importorskip("transformers", reason="the transformers extra is part of the test install")
@@ -33,6 +33,7 @@ def _example(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_a_prefix_saved_by_one_process_is_reused_by_the_next(tmp_path):
     store = str(tmp_path / "cache")
     served = _example("serve", "--store", store)

@@ -66,6 +66,7 @@ def test_every_python_block_is_tested_here():
 # README.md
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs(monkeypatch, capsys):
     code = _block("README.md", 0, "## One example")
     namespace = _run("README.md", code, monkeypatch)
@@ -91,6 +92,7 @@ def test_the_api_example_runs(monkeypatch):
     assert kv.num_planes == 64
 
 
+@pytest.mark.slow
 def test_the_planner_and_cache_key_example_runs(monkeypatch, capsys):
     code = _block("docs/guide.md", 1, "## The API in one example")
     namespace = _run("docs/guide.md", code, monkeypatch)
@@ -102,6 +104,7 @@ def test_the_planner_and_cache_key_example_runs(monkeypatch, capsys):
 # docs/engines.md
 
 
+@pytest.mark.slow
 def test_the_transformers_example_runs(monkeypatch):
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
     code = _block("docs/engines.md", 0, "## Hugging Face transformers (continuous batching)")

@@ -1,7 +1,7 @@
 """The registry of copy methods: one record per method, which dispatch, the engine, the
 calibrator and the bench iterate. Adding a method is one module that builds a
 :class:`CopyMethod` and passes it to :func:`register` (kvcopy/methods/builtin.py registers the built-in
-ones; tests/test_method_registry.py a toy one)."""
+ones; tests/core/test_method_registry.py a toy one)."""
 
 from __future__ import annotations
 

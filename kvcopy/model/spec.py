@@ -6,7 +6,7 @@ Formulas (docs/measurements.md), per layer and token:
 * MLA (DeepSeek-V2/V3): ``(kv_lora_rank + qk_rope_head_dim) · b`` bytes, one latent, no factor 2.
 * A sliding-window layer keeps only the last ``W`` tokens.
 
-Conventions (chosen here, tested in tests/test_model.py):
+Conventions (chosen here, tested in tests/model/test_model_spec.py):
 
 * Parameters are the weight matrices only: norms and biases are ignored (under 0.1% of any
   model here), and so are the token and position embeddings and the LM head.

@@ -11,7 +11,7 @@ page-first pool keeps each chunk contiguous. The result is one pair of id lists
 for one TransferEngine submission (every group's blocks in it).
 
 Pure numpy, no vLLM: the same arithmetic as vLLM's own worker
-(``compute_sub_block_ptrs``), checked against vLLM in tests/test_vllm_chunks.py.
+(``compute_sub_block_ptrs``), checked against vLLM in tests/integrations/test_vllm_chunks.py.
 """
 
 from __future__ import annotations

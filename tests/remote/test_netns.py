@@ -1,0 +1,264 @@
+"""kvcopy.remote between two test hosts: network namespaces joined by a tbf-shaped veth pair, a kvcopy peer in
+each, UCX over TCP (tests/helpers/netns.py). The link is real: bytes cross a network stack at a known rate,
+and it can be brought down or its peer killed in the middle of a transfer.
+
+Skipped, saying why, where the sandbox cannot make namespaces (not root, no iproute2); CI installs iproute2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
+
+import kvcopy
+from kvcopy.calibration.network import REMOTE_METHOD
+
+from helpers import HANG_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
+from helpers.netns import RATES_BIT_S, NetnsUnavailable, NsPeer, PeerError, netns_link
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+# Llama-3.1-8B's 16-token blocks (2 MiB each): 256 of them are a 4096-token prefix.
+BLOCK_TOKENS, POOL_BLOCKS = 16, 256
+BLOCK_NBYTES = 2 << 20
+# How close measured and predicted must be: the issue's 15% (1-2% measured on a quiet machine).
+TOLERANCE = 0.15
+# At 1 Gbit/s the 2-core VM's CPU, not the shaping, can set the rate: TCP over a veth pushed 0.95 Gbit/s on a
+# quiet machine and 0.80-0.84 in CI runs of the whole suite (where 250 Mbit/s still held within 6%). So the fast
+# rate is checked to be no faster than the link and clearly above the slow one, not within TOLERANCE of 1 Gbit/s.
+CPU_BOUND_FLOOR = 0.6
+# A fault's wait: long enough that the read is well under way, short beside the test.
+FAULT_TIMEOUT_S = 2.0
+# How far past its timeout a wait may return: one NIXL poll, which on a loaded 2-core machine blocked for
+# up to 6 s; only a wait that ignores its deadline reaches this.
+DEADLINE_SLACK_S = 60.0
+# Blocks a fault test reads: 128 MiB, about 1.1 s at 1 Gbit/s, so the fault lands in the middle.
+FAULT_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def link():
+    try:
+        with netns_link("1gbit") as made:
+            yield made
+    except NetnsUnavailable as why:
+        pytest.skip(f"this sandbox cannot make network namespaces: {why}")
+
+
+@pytest.fixture(scope="module")
+def peers(link, profiles):
+    """("a", "b"): the reader in namespace a, the holder in b, each with a pool of 256 llama-8b blocks. Made after
+    the link is calibrated (``profiles``): each peer's NIXL progress thread busy-polls a core, and over UCX TCP
+    the calibration's own two peers need the VM's two cores (beside two more, 1 Gbit/s calibrated at 0.80)."""
+    a, b = NsPeer(link, 0, "netns-a"), NsPeer(link, 1, "netns-b")
+    try:
+        descriptors = a.ask("pool", "llama-8b", POOL_BLOCKS, 1), b.ask("pool", "llama-8b", POOL_BLOCKS, 2)
+        a.ask("connect", descriptors[1]), b.ask("connect", descriptors[0])
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def _random_ids(count: int, seed: int) -> list[int]:
+    return torch.randperm(POOL_BLOCKS, generator=torch.Generator().manual_seed(seed))[:count].tolist()
+
+
+def test_reads_and_writes_are_bitwise_right_and_cross_the_link(link, peers):
+    a, b = peers
+    remote_ids, local_ids = _random_ids(32, 1), _random_ids(32, 2)
+    received = link.rx_bytes(0)
+    _seconds, _ = a.ask("read", "netns-b", remote_ids, local_ids, HANG_TIMEOUT_S)
+    assert a.ask("digests", local_ids) == b.ask("digests", remote_ids)
+    assert link.rx_bytes(0) - received >= 32 * BLOCK_NBYTES  # the bytes crossed the veth (not shared memory)
+    sources, targets = _random_ids(16, 3), _random_ids(16, 4)
+    received = link.rx_bytes(1)
+    a.ask("write", "netns-b", sources, targets, HANG_TIMEOUT_S)
+    assert b.ask("digests", targets) == a.ask("digests", sources)
+    assert link.rx_bytes(1) - received >= 16 * BLOCK_NBYTES
+
+
+def _calibrate(link, tmp_path, name: str) -> kvcopy.Profile:
+    """``kvcopy calibrate --remote FILE --quick`` in namespace a against ``kvcopy peer`` in b."""
+    descriptor, out = tmp_path / f"{name}.descriptor", tmp_path / f"{name}.json"
+    kvcopy_cli = [sys.executable, "-m", "kvcopy"]
+    serving = subprocess.Popen(link.argv(1, [*kvcopy_cli, "peer", "--descriptor", str(descriptor), "--name", name]))
+    try:
+        deadline = time.monotonic() + HANG_TIMEOUT_S
+        while not descriptor.exists() or not descriptor.stat().st_size:
+            assert serving.poll() is None, f"kvcopy peer exited with {serving.returncode}"
+            assert time.monotonic() < deadline, "kvcopy peer wrote no descriptor"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the descriptor is written in one call; let it reach the disk whole
+        command = [*kvcopy_cli, "calibrate", "--quick", "--no-progress", "--remote", str(descriptor), "--out", str(out)]
+        done = subprocess.run(link.argv(0, command), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+    finally:
+        serving.terminate()
+        serving.wait(HANG_TIMEOUT_S)
+    assert "carried by network" in done.stdout
+    return kvcopy.Profile.load(out)
+
+
+@pytest.fixture(scope="module")
+def profiles(link, tmp_path_factory):
+    """The link calibrated at each rate (1 Gbit/s, then 250 Mbit/s; the link is left at 1 Gbit/s)."""
+    measured = {}
+    try:
+        for rate in ("1gbit", "250mbit"):
+            link.shape(rate)
+            measured[rate] = _calibrate(link, tmp_path_factory.mktemp("calibrate"), f"netns-peer-{rate}")
+    finally:
+        link.shape("1gbit")
+    return measured
+
+
+@pytest.mark.parametrize("rate", ["1gbit", "250mbit"])
+def test_calibrate_remote_measures_the_shaped_rate(profiles, rate):
+    profile = profiles[rate]
+    fit = profile.directions["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]  # 2 MiB ranges: a llama-8b block
+    print(f"{rate}: 2 MiB ranges at {fit.beta_bytes_per_s * 8 / 1e9:.3f} Gbit/s + {fit.alpha_s * 1e3:.2f} ms; "
+          f"{profile.hardware['remote_transport']}")  # fmt: skip
+    shaped = RATES_BIT_S[rate] / 8
+    if rate == "1gbit":
+        assert CPU_BOUND_FLOOR * shaped <= fit.beta_bytes_per_s <= (1 + TOLERANCE) * shaped
+        slow = profiles["250mbit"].directions["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]
+        assert fit.beta_bytes_per_s > 2 * slow.beta_bytes_per_s  # the shaping is what was measured
+    else:
+        assert fit.beta_bytes_per_s == pytest.approx(shaped, rel=TOLERANCE)
+    assert profile.hardware["remote_transport"].startswith("network")
+
+
+def _planner(profile: kvcopy.Profile) -> kvcopy.Planner:
+    return kvcopy.Planner.from_profile(profile, kvcopy.ModelSpec.preset("llama-3.1-8b"), block_tokens=BLOCK_TOKENS)
+
+
+def _decide(planner: kvcopy.Planner, tokens: int) -> kvcopy.Decision:
+    """The planner's fetch of ``tokens`` as the engine moves them: whole blocks."""
+    return planner.decide(tokens, 1, source="peer", load_nbytes=-(-tokens // BLOCK_TOKENS) * BLOCK_NBYTES)
+
+
+def _measured_fetch(link, peers, rate: str, tokens: int, chunks: int) -> float:
+    """The median of three fetches of ``tokens`` (read over the link and reload into a PagedKV) at ``rate``."""
+    a, _ = peers
+    blocks = -(-tokens // BLOCK_TOKENS)
+    link.shape(rate)
+    try:
+        ids = _random_ids(blocks, tokens)
+        times = sorted(a.ask("fetch", "netns-b", ids, ids, chunks, HANG_TIMEOUT_S) for _ in range(3))
+    finally:
+        link.shape("1gbit")
+    return times[1]
+
+
+@pytest.mark.parametrize("rate", ["1gbit", "250mbit"])
+@pytest.mark.parametrize("tokens", [256, 1024, 4096])
+def test_the_planners_fetch_is_the_measured_fetch(link, peers, profiles, rate, tokens):
+    decision = _decide(_planner(profiles[rate]), tokens)
+    measured = _measured_fetch(link, peers, rate, tokens, decision.fetch_chunks)
+    print(f"{rate}, {tokens} tokens in {decision.fetch_chunks} chunks: predicted {decision.t_transfer * 1e3:.1f} ms, "
+          f"measured {measured * 1e3:.1f} ms ({decision.t_transfer / measured:.3f}x)")  # fmt: skip
+    assert decision.t_transfer == pytest.approx(measured, rel=TOLERANCE)
+
+
+def test_a_slower_link_moves_the_fetch_threshold_where_the_planner_says(profiles):
+    planners = {rate: _planner(profile) for rate, profile in profiles.items()}
+    thresholds = {rate: planner.threshold_tokens(source="peer") for rate, planner in planners.items()}
+    # On this CPU both are 1 token: recomputing even one token of an 8B model costs more than fetching a
+    # block at either rate (a GPU's prefill puts the threshold where the link's rate moves it far).
+    # Where the planner says the threshold goes when the link is 4x slower: the 1 Gbit/s planner, its link's
+    # bytes/s cut by the rate's ratio. The link calibrated at 250 Mbit/s puts it there.
+    slowed = _planner(profiles["1gbit"])
+    slowed.fetch = dataclasses.replace(
+        slowed.fetch, beta_bytes_per_s=slowed.fetch.beta_bytes_per_s * RATES_BIT_S["250mbit"] / RATES_BIT_S["1gbit"]
+    )
+    predicted = slowed.threshold_tokens(source="peer")
+    print(f"fetch thresholds: {thresholds}, predicted at 250mbit from 1gbit: {predicted}")
+    assert None not in (*thresholds.values(), predicted) and thresholds["250mbit"] >= thresholds["1gbit"]
+    assert thresholds["250mbit"] == pytest.approx(predicted, rel=TOLERANCE, abs=BLOCK_TOKENS)
+
+
+@pytest.fixture
+def holder(link):
+    """A third peer, in namespace b, that a fault test may kill: 64 llama-8b blocks, connected from a."""
+    made = []
+
+    def start(peers, seed: int) -> NsPeer:
+        a, _ = peers
+        peer = NsPeer(link, 1, "netns-holder")
+        made.append(peer)
+        a.ask("connect", peer.ask("pool", "llama-8b", FAULT_BLOCKS, seed))
+        return peer
+
+    yield start
+    for peer in made:
+        peer.close()
+
+
+def _start_fault_read(a: NsPeer) -> tuple[list[int], int]:
+    """A read of the holder's first FAULT_BLOCKS blocks into a's blocks from 100, left in flight and under
+    way: (its local ids, its number)."""
+    local = list(range(100, 100 + FAULT_BLOCKS))
+    number = a.ask("start", "netns-holder", "read", list(range(FAULT_BLOCKS)), local)
+    time.sleep(0.2)
+    return local, number
+
+
+def _until_nothing_quarantined(a: NsPeer) -> None:
+    """Polls a's quarantine until NIXL reported every transfer ended (a hang ends at HANG_TIMEOUT_S)."""
+    deadline = time.monotonic() + HANG_TIMEOUT_S
+    while a.ask("quarantined") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.ask("quarantined") == {}
+
+
+def _failed_wait(a: NsPeer, number: int, timeout: float) -> tuple[PeerError, float]:
+    started = time.monotonic()
+    with pytest.raises(PeerError) as failed:
+        a.ask("wait", number, timeout)
+    return failed.value, time.monotonic() - started
+
+
+def test_a_link_down_mid_read_times_out_quarantines_its_blocks_and_lands_once_up(link, peers, holder):
+    a, _ = peers
+    held = holder(peers, 5)
+    local, number = _start_fault_read(a)
+    link.set_up(False)
+    try:
+        error, waited = _failed_wait(a, number, FAULT_TIMEOUT_S)
+        assert error.kind == "RemoteTransferTimeout" and (error.side, error.block_ids) == ("local", local)
+        assert FAULT_TIMEOUT_S <= waited < FAULT_TIMEOUT_S + DEADLINE_SLACK_S
+        a.ask("drop", number)  # a caller giving up on it: its blocks stay quarantined all the same
+        assert a.ask("quarantined") == {"local": local}
+        with pytest.raises(PeerError, match=r"blocks \[100, 101\] are in use by an unfinished read"):
+            a.ask("start", "netns-holder", "read", [0, 1], [100, 101])
+    finally:
+        link.set_up(True)
+    _until_nothing_quarantined(a)  # NIXL reported it ended: the blocks are free, and the read landed whole
+    assert a.ask("digests", local) == held.ask("digests", list(range(FAULT_BLOCKS)))
+    a.ask("reconnect", "netns-holder")  # one call makes the connection anew, and it works over the link
+    a.ask("read", "netns-holder", [3, 4], [100, 101], HANG_TIMEOUT_S)
+    assert a.ask("digests", [100, 101]) == held.ask("digests", [3, 4])
+
+
+def test_a_peer_killed_mid_read_fails_the_read_and_its_restart_is_one_connect(link, peers, holder):
+    a, _ = peers
+    held = holder(peers, 6)
+    local, number = _start_fault_read(a)
+    held.kill()
+    error, waited = _failed_wait(a, number, HANG_TIMEOUT_S)
+    assert error.kind in ("RemoteTransferError", "RemoteTransferTimeout")
+    assert (error.side, error.block_ids) == ("local", local) and waited < HANG_TIMEOUT_S + DEADLINE_SLACK_S
+    with pytest.raises(PeerError, match="RemoteTransferError: read failed to start"):
+        a.ask("read", "netns-holder", [0], [100], HANG_TIMEOUT_S)
+    restarted = holder(peers, 7)  # the same agent name, a new process: a new descriptor, one connect
+    _until_nothing_quarantined(a)
+    a.ask("read", "netns-holder", list(range(8)), local[:8], HANG_TIMEOUT_S)
+    assert a.ask("digests", local[:8]) == restarted.ask("digests", list(range(8)))

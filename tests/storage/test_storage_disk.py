@@ -1,0 +1,291 @@
+"""kvcopy.storage.store.DiskKVStore on the CPU: bitwise round trips through NIXL's POSIX backend, persistence
+across processes, refusal of another CacheKey or layout, eviction, coalescing, corruption found, bad input, and
+a writer killed with SIGKILL mid-put whose committed blocks all read back right; the GDS backend refused where
+there is no GPU, and the checksum of a PagedKV's blocks (tests/storage/test_storage_gds.py runs GDS on a GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
+
+import kvcopy
+from kvcopy.storage.files import fill_with_zeros
+from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums
+from kvcopy.storage.store import CorruptBlockError, DiskKVStore
+
+from helpers import HAS_CUDA
+from helpers.storage import filled_pool, hashes, key, layout
+
+NUM_BLOCKS = 16
+# tests/, where the processes a test starts find the helpers
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_scales"])
+def test_put_then_get_is_bitwise_for_random_ids(tmp_path, kind):
+    paged = layout(kind)
+    src, dst = filled_pool(paged, 1), filled_pool(paged, 2)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randperm(32, generator=gen)[:10]
+    with DiskKVStore.create(tmp_path / "store", src, NUM_BLOCKS, cache_key=key()) as store:
+        store.put(hashes(10), src, ids).wait()
+        slots = store.match(hashes(10))
+        assert len(slots) == 10
+        back = torch.randperm(32, generator=gen)[:10]
+        store.get(slots, dst, back).wait()
+        for i, j in zip(ids.tolist(), back.tolist(), strict=True):
+            assert torch.equal(src.block_bytes(i), dst.block_bytes(j))
+
+
+@pytest.mark.slow
+def test_a_store_survives_its_process(tmp_path):
+    path = tmp_path / "store"
+    script = textwrap.dedent(
+        f"""
+        import sys; sys.path.insert(0, {TESTS!r})
+        from helpers.storage import filled_pool, hashes, key, layout
+        from kvcopy.storage.store import DiskKVStore
+        pool = filled_pool(layout(), 1)
+        with DiskKVStore.create({str(path)!r}, pool, {NUM_BLOCKS}, cache_key=key()) as store:
+            store.put(hashes(8), pool, list(range(8))).wait()
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    src, dst = filled_pool(layout(), 1), filled_pool(layout(), 9)
+    with DiskKVStore.open(path, dst, cache_key=key()) as store:
+        slots = store.match(hashes(8) + hashes(1, start=99))
+        assert len(slots) == 8  # the prefix present, then the first unknown hash ends it
+        store.get(slots, dst, list(range(8, 16))).wait()
+    for i in range(8):
+        assert torch.equal(src.block_bytes(i), dst.block_bytes(8 + i))
+
+
+def test_another_cache_key_or_layout_is_refused(tmp_path):
+    pool = filled_pool(layout(), 1)
+    DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
+    with pytest.raises(ValueError, match=r"cache_key: .* holds blocks of CacheKey context"):
+        DiskKVStore.open(tmp_path / "store", pool, cache_key=key("other weights"))
+    with pytest.raises(ValueError, match=r"like: .* holds blocks with planes"):
+        DiskKVStore.open(tmp_path / "store", layout("fp8_scales"), cache_key=key())
+    with pytest.raises(FileExistsError):
+        DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key())
+
+
+def test_a_full_store_evicts_the_least_recently_used(tmp_path):
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        store.put(hashes(4), pool, [0, 1, 2, 3]).wait()
+        store.match(hashes(1))  # block 0 used again: block 1 is now the least recent
+        store.put(hashes(1, start=10), pool, [4]).wait()
+        assert store.match(hashes(1, start=1)) == []  # evicted
+        assert len(store.match(hashes(1))) == 1 and len(store.match(hashes(1, start=10))) == 1
+
+
+def test_a_run_of_adjacent_blocks_is_one_descriptor(tmp_path):
+    paged = layout(num_blocks=64)
+    pool = filled_pool(paged, 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 64, cache_key=key()) as store:
+        put = store.put(hashes(64), pool, list(range(64)))
+        assert put.num_descriptors == 1 and put.nbytes == 64 * pool.nbytes_per_block
+        put.wait()
+        scattered = store.get(store.match(hashes(64))[::2], pool, list(range(0, 64, 2)))
+        assert scattered.num_descriptors == 32
+        scattered.wait()
+
+
+def test_a_put_of_stored_hashes_and_a_get_of_nothing_move_nothing(tmp_path):
+    """An engine saving a prefix it saved before (a second run) or resuming with no hit: done at once."""
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+        store.put(hashes(3), pool, [0, 1, 2]).wait()
+        slots = store.match(hashes(3))
+        again = store.put(hashes(3), other, [0, 1, 2])  # the same hashes, other bytes: the stored blocks stay
+        assert again.done() and again.num_descriptors == 0 and again.nbytes == 0
+        again.wait()
+        nothing = store.get([], other, [])
+        assert nothing.done() and nothing.num_descriptors == 0
+        assert store.match(hashes(3)) == slots
+        store.get(slots, other, [3, 4, 5]).wait()
+        assert all(other.block_bytes(3 + i).equal(pool.block_bytes(i)) for i in range(3))
+
+
+def test_a_corrupt_block_is_named_never_returned(tmp_path):
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+        store.put(hashes(3), pool, [0, 1, 2]).wait()
+        slots = store.match(hashes(3))
+        with open(tmp_path / "store" / "blocks.data", "r+b") as f:  # a lost write the disk acknowledged
+            f.seek(slots[1] * pool.nbytes_per_block + 100)
+            f.write(b"\x00" * 8)
+            f.flush()
+            os.fsync(f.fileno())
+        store.drop_page_cache()
+        with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]") as caught:
+            store.get(slots, other, [5, 6, 7]).wait()
+        assert caught.value.slots == [slots[1]]
+        store.get(slots, other, [5, 6, 7], verify=False).wait()  # unchecked: the bytes as the disk has them
+        assert other.block_bytes(5).equal(pool.block_bytes(0)) and other.block_bytes(7).equal(pool.block_bytes(2))
+        changed = (other.block_bytes(6) != pool.block_bytes(1)).nonzero().flatten().tolist()
+        assert changed and set(changed) <= set(range(100, 108))  # only where the disk lost the write
+
+
+def test_a_put_that_fails_after_its_write_began_commits_nothing_and_frees_its_slots(tmp_path, monkeypatch):
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+
+        def failing_checksums(pool, ids):  # as a GPU's gather might, mid-put
+            raise RuntimeError("the checksums failed")
+
+        monkeypatch.setattr(store, "_checksums", failing_checksums)
+        with pytest.raises(RuntimeError, match="the checksums failed"):
+            store.put(hashes(4), pool, [0, 1, 2, 3])
+        monkeypatch.undo()
+        assert store.match(hashes(4)) == []  # never committed
+        store.put(hashes(NUM_BLOCKS, start=100), pool, list(range(NUM_BLOCKS))).wait()  # every slot is free again
+        assert len(store.match(hashes(NUM_BLOCKS, start=100))) == NUM_BLOCKS
+
+
+def test_fill_with_zeros_writes_the_whole_data_file_and_not_the_index(tmp_path):
+    pool = filled_pool(layout(), 1)
+    DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
+    data = tmp_path / "store" / "blocks.data"
+    with open(data, "r+b") as f:  # not zeros yet: fallocate's reservation reads as zeros, so mark it
+        f.write(b"\xff" * 4096)
+    index = (tmp_path / "store" / "index.log").read_bytes()
+    fill_with_zeros(str(tmp_path / "store"))
+    assert data.stat().st_size == NUM_BLOCKS * pool.nbytes_per_block
+    assert data.read_bytes() == bytes(NUM_BLOCKS * pool.nbytes_per_block)
+    assert (tmp_path / "store" / "index.log").read_bytes() == index
+
+
+def test_bad_input_fails_before_anything_is_written(tmp_path):
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()) as store:
+        with pytest.raises(ValueError, match="pool_ids: expected 2 ids, got 1"):
+            store.put(hashes(2), pool, [0])
+        with pytest.raises(ValueError, match="block_hashes: expected distinct hashes"):
+            store.put(hashes(1) * 2, pool, [0, 1])
+        with pytest.raises(IndexError):
+            store.put(hashes(1), pool, [32])
+        with pytest.raises(TypeError, match="pool: expected a HostKVPool"):
+            store.put(hashes(1), pool.paged, [0])
+        with pytest.raises(ValueError, match="do not fit a store of 16"):
+            store.put(hashes(17), filled_pool(layout(num_blocks=32), 1), list(range(17)))
+        with pytest.raises(ValueError, match="slots: \\[3\\] hold no committed block"):
+            store.get([3], pool, [0])
+        with pytest.raises(TypeError, match="verify: expected a bool, got str"):
+            store.get([3], pool, [0], verify="no")
+        assert store.match(hashes(2)) == []
+    with pytest.raises(TypeError, match="cache_key: expected a CacheKey"):
+        DiskKVStore.create(tmp_path / "other", pool, 4, cache_key="k")
+    with pytest.raises(ValueError, match="backend: expected one of \\('auto', 'posix', 'gds'\\), got 'nfs'"):
+        DiskKVStore.create(tmp_path / "other", pool, 4, cache_key=key(), backend="nfs")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.skipif(
+    HAS_CUDA, reason="a GPU may have GPUDirect Storage: tests/storage/test_storage_gds.py runs it there"
+)
+def test_gds_without_a_gpu_says_why_and_leaves_nothing(tmp_path):
+    pool = filled_pool(layout(), 1)
+    with pytest.raises(RuntimeError, match=r"GDS backend \(GPUDirect Storage\) would not start here.*CUDA GPU"):
+        DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key(), backend="gds")
+    assert not (tmp_path / "store").exists()
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:  # "auto": POSIX for host pools
+        assert store.backend == "posix" and store.queue in ("use_uring", "use_aio", "use_posix_aio", "posix")
+    with pytest.raises(RuntimeError, match="GDS backend"):
+        DiskKVStore.open(tmp_path / "store", pool, cache_key=key(), backend="gds")
+    with DiskKVStore.open(tmp_path / "store", pool, cache_key=key()) as store:  # the failed open left it whole
+        assert store.num_blocks == 4
+
+
+def test_a_paged_caches_blocks_hash_as_their_page_first_host_blocks():
+    """The checksum of a GPU's block (gathered on its device, then hashed on the host) is the one its page-first
+    host copy has, so blocks written through either backend check alike: here on a CPU PagedKV, bf16 and fp8
+    with scale planes, random ids."""
+    for kind in ("bf16", "fp8"):
+        paged = layout(kind)
+        for seed, plane in enumerate(paged.planes):
+            generator = torch.Generator().manual_seed(seed)
+            raw = torch.randint(0, 256, (plane.numel() * plane.element_size(),), dtype=torch.uint8, generator=generator)
+            plane.view(-1).view(torch.uint8).copy_(raw)
+        pool = kvcopy.HostKVPool(paged, paged.num_blocks, pin_memory=False)
+        ids = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(7))[:9]
+        kvcopy.copy_blocks(paged, ids, pool, ids)
+        rows = paged_block_bytes(paged, ids)
+        for row, block in zip(rows, ids.tolist(), strict=True):
+            assert torch.equal(row, pool.block_bytes(block))
+        assert paged_checksums(paged, ids) == [
+            xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()
+        ]
+
+
+def test_a_store_that_does_not_fit_is_an_error_at_create(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tiny tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("this sandbox does not allow mounting a tmpfs")
+    try:
+        with pytest.raises(OSError, match="do not fit on"):
+            DiskKVStore.create(mount / "store", filled_pool(layout(), 1), 1024, cache_key=key())
+        assert not (mount / "store").exists()  # nothing half-made left behind
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers.storage import hashes, key, layout
+from kvcopy.storage.store import DiskKVStore
+import kvcopy, torch
+pool = kvcopy.HostKVPool(layout(), 32, pin_memory=False)
+store = DiskKVStore.open({path!r}, pool, cache_key=key())
+for i in range(100000):
+    slot = i % 32
+    pool.block_bytes(slot).fill_(i % 251)  # content derived from the block's hash (its index i)
+    store.put(hashes(1, start=i), pool, [slot]).wait()
+    print(i, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.02, 0.1, 0.3, 0.6])
+def test_a_writer_killed_mid_put_leaves_only_right_blocks(tmp_path, delay_s):
+    path = str(tmp_path / "store")
+    DiskKVStore.create(path, layout(), NUM_BLOCKS, cache_key=key()).close()
+    code = WRITER.format(tests=TESTS, path=path)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    first = child.stdout.readline()
+    while first and not first.strip().isdigit():  # NIXL's own start-up lines
+        first = child.stdout.readline()
+    time.sleep(delay_s)
+    os.kill(child.pid, signal.SIGKILL)
+    rest = child.communicate()[0].split("\n")
+    reported = [int(first), *(int(line) for line in rest if line.strip().isdigit())]
+    assert len(reported) > 1  # killed among its puts
+    pool = kvcopy.HostKVPool(layout(), 32, pin_memory=False)
+    with DiskKVStore.open(path, pool, cache_key=key()) as store:  # never raises
+        last = reported[-1]
+        for i in range(max(0, last - NUM_BLOCKS + 2), last + 1):  # the blocks it saw complete, not yet evicted
+            (slot,) = store.match(hashes(1, start=i))
+            store.get([slot], pool, [0]).wait()
+            assert bool((pool.block_bytes(0) == i % 251).all())
+        for i in range(max(0, last - 200), last + 2):  # every matched block is right too
+            slots = store.match(hashes(1, start=i))
+            if slots:
+                store.get(slots, pool, [1]).wait()
+                assert bool((pool.block_bytes(1) == i % 251).all())
