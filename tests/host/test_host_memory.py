@@ -180,7 +180,7 @@ def test_missing_numa_node_is_a_value_error(node):
 
 @pytest.mark.parametrize("node", [True, 0.0, "0"])
 def test_numa_node_must_be_an_int(node):
-    with pytest.raises(ValueError, match="numa_node"):
+    with pytest.raises(TypeError, match="numa_node"):
         kvcopy.HostKVPool(_like(), 4, pin_memory=False, numa_node=node)
 
 

@@ -248,7 +248,7 @@ def test_the_bandwidth_is_capped_at_a_multiple_of_the_calibrated_peak():
         assert fit.beta_bytes_per_s <= cap * (1 + 1e-9)
         assert fit.beta_bytes_per_s > calibrated  # capped, not frozen: it moved toward the data
     planner = Planner.from_profile(learned, LLAMA)
-    assert all(beta <= cap * (1 + 1e-9) for _, beta in planner.load_options)
+    assert all(line.beta_bytes_per_s <= cap * (1 + 1e-9) for line in planner.load_options)
 
 
 def test_a_negative_intercept_shape_gives_no_negative_fixed_cost():
