@@ -1,8 +1,8 @@
 """Two test hosts on one machine: network namespaces joined by a veth pair whose both ends are shaped with
-tbf, so that kvcopy.remote runs over a real network stack at a known rate (tests/test_netns.py and
+tbf, so that kvcopy.remote runs over a real network stack at a known rate (tests/remote/test_netns.py and
 ``benchmarks/bench_remote.py --netns``). Test and benchmark infrastructure, not part of the installed package:
 the benchmark scripts import it as ``netns`` (their folder is on sys.path), the tests through
-tests/netns_helpers.py.
+tests/helpers/netns.py.
 
 Only the namespaces, veth pair and addresses made here are used (10.231.0.1/30 and .2 inside them), and they
 are deleted on every exit path (deleting a namespace deletes its veth end and qdisc). A process is run in a
@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -29,6 +30,8 @@ RATES_BIT_S = {"1gbit": 1e9, "250mbit": 250e6}
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 # Seconds for a namespace command (about 0.01 s idle): only a hang reaches it.
 _IP_TIMEOUT_S = 60.0
+# Seconds a namespace's deletion is retried: a process killed inside it may take a moment to leave.
+_DELETE_RETRY_S = 10.0
 
 
 class NetnsUnavailable(RuntimeError):
@@ -94,8 +97,19 @@ class Link:
         return ["ip", "netns", "exec", self.ns[side], "env", *(f"{k}={v}" for k, v in env.items()), *command]
 
     def delete(self) -> None:
+        """Deletes both namespaces (and so the veth pair), retrying while a process leaving one holds it; a
+        namespace that still will not go is said on stderr, never silently left behind."""
         for ns in self.ns:
-            subprocess.run(("ip", "netns", "del", ns), capture_output=True, timeout=_IP_TIMEOUT_S, check=False)
+            deadline = time.monotonic() + _DELETE_RETRY_S
+            while True:
+                done = subprocess.run(("ip", "netns", "del", ns), capture_output=True, text=True,
+                                      timeout=_IP_TIMEOUT_S, check=False)  # fmt: skip
+                gone = done.returncode == 0 or ns not in _run("ip", "netns", "list")
+                if gone or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            if not gone:
+                print(f"netns: could not delete namespace {ns}: {done.stderr.strip()}", file=sys.stderr)
 
 
 @contextmanager

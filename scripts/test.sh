@@ -15,7 +15,6 @@ if [ "${1:-}" = --quick ]; then
   shift
 fi
 
-# Style is checked, not remembered: ruff (lint + format) for Python, clang-format for C++ and CUDA.
 # Style is checked, not remembered: ruff (lint + format) for Python, clang-format for C++ and CUDA; and mypy
 # checks the package's types ([tool.mypy] in pyproject.toml says what and how).
 check_style() {

@@ -155,6 +155,7 @@ def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: 
             pass
     except NetnsUnavailable as why:
         pytest.skip(f"this sandbox cannot make network namespaces: {why}")
+    before = set(_namespaces())  # a namespace some earlier run left behind is not this run's
     out = tmp_path / "remote.csv"
     result = _run(
         "benchmarks/bench_remote.py", "--netns", "250mbit", "--sizes", "2", "--blocks", "8", "--repeats", "1",
@@ -168,7 +169,8 @@ def test_bench_remote_over_network_namespaces_crosses_the_shaped_link(tmp_path: 
     assert crossed >= 1.0, rows[0]["transport"]  # every byte read crossed the veth (TCP adds its headers)
     # 128 KiB cannot cross a 250 Mbit/s link faster than the link (tbf's 64 KiB burst aside)
     assert all(0 < float(r["x_rate"]) < 2 for r in rows)
-    assert not any(name.startswith("kvcopy-") for name in _namespaces())  # torn down
+    left = {name for name in _namespaces() if name.startswith("kvcopy-")} - before
+    assert not left, f"the run left namespaces behind: {sorted(left)}\n{result.stderr}"
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 // The plane table: how the Python layer describes a PagedKV to the compiled
 // code without the dispatcher unboxing a tensor list. One int64 row per plane,
 // columns below; kvcopy/layout.py builds it (PLANE_TABLE_COLUMNS there names
-// the same columns, and tests/test_fast_path.py checks the two agree). Torch-free.
+// the same columns, and tests/core/test_host_fast_path.py checks the two agree). Torch-free.
 #pragma once
 
 #include <cstdint>
