@@ -9,6 +9,7 @@ on one side.
 
 from __future__ import annotations
 
+from kvcopy._checks import FileFormatError
 from kvcopy._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from kvcopy._version import __version__, deprecated_module
 from kvcopy.cachekey import BlockIndex, CacheKey
@@ -33,6 +34,7 @@ __all__ = [
     "CacheKey",
     "CostLine",
     "Decision",
+    "FileFormatError",
     "HostKVPool",
     "ModelSpec",
     "OnlineProfile",
