@@ -22,8 +22,8 @@ import torch
 from kvcopy import _ext
 from kvcopy.conflicts import any_watched, check_caller
 from kvcopy.host.pool import HostKVPool, KVLike, as_paged
-from kvcopy.ids import BlockIds, as_ids, check_host_pair, check_lengths, check_side
-from kvcopy.layout import PagedKV
+from kvcopy.ids import BlockIds, as_ids, check_host_pair, check_lengths, check_shared_memory, check_side
+from kvcopy.layout import PagedKV, block_for_block, memory_overlap, shares_memory
 from kvcopy.methods import registry
 from kvcopy.methods.choice import available_methods, choose_method, unavailable_reason, usable
 from kvcopy.methods.pairs import cuda_device, uses_cuda
@@ -34,6 +34,8 @@ __all__ = [
     "KVLike",
     "as_paged",
     "capturing",
+    "check_copyable",
+    "check_method",
     "check_pair",
     "copy",
     "device_context",
@@ -61,6 +63,27 @@ def check_pair(src: PagedKV, dst: PagedKV) -> None:
         raise ValueError(f"dst: on {dst.device}, src on {src.device}; copies between two GPUs are not supported")
 
 
+def check_copyable(src: PagedKV, dst: PagedKV) -> None:
+    """ValueError unless both caches hold bytes a copy can move (a meta tensor has none). :func:`check_pair` leaves
+    them to this: a plan of ranges (kvcopy.ranges.copy_ranges) may be made for caches on any device."""
+    for name, kv in (("src", src), ("dst", dst)):
+        if kv.device.type == "meta":
+            raise ValueError(f"{name}: expected a cache whose planes hold data, got planes on the meta device")
+
+
+def check_method(method: object) -> str:
+    """``method`` when it is a str (a name, checked by :func:`resolve`); TypeError naming it otherwise."""
+    if not isinstance(method, str):
+        raise TypeError(f"method: expected a method name (str), got {type(method).__name__} {method!r:.80}")
+    return method
+
+
+def check_stream(stream: object) -> None:
+    """TypeError naming ``stream`` unless it is None or a torch.cuda.Stream (an ExternalStream too)."""
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__} {stream!r:.80}")
+
+
 def capturing(src: PagedKV, dst: PagedKV) -> bool:
     """Whether the current CUDA stream is being captured into a graph.
 
@@ -83,7 +106,8 @@ def resolve(
 ) -> CopyMethod:
     """The registered method to run; "auto" consults ``profile``, else the default profile (kvcopy.profile).
     ValueError naming ``method`` when it is unknown, cannot run for this pair, cannot take the ids where they
-    are, or cannot be captured while capturing."""
+    are, or cannot be captured while capturing; TypeError naming it when it is not a str."""
+    check_method(method)
     if capturing and host_ids:
         raise ValueError(
             "src_ids/dst_ids: under CUDA graph capture pass ids as CUDA tensors (static buffers you update "
@@ -126,13 +150,23 @@ def prepare_pair(
     src: PagedKV, src_ids: BlockIds, dst: PagedKV, dst_ids: BlockIds, names: tuple[str, str] = ("src_ids", "dst_ids")
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Both id lists validated (kvcopy.ids: the compiled check for host ids), of one length, on an allowed
-    device; and whether both are on the host. Host ids that read and write one block of one cache are a
-    ValueError too."""
+    device; and whether both are on the host. Host ids that read a block sharing memory with a block they write
+    are a ValueError too, whether ``src`` and ``dst`` are one object or two over the same memory
+    (kvcopy.layout.memory_overlap): two PagedKVs over one cache, or a view shifted by a block."""
     src_t = as_ids(src_ids, names[0], src.num_blocks)
     dst_t = as_ids(dst_ids, names[1], dst.num_blocks)
     host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
     if host_ids:
-        check_host_pair(src_t, dst_t, src.num_blocks, dst.num_blocks, same_cache=src is dst, names=names)
+        # The compiled check covers memory shared block for block; any other sharing is checked after it.
+        same_blocks = block_for_block(src, dst)
+        check_host_pair(src_t, dst_t, src.num_blocks, dst.num_blocks, same_cache=same_blocks, names=names)
+        if not same_blocks and shares_memory(src, dst):
+            if torch.compiler.is_compiling():  # the traced ids cannot be read here
+                raise ValueError(
+                    f"src/dst: they share memory other than block for block (one shifted or resized against the "
+                    f"other); torch.compile cannot check {names[0]}/{names[1]} against that: copy outside it"
+                )
+            check_shared_memory(src_t, dst_t, memory_overlap(src, dst), names)
     else:  # the host side, if any, in full; device ids for their length only
         check_side(src_t, names[0], src.num_blocks, unique=False)
         check_side(dst_t, names[1], dst.num_blocks, unique=True)
@@ -159,12 +193,14 @@ def run(
         method.run(src, src_ids, dst, dst_ids, num_ctas)
         return
     if src_ids.device.type == "cpu" and dst_ids.device.type == "cpu" and _ext.has_cpu_kernels():
-        torch.ops.kvcopy.check_block_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks, src is dst)
+        torch.ops.kvcopy.check_block_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks, block_for_block(src, dst))
     (method.run_traced or method.run)(src, src_ids, dst, dst_ids, num_ctas)
 
 
 def device_context(src: PagedKV, dst: PagedKV, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    """Makes the copy's GPU current, and ``stream`` its current stream when given."""
+    """Makes the copy's GPU current, and ``stream`` its current stream when given (TypeError for anything but a
+    torch.cuda.Stream or None, on any pair)."""
+    check_stream(stream)
     if not uses_cuda(src, dst):
         return contextlib.nullcontext()  # host-only copies run on the calling thread; `stream` is moot
     device = cuda_device(src, dst)
@@ -187,6 +223,7 @@ def copy(
     num_ctas: int | None,
 ) -> None:
     """The whole pipeline for one copy_blocks call on a checked pair."""
+    check_copyable(src, dst)
     # Device and stream first: ids converted on the GPU are made on the copy's stream.
     with device_context(src, dst, stream):
         src_t, dst_t, host_ids = prepare_pair(src, src_ids, dst, dst_ids)
@@ -221,7 +258,7 @@ class _HostPlan:
             src.num_planes,
             src.num_blocks,
             dst.num_blocks,
-            src is dst,
+            block_for_block(src, dst),
         )
         self.choices: dict[int, bool] = {}  # size bucket -> whether "auto" runs "cpu" for it
         self.generation = default_profile_generation()
@@ -265,6 +302,8 @@ def _new_host_plan(src_obj: object, dst_obj: object, method: str) -> _HostPlan |
     if src.device.type != "cpu" or dst.device.type != "cpu" or not _ext.has_cpu_kernels():
         return None
     check_pair(src, dst)
+    if shares_memory(src, dst) and not block_for_block(src, dst):
+        return None  # shared memory the compiled id check cannot see (a shifted view): the general path checks it
     if len(_host_plans) >= _MAX_HOST_PLANS:
         _host_plans.clear()
     plan = _host_plans[(id(src_obj), id(dst_obj), method)] = _HostPlan(src_obj, dst_obj, src, dst, method)

@@ -24,8 +24,17 @@ import numpy as np
 import torch
 
 from kvcopy import _ext
+from kvcopy.layout import MemoryOverlap
 
-__all__ = ["BlockIds", "as_ids", "check_host_pair", "check_lengths", "check_side", "prepare_ids"]
+__all__ = [
+    "BlockIds",
+    "as_ids",
+    "check_host_pair",
+    "check_lengths",
+    "check_shared_memory",
+    "check_side",
+    "prepare_ids",
+]
 
 BlockIds = torch.Tensor | Sequence[int] | np.ndarray
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -37,7 +46,8 @@ def _validate_ints(values: Sequence[int], name: str) -> None:
     if all(type(v) is int for v in values):
         return
     for value in values:
-        if isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(value, (str, bytes)):
+        nested = isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(value, (str, bytes))
+        if nested and getattr(value, "ndim", 1) != 0:  # a 0-d array or tensor is a wrong type, not a shape
             raise ValueError(f"{name}: expected a 1-D sequence of block ids, got a nested {type(value).__name__}")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name}: expected integer ids, got {type(value).__name__} {value!r}")
@@ -49,6 +59,8 @@ def _as_tensor(ids: BlockIds, name: str) -> torch.Tensor:
     if isinstance(ids, np.ndarray):
         if ids.dtype not in (np.int32, np.int64):
             raise TypeError(f"{name}: expected dtype int32 or int64, got a numpy array of {ids.dtype}")
+        if ids.ndim != 1:  # before ascontiguousarray, which makes a 0-d array 1-d
+            raise ValueError(f"{name}: expected a 1-D array of block ids, got shape {list(ids.shape)}")
         return torch.from_numpy(np.ascontiguousarray(ids))
     raise TypeError(f"{name}: expected a 1-D int32/int64 tensor or a sequence of ints, got {type(ids).__name__}")
 
@@ -67,6 +79,8 @@ def as_ids(ids: BlockIds, name: str, num_blocks: int) -> torch.Tensor:
             low, high = min(ids), max(ids)
             raise _range_error(name, num_blocks, int(low if low < 0 else high)) from None
     tensor = _as_tensor(ids, name)
+    if tensor.layout != torch.strided:  # a sparse tensor's values are not its ids in order
+        raise TypeError(f"{name}: expected a dense (strided) tensor of block ids, got layout {tensor.layout}")
     if tensor.dtype not in _ID_DTYPES:
         raise TypeError(f"{name}: expected dtype int32 or int64, got {tensor.dtype}")
     if tensor.dim() != 1:
@@ -134,6 +148,28 @@ def check_host_pair(
                 f"{names[1]}: block {int(both[0])} is both a source and a destination within one cache; "
                 f"copy in two calls or through a spare block"
             )
+
+
+def check_shared_memory(
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    overlap: MemoryOverlap | None,
+    names: tuple[str, str] = ("src_ids", "dst_ids"),
+) -> None:
+    """ValueError naming both arguments when a block ``src_ids`` reads shares a byte with one ``dst_ids`` writes
+    (the caches share memory as ``overlap`` says, kvcopy.layout.memory_overlap): the result would depend on the
+    order of the copies. Host ids from :func:`as_ids`, already checked for range and length."""
+    if overlap is None or not (_readable(src_ids) and _readable(dst_ids)):
+        return
+    found = overlap.first_overlap(src_ids.numpy(), dst_ids.numpy())
+    if found is None:
+        return
+    src_block, dst_block = found
+    raise ValueError(
+        f"{names[0]}/{names[1]}: {names[0]} reads block {src_block} and {names[1]} writes block {dst_block}, which "
+        f"share memory (src and dst overlap in memory), so the result would depend on copy order; copy in two "
+        f"calls or through a spare block"
+    )
 
 
 def check_lengths(src_ids: torch.Tensor, dst_ids: torch.Tensor, names: tuple[str, str]) -> None:

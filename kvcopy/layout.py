@@ -11,14 +11,25 @@ names the same columns for C++).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvcopy._version import warn_renamed
 
-__all__ = ["PLANE_TABLE_COLUMNS", "HostMemory", "PagedKV"]
+__all__ = [
+    "PLANE_TABLE_COLUMNS",
+    "HostMemory",
+    "MemoryOverlap",
+    "PagedKV",
+    "block_for_block",
+    "memory_overlap",
+    "shares_memory",
+]
 
 # The plane table's columns, in order: block 0's address, bytes from one block to the next, bytes of one block.
 PLANE_TABLE_COLUMNS = ("address", "block_stride", "block_nbytes")
@@ -42,6 +53,8 @@ def _block_numel(plane: torch.Tensor) -> int:
 def _check_plane(index: int, plane: object, first: torch.Tensor | None) -> None:
     if not isinstance(plane, torch.Tensor):
         raise TypeError(f"planes[{index}]: expected a torch.Tensor, got {type(plane).__name__}")
+    if plane.layout != torch.strided:  # a sparse or nested tensor has no plain block-by-block bytes to copy
+        raise TypeError(f"planes[{index}]: expected a dense (strided) tensor, got layout {plane.layout}")
     if plane.dim() < 1:
         raise ValueError(f"planes[{index}]: expected at least 1 dimension (blocks first), got a 0-d tensor")
     block_numel = _block_numel(plane)
@@ -115,6 +128,16 @@ class PagedKV:
         for value in self._plane_table.view(-1).tolist():
             low_bits |= value
         self._alignment = low_bits & -low_bits
+        # What the same-memory check (memory_overlap) reads: the table as numpy, the address range of the planes'
+        # blocks (None for a device with no memory, or no bytes), how this cache's blocks overlap themselves, and
+        # how they overlap other caches over the same memory (found once per pair).
+        self._rows = np.array(self._plane_table.tolist(), dtype=np.int64).reshape(-1, len(PLANE_TABLE_COLUMNS))
+        self._hull = _hull(self._rows, self.num_blocks, self._device)
+        self._overlaps: weakref.WeakKeyDictionary[PagedKV, MemoryOverlap | None] = weakref.WeakKeyDictionary()
+        if self._hull is not None:
+            _check_planes_apart(self._rows, self.num_blocks)
+        # A cache's blocks share memory with its own block for block, and no other way (its planes are apart).
+        self._self_overlap = None if self._hull is None else _BLOCK_FOR_BLOCK
         self._memory = memory  # the allocation the planes view, when kvcopy made it: it says whether it is pinned
         self._pinned: bool | None = None
         self._layers: list[PagedKV] | None = None
@@ -279,3 +302,196 @@ def _layers(kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv_caches[{i}]: expected a torch.Tensor, got {type(kv).__name__}")
     return layers
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+
+@dataclass(frozen=True)
+class MemoryOverlap:
+    """Which blocks of a source and a destination cache share bytes (:func:`memory_overlap`).
+
+    Source block ``s`` and destination block ``d`` overlap when ``s - d`` lies in one of ``shifts`` (inclusive
+    ranges, found for plane pairs of one block stride: ``((0, 0),)`` for one cache, or two PagedKVs over one
+    cache; ``((1, 1),)`` for a destination that is the source shifted by one block), or when, for one of the
+    ``strided`` plane pairs (whose block strides differ), their byte ranges meet.
+    """
+
+    shifts: tuple[tuple[int, int], ...]
+    # One row per plane pair of different strides: source (address, block stride, block bytes), then destination.
+    strided: tuple[tuple[int, int, int, int, int, int], ...] = ()
+
+    @property
+    def block_for_block(self) -> bool:
+        """Whether blocks overlap only where their ids are equal (what the compiled check of one cache tests)."""
+        return self.shifts == ((0, 0),) and not self.strided
+
+    def first_overlap(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[int, int] | None:
+        """(source id, destination id) for the first source id, in order, whose block shares a byte with a
+        destination block; None when none does. Both int64 arrays of ids in range. O(n log n)."""
+        if not src_ids.size or not dst_ids.size:
+            return None
+        found: tuple[int, int] | None = None  # (position in src_ids, destination id)
+        sorted_dst = np.sort(dst_ids)
+        for low, high in self.shifts:  # s - d in [low, high]: some d in [s - high, s - low]
+            first = np.searchsorted(sorted_dst, src_ids - high, side="left")
+            last = np.searchsorted(sorted_dst, src_ids - low, side="right")
+            found = _earliest(found, first < last, sorted_dst, first)
+        for src_address, src_stride, src_bytes, dst_address, dst_stride, dst_bytes in self.strided:
+            order = np.argsort(dst_ids, kind="stable")
+            writes = dst_address + dst_ids[order] * dst_stride  # sorted: the stride is positive
+            reads = src_address + src_ids * src_stride
+            # Written [w, w + dst_bytes) meets read [r, r + src_bytes) when r - dst_bytes < w < r + src_bytes.
+            first = np.searchsorted(writes, reads - dst_bytes, side="right")
+            last = np.searchsorted(writes, reads + src_bytes, side="left")
+            found = _earliest(found, first < last, dst_ids[order], first)
+        return None if found is None else (int(src_ids[found[0]]), found[1])
+
+
+def _earliest(
+    found: tuple[int, int] | None, hits: np.ndarray, candidates: np.ndarray, first: np.ndarray
+) -> tuple[int, int] | None:
+    """The earlier of ``found`` and the first hit (position in the source ids, the destination id it meets)."""
+    positions = np.flatnonzero(hits)
+    if not positions.size or (found is not None and found[0] <= positions[0]):
+        return found
+    position = int(positions[0])
+    return position, int(candidates[first[position]])
+
+
+# One cache's blocks overlap themselves block for block, and no other way (PagedKV checks its planes are apart).
+_BLOCK_FOR_BLOCK = MemoryOverlap(shifts=((0, 0),))
+
+
+def _ends(rows: np.ndarray, num_blocks: int) -> np.ndarray:
+    """The end address of each plane's last block (its first byte's address + block bytes for an empty plane)."""
+    return rows[:, PLANE_ADDRESS] + max(num_blocks - 1, 0) * rows[:, PLANE_BLOCK_STRIDE] + rows[:, PLANE_BLOCK_BYTES]
+
+
+def _hull(rows: np.ndarray, num_blocks: int, device: torch.device) -> tuple[int, int] | None:
+    """[lowest, highest) address of any block byte, or None when there is none to share (no blocks, empty
+    blocks, or a device without memory such as meta)."""
+    live = rows[:, PLANE_BLOCK_BYTES] > 0
+    if device.type == "meta" or num_blocks == 0 or not live.any():
+        return None
+    return int(rows[live, PLANE_ADDRESS].min()), int(_ends(rows, num_blocks)[live].max())
+
+
+def _check_planes_apart(rows: np.ndarray, num_blocks: int) -> None:
+    """ValueError naming two planes of one cache that share a byte (a copy into the cache would write it twice,
+    from two sources). Free for planes over address ranges of their own; array arithmetic on the plane pairs
+    for interleaved ones (a page_first pool's, FlashInfer's K and V), per block only for planes that meet with
+    different strides."""
+    live = rows[rows[:, PLANE_BLOCK_BYTES] > 0]
+    if num_blocks == 0 or len(live) < 2:
+        return
+    order = np.argsort(live[:, PLANE_ADDRESS], kind="stable")
+    if bool((_ends(live[order], num_blocks)[:-1] <= live[order[1:], PLANE_ADDRESS]).all()):
+        return
+    blocks = np.arange(num_blocks, dtype=np.int64)
+    if not _shared(_overlap_of(rows, num_blocks, rows, num_blocks, other_planes_only=True), blocks):
+        return
+    for later in range(1, len(rows)):  # an error: find the first two planes to name
+        for earlier in range(later):
+            pair = _overlap_of(rows[[earlier]], num_blocks, rows[[later]], num_blocks)
+            if _shared(pair, blocks):
+                raise ValueError(
+                    f"planes[{later}]: shares memory with planes[{earlier}]; each plane must have memory of its "
+                    "own (a copy into the cache would write those bytes twice)"
+                )
+
+
+def _shared(overlap: MemoryOverlap | None, blocks: np.ndarray) -> bool:
+    """Whether some block pair of ``overlap`` shares a byte, among ``blocks`` on both sides."""
+    return overlap is not None and (bool(overlap.shifts) or overlap.first_overlap(blocks, blocks) is not None)
+
+
+def _overlap_of(
+    src: np.ndarray, src_blocks: int, dst: np.ndarray, dst_blocks: int, *, other_planes_only: bool = False
+) -> MemoryOverlap | None:
+    """Which blocks of two caches (plane tables as numpy rows, block counts) share bytes: O(planes^2) array
+    arithmetic on the plane pairs whose address ranges meet, nothing per block. ``other_planes_only``: of one
+    cache, its planes against each other (not each against itself)."""
+    src_end, dst_end = _ends(src, src_blocks), _ends(dst, dst_blocks)
+    meet = (
+        (src[:, None, PLANE_ADDRESS] < dst_end[None, :])
+        & (dst[None, :, PLANE_ADDRESS] < src_end[:, None])
+        & (src[:, None, PLANE_BLOCK_BYTES] > 0)
+        & (dst[None, :, PLANE_BLOCK_BYTES] > 0)
+    )
+    if other_planes_only:
+        np.fill_diagonal(meet, False)
+    if src_blocks == 0 or dst_blocks == 0 or not meet.any():
+        return None
+    src_plane, dst_plane = np.nonzero(meet)
+    src_address, src_stride, src_bytes = (src[src_plane, c] for c in range(len(PLANE_TABLE_COLUMNS)))
+    dst_address, dst_stride, dst_bytes = (dst[dst_plane, c] for c in range(len(PLANE_TABLE_COLUMNS)))
+    # Only block 0 of a one-block plane exists, so its stride is moot: the other side's (or any positive one).
+    if src_blocks == 1 and dst_blocks == 1:
+        src_stride = dst_stride = np.maximum(src_bytes, dst_bytes)
+    elif src_blocks == 1:
+        src_stride = dst_stride
+    elif dst_blocks == 1:
+        dst_stride = src_stride
+    same = src_stride == dst_stride
+    # Same stride S: block s at a + sS and block d at b + dS share a byte when -src_bytes < (a - b) + (s - d)S <
+    # dst_bytes, i.e. for s - d in [low, high]; clipped to the differences the block counts allow.
+    stride = np.where(same, src_stride, 1)
+    delta = src_address - dst_address
+    low = np.maximum((-src_bytes - delta) // stride + 1, -(dst_blocks - 1))
+    high = np.minimum(-((delta - dst_bytes) // stride) - 1, src_blocks - 1)
+    keep = same & (low <= high)
+    shifts: list[tuple[int, int]] = []
+    for lo, hi in sorted(set(zip(low[keep].tolist(), high[keep].tolist(), strict=True))):
+        if shifts and lo <= shifts[-1][1] + 1:
+            shifts[-1] = (shifts[-1][0], max(shifts[-1][1], hi))
+        else:
+            shifts.append((lo, hi))
+    strided = sorted(
+        set(
+            zip(
+                *(column[~same].tolist() for column in (src_address, src_stride, src_bytes)),
+                *(column[~same].tolist() for column in (dst_address, dst_stride, dst_bytes)),
+                strict=True,
+            )
+        )
+    )
+    if not shifts and not strided:
+        return None
+    return MemoryOverlap(tuple(shifts), tuple(strided))
+
+
+def memory_overlap(src: PagedKV, dst: PagedKV) -> MemoryOverlap | None:
+    """Which blocks of ``src`` share bytes with blocks of ``dst``, by the planes' memory (not by which objects
+    they are): None when no byte is shared, the common case, found from two address ranges. Two PagedKVs over
+    one cache's tensors, a view of a cache, or a cache shifted by a block share memory; caches on different
+    devices, or on the meta device, never do. Found once per pair of caches, then remembered."""
+    if src is dst:
+        return src._self_overlap
+    src_hull, dst_hull = src._hull, dst._hull
+    if src_hull is None or dst_hull is None or src_hull[1] <= dst_hull[0] or dst_hull[1] <= src_hull[0]:
+        return None
+    if src.device != dst.device:
+        return None
+    try:
+        return src._overlaps[dst]
+    except KeyError:
+        found = src._overlaps[dst] = _overlap_of(src._rows, src.num_blocks, dst._rows, dst.num_blocks)
+        return found
+
+
+# Both answers depend only on the two caches, which torch.compile guards on: it takes them as constants when it
+# traces a copy (no array code of the analysis in the graph).
+@torch.compiler.assume_constant_result
+def shares_memory(src: PagedKV, dst: PagedKV) -> bool:
+    """Whether a block of ``src`` shares a byte with a block of ``dst`` (:func:`memory_overlap`)."""
+    return memory_overlap(src, dst) is not None
+
+
+@torch.compiler.assume_constant_result
+def block_for_block(src: PagedKV, dst: PagedKV) -> bool:
+    """Whether ``src`` and ``dst`` share memory block for block only, so that kvcopy's compiled id check of "one
+    cache" (a block both read and written) is the whole same-memory check: it indexes the written blocks by
+    source id, so ``src`` must not have more blocks than ``dst``. False for caches that share no memory."""
+    overlap = memory_overlap(src, dst)
+    return overlap is not None and overlap.block_for_block and src.num_blocks <= dst.num_blocks

@@ -63,12 +63,16 @@ def _copy(
     stream: torch.cuda.Stream | None,
     num_ctas: int | None,
 ) -> None:
-    """copy_blocks, gather and scatter: the host fast path when it takes the call, else the pipeline."""
+    """copy_blocks, gather and scatter: the host fast path when it takes the call, else the pipeline. The
+    arguments' types first (TypeError naming each), then the caches, then the ids: nothing is written before."""
+    dispatch.check_method(method)
     if stream is None and num_ctas is None and dispatch.host_fast_path(src, src_ids, dst, dst_ids, method):
         return
+    num_ctas = check_num_ctas(num_ctas)
+    dispatch.check_stream(stream)
     src_kv, dst_kv = dispatch.as_paged(src, "src"), dispatch.as_paged(dst, "dst")
     dispatch.check_pair(src_kv, dst_kv)
-    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, check_num_ctas(num_ctas))
+    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas)
 
 
 def gather(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvcopy import _ext
-from kvcopy.layout import PagedKV
+from kvcopy.layout import PagedKV, block_for_block
 from kvcopy.methods.cta_budget import TRITON_PROGRAMS_PER_CTA, cta_budget
 from kvcopy.methods.pairs import (
     HOST_POINTER_PROBLEM,
@@ -79,7 +79,7 @@ def _cpu_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.T
         n,
         src.num_blocks,
         dst.num_blocks,
-        src is dst,
+        block_for_block(src, dst),
         torch.get_num_threads(),
     )
 

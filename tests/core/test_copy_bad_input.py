@@ -255,7 +255,7 @@ def test_pool_of_another_cache_is_rejected(method, gen):
 # --------------------------------------------------------------------------- methods
 
 
-@pytest.mark.parametrize("method", ["fast", "", "CPU", "gpu", None])
+@pytest.mark.parametrize("method", ["fast", "", "CPU", "gpu"])
 def test_unknown_method(pair, method):
     kv, pool = pair
     _expect_no_copy(ValueError, "method", kv, [0], pool, [1], method)
