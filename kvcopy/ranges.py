@@ -17,7 +17,8 @@ import torch
 
 from kvcopy import _ext
 from kvcopy.dispatch import KVLike, as_paged, check_pair, prepare_pair
-from kvcopy.ids import BlockIds
+from kvcopy.ids import BlockIds, check_lengths, check_side
+from kvcopy.layout import PLANE_TABLE_COLUMNS
 
 __all__ = ["ByteRange", "copy_ranges", "plan_table_ranges"]
 
@@ -68,13 +69,26 @@ def copy_ranges(
 
 
 def plan_table_ranges(
-    src_table: torch.Tensor, src_ids: torch.Tensor, dst_table: torch.Tensor, dst_ids: torch.Tensor
+    src_table: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst_table: torch.Tensor,
+    dst_ids: torch.Tensor,
+    *,
+    src_blocks: int | None = None,
+    dst_blocks: int | None = None,
 ) -> list[tuple[int, int, int]]:
     """(source address, destination address, bytes) of each contiguous range a copy between two plane tables
-    becomes (ids as int64 tensors on the host, already checked): kvcopy's range planner
-    (csrc/include/kvcopy/copy_ranges.h), which merges runs of adjacent blocks and side-by-side planes; without the
-    compiled extension one range per block and plane. The tables' addresses need not be this process's: a
-    peer's pool (kvcopy.remote) or offsets into a file (kvcopy.storage) plan the same way."""
+    becomes: kvcopy's range planner (csrc/include/kvcopy/copy_ranges.h), which merges runs of adjacent blocks
+    and side-by-side planes; without the compiled extension one range per block and plane. The tables' addresses
+    need not be this process's: a peer's pool (kvcopy.remote) or offsets into a file (kvcopy.storage) plan the
+    same way.
+
+    What the compiled planner reads is checked first, always: the tables host int64 ``[planes, 3]`` tensors
+    (kvcopy.layout.PLANE_TABLE_COLUMNS) of one plane count, the ids 1-D int64 tensors on the host, of one length,
+    contiguous (TypeError for a wrong type or dtype, ValueError for a shape, a length or a device: ids on a GPU
+    or the meta device are refused, never read). With ``src_blocks`` / ``dst_blocks``, ids outside
+    ``[0, blocks)`` are an IndexError too; without, the caller has checked them (kvcopy.ids)."""
+    _check_plan_inputs(src_table, src_ids, dst_table, dst_ids, src_blocks, dst_blocks)
     compiled = _ext.extension()
     if compiled is not None:
         return compiled.plan_copy_ranges(
@@ -91,3 +105,50 @@ def plan_table_ranges(
         for (sa, ss, n), (da, ds, _) in zip(src_table.tolist(), dst_table.tolist(), strict=True):
             ranges.append((sa + s * ss, da + d * ds, n))
     return ranges
+
+
+def _check_table(name: str, table: object) -> torch.Tensor:
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name}: expected a plane table (torch.Tensor), got {type(table).__name__}")
+    if table.dtype != torch.int64:
+        raise TypeError(f"{name}: expected an int64 plane table, got dtype {table.dtype}")
+    columns = len(PLANE_TABLE_COLUMNS)
+    if table.layout != torch.strided or table.dim() != 2 or table.shape[1] != columns:
+        raise ValueError(f"{name}: expected a [planes, {columns}] plane table, got shape {list(table.shape)}")
+    if table.device.type != "cpu":
+        raise ValueError(f"{name}: expected a plane table on the host, got one on {table.device}")
+    if not table.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous plane table, got a strided view")
+    return table
+
+
+def _check_ids(name: str, ids: object, num_blocks: int | None) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name}: expected a 1-D int64 tensor of block ids, got {type(ids).__name__}")
+    if ids.dtype != torch.int64 or ids.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense int64 tensor of block ids, got {ids.dtype} ({ids.layout})")
+    if ids.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor of block ids, got shape {list(ids.shape)}")
+    if ids.device.type != "cpu":
+        raise ValueError(f"{name}: expected ids on the host (the planner reads them there), got ids on {ids.device}")
+    if not ids.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous ids, got a strided view (stride {ids.stride(0)})")
+    if num_blocks is not None:
+        check_side(ids, name, num_blocks, unique=False)
+    return ids
+
+
+def _check_plan_inputs(
+    src_table: object,
+    src_ids: object,
+    dst_table: object,
+    dst_ids: object,
+    src_blocks: int | None,
+    dst_blocks: int | None,
+) -> None:
+    """What plan_table_ranges hands the compiled planner, checked (its docstring says how)."""
+    src_t, dst_t = _check_table("src_table", src_table), _check_table("dst_table", dst_table)
+    if src_t.shape[0] != dst_t.shape[0]:
+        raise ValueError(f"dst_table: expected {src_t.shape[0]} planes like src_table, got {dst_t.shape[0]}")
+    src_i, dst_i = _check_ids("src_ids", src_ids, src_blocks), _check_ids("dst_ids", dst_ids, dst_blocks)
+    check_lengths(src_i, dst_i, ("src_ids", "dst_ids"))

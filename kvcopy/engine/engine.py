@@ -43,6 +43,7 @@ from typing import TypedDict
 import torch
 
 from kvcopy import _ext, dispatch
+from kvcopy._checks import boolean
 from kvcopy._version import warn_renamed
 from kvcopy.conflicts import TransferConflictError, watch
 from kvcopy.engine.block_order import BlockOrder, Blocks
@@ -111,10 +112,14 @@ class TransferEngine:
         if not isinstance(host, HostKVPool):
             raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
         dispatch.check_pair(kv, host.paged)
+        dispatch.check_copyable(kv, host.paged)
+        dispatch.check_method(method)
+        if profile is not None and not isinstance(profile, Profile):
+            raise TypeError(f"profile: expected a Profile or None, got {type(profile).__name__}")
         self.kv = kv
         self.host = host
         self.profile = profile
-        self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else bool(debug)
+        self.debug = os.environ.get("KVCOPY_DEBUG") == "1" if debug is None else boolean("debug", debug)
         if sm_budget is not None:
             warn_renamed("TransferEngine(sm_budget=...)", "TransferEngine(num_ctas=...)")
             if num_ctas is not None:
@@ -204,6 +209,7 @@ class TransferEngine:
         each (``Transfer.wait_layer``), so attention of layer l can start as soon
         as layer l has arrived.
         """
+        layerwise = boolean("layerwise", layerwise)
         return self._submit("reload", self.host.paged, host_ids, "host_ids", self.kv, block_ids, "block_ids", layerwise)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ engine's copy stream; on CPU it is set by the worker thread that did the copy.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +16,9 @@ from typing import Protocol
 
 import torch
 
+from kvcopy._checks import timeout_argument
 from kvcopy._version import warn_renamed
+from kvcopy.dispatch import check_stream
 
 __all__ = ["CudaSignal", "ThreadSignal", "Transfer", "TransferSignal", "wait_until"]
 
@@ -38,7 +41,9 @@ Timer = tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | list[float
 
 def wait_until(done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], BaseException]) -> None:
     """kvcopy's one wait loop: polls ``done()`` until it is true, and raises ``timed_out()`` once ``timeout``
-    seconds (None: never) have passed without it (to within one poll). ``done()``'s own errors propagate."""
+    seconds (None: never) have passed without it (to within one poll). ``done()``'s own errors propagate. A
+    timeout that is not None or seconds >= 0 is a TypeError / ValueError naming it, before ``done()`` is asked."""
+    timeout = timeout_argument("timeout", timeout)
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
     while not done():
@@ -187,7 +192,10 @@ class Transfer:
         return finished
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks until done; re-raises the transfer's error; TimeoutError after ``timeout`` seconds."""
+        """Blocks until done; re-raises the transfer's error (on every call: a failed transfer never reads as
+        done well); TimeoutError after ``timeout`` seconds, the transfer still in flight. A ``timeout`` that is
+        not None or seconds >= 0 is a TypeError / ValueError that changes nothing: a later wait() finishes it."""
+        timeout = timeout_argument("timeout", timeout)
         self._done.wait(timeout)
         self.report()
 
@@ -207,6 +215,7 @@ class Transfer:
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Work queued on ``stream`` (default: current) after this call runs after the transfer."""
+        check_stream(stream)
         self._done.wait_stream(stream)
         if isinstance(self._done, CudaSignal):  # debug mode: that stream's later work is ordered after this one
             self.joined.add((stream or torch.cuda.current_stream(self._done.event.device)).cuda_stream)
@@ -215,6 +224,9 @@ class Transfer:
         """Like :meth:`wait_stream`, for one layer of a layer-wise reload."""
         if self._layers is None:
             raise ValueError("wait_layer: this transfer is not a layer-wise reload (use reload(..., layerwise=True))")
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+            raise TypeError(f"layer: expected a layer index (int), got {type(layer).__name__} {layer!r:.40}")
+        check_stream(stream)
         if not 0 <= layer < len(self._layers):
             raise IndexError(f"layer: expected a layer in [0, {len(self._layers)}), got {layer}")
         self._layers[layer].wait_stream(stream)

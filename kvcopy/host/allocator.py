@@ -51,15 +51,20 @@ class BlockAllocator:
             self._allocated[ids] = True
         return torch.tensor(ids, dtype=torch.int64)
 
-    def free(self, ids: BlockIds) -> None:
-        """Returns allocated ids to the free list; all or nothing."""
+    def checked_ids(self, ids: BlockIds) -> torch.Tensor:
+        """``ids`` as a host int64 tensor of distinct ids of this pool: TypeError for a wrong type, ValueError for
+        a wrong shape, a repeat, ids off the host or outside the pool (foreign). Reads no allocation state."""
         try:
             tensor = prepare_ids(ids, "ids", self._num_blocks, unique=True)
         except IndexError as err:  # an id this pool never handed out
             raise ValueError(f"{err} (not an id of this pool)") from None
         if tensor.device.type != "cpu":
             raise ValueError(f"ids: expected host ids, got ids on {tensor.device}")
-        values = tensor.numpy()
+        return tensor
+
+    def free(self, ids: BlockIds) -> None:
+        """Returns allocated ids to the free list; all or nothing."""
+        values = self.checked_ids(ids).numpy()
         with self._lock:
             not_allocated = values[~self._allocated[values]]
             if not_allocated.size:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Literal
 
 import torch
 
-from kvcopy._checks import non_negative_int, positive_int
+from kvcopy._checks import boolean, non_negative_int, positive_int
 from kvcopy.conflicts import check_caller
 from kvcopy.host.allocator import BlockAllocator
 from kvcopy.host.memory import HostRegion, gpu_numa_node
@@ -61,11 +62,13 @@ class HostKVPool:
         if not isinstance(like, PagedKV):
             raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
         num_blocks = positive_int("num_blocks", num_blocks)
+        if not isinstance(layout, str):
+            raise TypeError(f"layout: expected one of {_LAYOUTS}, got {type(layout).__name__} {layout!r:.40}")
         if layout not in _LAYOUTS:
             raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
         if numa_node is not None:
             numa_node = non_negative_int("numa_node", numa_node)
-        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        pin = torch.cuda.is_available() if pin_memory is None else boolean("pin_memory", pin_memory)
         node = gpu_numa_node(like.device) if numa_node is None else numa_node
         self.layout: HostLayout = layout
         nbytes = num_blocks * like.nbytes_per_block
@@ -120,8 +123,9 @@ class HostKVPool:
     def free(self, ids: BlockIds) -> None:
         """Returns allocated ids; ValueError for a double free or an id not of this pool. With a debug-mode
         TransferEngine on this pool: TransferConflictError for ids an unfinished transfer still uses."""
-        check_caller("HostKVPool.free", self.paged, ids if isinstance(ids, torch.Tensor) else list(ids), writes=True)
-        self.allocator.free(ids)
+        checked = self.allocator.checked_ids(ids)  # the ids' errors first, before a debug engine reads them
+        check_caller("HostKVPool.free", self.paged, checked, writes=True)
+        self.allocator.free(checked)
 
     def close(self) -> None:
         """Unpins the pool. Wait for transfers that use it first (TransferEngine.close does).
@@ -149,6 +153,8 @@ class HostKVPool:
         """The uint8 bytes of host block ``block_id`` (page_first pools only): one region."""
         if self.layout != "page_first":
             raise ValueError(f"block_bytes: needs a page_first pool, this one is {self.layout}")
+        if isinstance(block_id, bool) or not isinstance(block_id, numbers.Integral):
+            raise TypeError(f"block_id: expected a block id (int), got {type(block_id).__name__} {block_id!r:.40}")
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block_id: expected an id in [0, {self.num_blocks}), got {block_id}")
         start = block_id * self.nbytes_per_block
