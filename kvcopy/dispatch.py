@@ -221,12 +221,13 @@ def copy(
     method: str,
     stream: torch.cuda.Stream | None,
     num_ctas: int | None,
+    names: tuple[str, str] = ("src_ids", "dst_ids"),
 ) -> None:
-    """The whole pipeline for one copy_blocks call on a checked pair."""
+    """The whole pipeline for one copy_blocks call on a checked pair; ``names``: the id arguments' names."""
     check_copyable(src, dst)
     # Device and stream first: ids converted on the GPU are made on the copy's stream.
     with device_context(src, dst, stream):
-        src_t, dst_t, host_ids = prepare_pair(src, src_ids, dst, dst_ids)
+        src_t, dst_t, host_ids = prepare_pair(src, src_ids, dst, dst_ids, names)
         if host_ids:  # debug mode: the caller's copy against a TransferEngine's transfers in flight
             check_caller("copy_blocks", src, src_t, writes=False)
             check_caller("copy_blocks", dst, dst_t, writes=True)

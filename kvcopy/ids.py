@@ -97,9 +97,20 @@ def _readable(ids: torch.Tensor) -> bool:
     return ids.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def _compiled_input(ids: BlockIds, name: str, num_blocks: int) -> torch.Tensor:
+    """``ids`` as the compiled checks read them (a contiguous 1-D int64 tensor): as they are when they already
+    are one (:func:`as_ids`'s output, the one cheap test on the hot path), else through :func:`as_ids`, so
+    that no other dtype or stride ever reaches the compiled code, whoever calls."""
+    plain = type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.layout is torch.strided
+    if plain and ids.dim() == 1 and ids.is_contiguous():
+        return ids
+    return as_ids(ids, name, num_blocks)
+
+
 def check_side(ids: torch.Tensor, name: str, num_blocks: int, *, unique: bool) -> None:
     """IndexError for an id outside ``[0, num_blocks)``; with ``unique`` (a destination) ValueError for a repeat.
-    Host ids only (``ids`` from :func:`as_ids`); device ids and traced ones are left alone."""
+    Host ids only (``ids`` from :func:`as_ids`, or anything it takes); device ids and traced ones are left alone."""
+    ids = _compiled_input(ids, name, num_blocks)
     if not _readable(ids) or ids.numel() == 0:
         return
     compiled = _ext.extension()
@@ -121,7 +132,8 @@ def check_host_pair(
     names: tuple[str, str] = ("src_ids", "dst_ids"),
 ) -> None:
     """Both sides (as :func:`check_side`), then one length, then with ``same_cache`` no block both read and
-    written (the result would depend on copy order). Host ids from :func:`as_ids`."""
+    written (the result would depend on copy order). Host ids from :func:`as_ids` (or anything it takes)."""
+    src_ids, dst_ids = _compiled_input(src_ids, names[0], src_blocks), _compiled_input(dst_ids, names[1], dst_blocks)
     if not (_readable(src_ids) and _readable(dst_ids)):
         return
     compiled = _ext.extension()

@@ -11,14 +11,16 @@ names the same columns for C++).
 
 from __future__ import annotations
 
+import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from kvcopy._checks import positive_int
 from kvcopy._version import warn_renamed
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "MemoryOverlap",
     "PagedKV",
     "block_for_block",
+    "layout_difference",
     "memory_overlap",
     "shares_memory",
 ]
@@ -99,12 +102,16 @@ class PagedKV:
     def __init__(
         self, planes: Sequence[torch.Tensor], *, planes_per_layer: int = 1, memory: HostMemory | None = None
     ) -> None:
+        if isinstance(planes, torch.Tensor) or not isinstance(planes, Iterable) or isinstance(planes, (str, bytes)):
+            # a tensor iterates over its rows, which would each become a plane
+            raise TypeError(f"planes: expected a sequence of plane tensors, got {type(planes).__name__}")
         planes = tuple(planes)
         if not planes:
             raise ValueError("planes: expected at least one plane, got none")
         for i, plane in enumerate(planes):
             _check_plane(i, plane, planes[0] if i else None)
-        if planes_per_layer < 1 or len(planes) % planes_per_layer:
+        planes_per_layer = positive_int("planes_per_layer", planes_per_layer)
+        if len(planes) % planes_per_layer:
             raise ValueError(
                 f"planes_per_layer: expected a divisor of the plane count {len(planes)}, got {planes_per_layer}"
             )
@@ -211,6 +218,8 @@ class PagedKV:
 
     def layer(self, index: int) -> PagedKV:
         """The planes of engine layer ``index`` as their own PagedKV (made once, then cached)."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+            raise TypeError(f"layer: expected a layer index (int), got {type(index).__name__} {index!r:.40}")
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer: expected a layer in [0, {self.num_layers}), got {index}")
         if self._layers is None:
@@ -495,3 +504,36 @@ def block_for_block(src: PagedKV, dst: PagedKV) -> bool:
     source id, so ``src`` must not have more blocks than ``dst``. False for caches that share no memory."""
     overlap = memory_overlap(src, dst)
     return overlap is not None and overlap.block_for_block and src.num_blocks <= dst.num_blocks
+
+
+# ----------------------------------------------------------------------------- comparing layouts
+
+
+def layout_difference(expected: object, got: object, at: str = "") -> str | None:
+    """The first difference between two layouts (nested mappings, sequences and values, as a store's header or
+    a pool's descriptor holds them) as "<field>: expected X, got Y", or None when they are the same, type
+    included (1 and 1.0, a list and a tuple of equal items are the same; True and 1 are not). For messages that
+    say what differs rather than print two layouts that look alike."""
+    where = at or "layout"
+    if isinstance(expected, Mapping) and isinstance(got, Mapping):
+        for key in [*expected, *(k for k in got if k not in expected)]:
+            if key not in got:
+                return f"{where}: expected a field {key!r} (= {expected[key]!r:.60}), got none"
+            if key not in expected:
+                return f"{where}: expected no field {key!r}, got {got[key]!r:.60}"
+            found = layout_difference(expected[key], got[key], f"{at}.{key}" if at else str(key))
+            if found is not None:
+                return found
+        return None
+    sequences = (list, tuple)
+    if isinstance(expected, sequences) and isinstance(got, sequences):
+        if len(expected) != len(got):
+            return f"{where}: expected {len(expected)} entries, got {len(got)}"
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+            found = layout_difference(a, b, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, bool) != isinstance(got, bool) or expected != got:
+        return f"{where}: expected {expected!r:.60}, got {got!r:.60}"
+    return None

@@ -18,6 +18,8 @@ from kvcopy.methods.cta_budget import check_num_ctas
 
 __all__ = ["available_methods", "copy_blocks", "gather", "scatter"]
 
+_COPY_NAMES = ("src_ids", "dst_ids")  # copy_blocks's id arguments, as the compiled checks name them
+
 
 def copy_blocks(
     src: KVLike,
@@ -62,17 +64,26 @@ def _copy(
     method: str,
     stream: torch.cuda.Stream | None,
     num_ctas: int | None,
+    names: tuple[str, str] = _COPY_NAMES,
 ) -> None:
     """copy_blocks, gather and scatter: the host fast path when it takes the call, else the pipeline. The
-    arguments' types first (TypeError naming each), then the caches, then the ids: nothing is written before."""
+    arguments' types first (TypeError naming each), then the caches, then the ids: nothing is written before.
+    ``names``: the id arguments as the caller calls them, which every error names."""
     dispatch.check_method(method)
-    if stream is None and num_ctas is None and dispatch.host_fast_path(src, src_ids, dst, dst_ids, method):
-        return
+    if stream is None and num_ctas is None:
+        try:
+            if dispatch.host_fast_path(src, src_ids, dst, dst_ids, method):
+                return
+        except (IndexError, ValueError):
+            if names == _COPY_NAMES:
+                raise
+            # The fast path's compiled check says src_ids/dst_ids: the pipeline's same check names the caller's
+            # arguments (nothing was written).
     num_ctas = check_num_ctas(num_ctas)
     dispatch.check_stream(stream)
     src_kv, dst_kv = dispatch.as_paged(src, "src"), dispatch.as_paged(dst, "dst")
     dispatch.check_pair(src_kv, dst_kv)
-    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas)
+    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas, names)
 
 
 def gather(
@@ -88,7 +99,7 @@ def gather(
     """Device pages -> host pool: ``copy_blocks(kv, block_ids, host, host_ids, ...)``."""
     if not isinstance(host, HostKVPool):
         raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-    _copy(kv, block_ids, host, host_ids, method, stream, num_ctas)
+    _copy(kv, block_ids, host, host_ids, method, stream, num_ctas, ("block_ids", "host_ids"))
 
 
 def scatter(
@@ -104,4 +115,4 @@ def scatter(
     """Host pool -> device pages: ``copy_blocks(host, host_ids, kv, block_ids, ...)``."""
     if not isinstance(host, HostKVPool):
         raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-    _copy(host, host_ids, kv, block_ids, method, stream, num_ctas)
+    _copy(host, host_ids, kv, block_ids, method, stream, num_ctas, ("host_ids", "block_ids"))
