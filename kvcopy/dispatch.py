@@ -46,27 +46,29 @@ __all__ = [
 ]
 
 
-def check_pair(src: PagedKV, dst: PagedKV) -> None:
-    """ValueError unless ``dst`` has ``src``'s planes, plane-block sizes and dtypes, on a compatible device."""
+def check_pair(src: PagedKV, dst: PagedKV, names: tuple[str, str] = ("src", "dst")) -> None:
+    """ValueError unless ``dst`` has ``src``'s planes, plane-block sizes and dtypes, on a compatible device: the
+    message says which plane differs and how, naming the two sides as ``names`` (the caller's arguments)."""
+    a, b = names
     if src.num_planes != dst.num_planes:
-        raise ValueError(f"dst: expected {src.num_planes} planes like src, got {dst.num_planes}")
+        raise ValueError(f"{b}: expected {src.num_planes} planes like {a}, got {dst.num_planes}")
     if src.plane_block_nbytes != dst.plane_block_nbytes:
         p = next(
-            i for i, (a, b) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes, strict=True)) if a != b
+            i for i, (x, y) in enumerate(zip(src.plane_block_nbytes, dst.plane_block_nbytes, strict=True)) if x != y
         )
         got, expected = dst.plane_block_nbytes[p], src.plane_block_nbytes[p]
-        raise ValueError(f"dst: plane {p} blocks are {got} bytes, expected {expected} like src")
+        raise ValueError(f"{b}: plane {p} blocks are {got} bytes, expected {expected} like {a}")
     if src.dtypes != dst.dtypes:
-        p = next(i for i, (a, b) in enumerate(zip(src.dtypes, dst.dtypes, strict=True)) if a != b)
-        raise ValueError(f"dst: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like src")
+        p = next(i for i, (x, y) in enumerate(zip(src.dtypes, dst.dtypes, strict=True)) if x != y)
+        raise ValueError(f"{b}: plane {p} has dtype {dst.dtypes[p]}, expected {src.dtypes[p]} like {a}")
     if src.device.type == "cuda" and dst.device.type == "cuda" and src.device != dst.device:
-        raise ValueError(f"dst: on {dst.device}, src on {src.device}; copies between two GPUs are not supported")
+        raise ValueError(f"{b}: on {dst.device}, {a} on {src.device}; copies between two GPUs are not supported")
 
 
-def check_copyable(src: PagedKV, dst: PagedKV) -> None:
+def check_copyable(src: PagedKV, dst: PagedKV, names: tuple[str, str] = ("src", "dst")) -> None:
     """ValueError unless both caches hold bytes a copy can move (a meta tensor has none). :func:`check_pair` leaves
     them to this: a plan of ranges (kvcopy.ranges.copy_ranges) may be made for caches on any device."""
-    for name, kv in (("src", src), ("dst", dst)):
+    for name, kv in zip(names, (src, dst), strict=True):
         if kv.device.type == "meta":
             raise ValueError(f"{name}: expected a cache whose planes hold data, got planes on the meta device")
 
@@ -223,8 +225,8 @@ def copy(
     num_ctas: int | None,
     names: tuple[str, str] = ("src_ids", "dst_ids"),
 ) -> None:
-    """The whole pipeline for one copy_blocks call on a checked pair; ``names``: the id arguments' names."""
-    check_copyable(src, dst)
+    """The whole pipeline for one copy_blocks call on a checked pair (:func:`check_pair`, :func:`check_copyable`);
+    ``names``: the id arguments' names."""
     # Device and stream first: ids converted on the GPU are made on the copy's stream.
     with device_context(src, dst, stream):
         src_t, dst_t, host_ids = prepare_pair(src, src_ids, dst, dst_ids, names)

@@ -18,7 +18,8 @@ from kvcopy.methods.cta_budget import check_num_ctas
 
 __all__ = ["available_methods", "copy_blocks", "gather", "scatter"]
 
-_COPY_NAMES = ("src_ids", "dst_ids")  # copy_blocks's id arguments, as the compiled checks name them
+# copy_blocks's arguments as errors name them (the compiled id checks say src_ids and dst_ids).
+_COPY_NAMES = ("src", "src_ids", "dst", "dst_ids")
 
 
 def copy_blocks(
@@ -64,11 +65,11 @@ def _copy(
     method: str,
     stream: torch.cuda.Stream | None,
     num_ctas: int | None,
-    names: tuple[str, str] = _COPY_NAMES,
+    names: tuple[str, str, str, str] = _COPY_NAMES,
 ) -> None:
     """copy_blocks, gather and scatter: the host fast path when it takes the call, else the pipeline. The
     arguments' types first (TypeError naming each), then the caches, then the ids: nothing is written before.
-    ``names``: the id arguments as the caller calls them, which every error names."""
+    ``names``: the caller's names of src, src_ids, dst and dst_ids, which every error uses."""
     dispatch.check_method(method)
     if stream is None and num_ctas is None:
         try:
@@ -81,9 +82,11 @@ def _copy(
             # arguments (nothing was written).
     num_ctas = check_num_ctas(num_ctas)
     dispatch.check_stream(stream)
-    src_kv, dst_kv = dispatch.as_paged(src, "src"), dispatch.as_paged(dst, "dst")
-    dispatch.check_pair(src_kv, dst_kv)
-    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas, names)
+    src_name, src_ids_name, dst_name, dst_ids_name = names
+    src_kv, dst_kv = dispatch.as_paged(src, src_name), dispatch.as_paged(dst, dst_name)
+    dispatch.check_pair(src_kv, dst_kv, (src_name, dst_name))
+    dispatch.check_copyable(src_kv, dst_kv, (src_name, dst_name))
+    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas, (src_ids_name, dst_ids_name))
 
 
 def gather(
@@ -99,7 +102,7 @@ def gather(
     """Device pages -> host pool: ``copy_blocks(kv, block_ids, host, host_ids, ...)``."""
     if not isinstance(host, HostKVPool):
         raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-    _copy(kv, block_ids, host, host_ids, method, stream, num_ctas, ("block_ids", "host_ids"))
+    _copy(kv, block_ids, host, host_ids, method, stream, num_ctas, ("kv", "block_ids", "host", "host_ids"))
 
 
 def scatter(
@@ -115,4 +118,4 @@ def scatter(
     """Host pool -> device pages: ``copy_blocks(host, host_ids, kv, block_ids, ...)``."""
     if not isinstance(host, HostKVPool):
         raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-    _copy(host, host_ids, kv, block_ids, method, stream, num_ctas, ("host_ids", "block_ids"))
+    _copy(host, host_ids, kv, block_ids, method, stream, num_ctas, ("host", "host_ids", "kv", "block_ids"))

@@ -111,8 +111,8 @@ class TransferEngine:
             raise TypeError(f"kv: expected a PagedKV, got {type(kv).__name__}")
         if not isinstance(host, HostKVPool):
             raise TypeError(f"host: expected a HostKVPool, got {type(host).__name__}")
-        dispatch.check_pair(kv, host.paged)
-        dispatch.check_copyable(kv, host.paged)
+        dispatch.check_pair(kv, host.paged, ("kv", "host"))
+        dispatch.check_copyable(kv, host.paged, ("kv", "host"))
         dispatch.check_method(method)
         if profile is not None and not isinstance(profile, Profile):
             raise TypeError(f"profile: expected a Profile or None, got {type(profile).__name__}")
