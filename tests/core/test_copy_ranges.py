@@ -15,6 +15,7 @@ import torch
 import kvcopy
 from kvcopy import _ext
 from kvcopy.host.memory import MAX_REGISTER_BYTES, registration_chunks
+from kvcopy.ranges import plan_table_ranges
 
 from helpers.copies import make_layout
 
@@ -92,3 +93,42 @@ def test_registration_chunks_end_at_multiples_of_the_chunk_size(address, nbytes)
     for (start, length), (following, _) in itertools.pairwise(chunks):
         assert start + length == following and following % MAX_REGISTER_BYTES == 0
     assert all(0 < length <= MAX_REGISTER_BYTES for _, length in chunks)
+
+
+# --------------------------------------------------------------------------- plan_table_ranges: its inputs
+
+_TABLE = torch.tensor([[0, 64, 64], [4096, 64, 32]], dtype=torch.int64)
+_IDS = torch.tensor([0, 1], dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "name"),
+    [
+        # ids a store's get or a peer's read could hand it: never read off the host (a meta tensor segfaulted)
+        pytest.param({"src_ids": torch.tensor([0, 1], device="meta")}, ValueError, "src_ids", id="meta-ids"),
+        pytest.param({"dst_ids": torch.tensor([0.0, 1.0])}, TypeError, "dst_ids", id="float-ids"),
+        pytest.param({"src_ids": torch.tensor([0, 1], dtype=torch.int32)}, TypeError, "src_ids", id="int32-ids"),
+        pytest.param({"src_ids": [0, 1]}, TypeError, "src_ids", id="list-ids"),
+        pytest.param({"src_ids": torch.tensor([[0, 1]])}, ValueError, "src_ids", id="2-d-ids"),
+        pytest.param({"dst_ids": torch.arange(4)[::2]}, ValueError, "dst_ids", id="strided-ids"),
+        pytest.param({"dst_ids": torch.tensor([0])}, ValueError, "dst_ids", id="lengths"),
+        pytest.param({"src_table": _TABLE.to(torch.int32)}, TypeError, "src_table", id="int32-table"),
+        pytest.param({"dst_table": _TABLE[:, :2].contiguous()}, ValueError, "dst_table", id="two-columns"),
+        pytest.param({"dst_table": _TABLE[:1]}, ValueError, "dst_table", id="plane-counts"),
+        pytest.param({"src_table": _TABLE.t().contiguous().t()}, ValueError, "src_table", id="strided-table"),
+        pytest.param({"src_table": _TABLE.to("meta")}, ValueError, "src_table", id="meta-table"),
+        pytest.param({"src_table": _TABLE.tolist()}, TypeError, "src_table", id="list-table"),
+        pytest.param({"src_ids": torch.tensor([0, 9]), "src_blocks": 4}, IndexError, "src_ids", id="range"),
+        pytest.param({"dst_ids": torch.tensor([-1, 0]), "dst_blocks": 4}, IndexError, "dst_ids", id="negative"),
+    ],
+)
+def test_plan_table_ranges_checks_what_the_planner_reads(change, error, name):
+    args = {"src_table": _TABLE, "src_ids": _IDS, "dst_table": _TABLE, "dst_ids": _IDS, **change}
+    with pytest.raises(error, match=f"^{name}"):
+        plan_table_ranges(**args)
+
+
+def test_plan_table_ranges_plans_good_inputs():
+    ranges = plan_table_ranges(_TABLE, _IDS, _TABLE, torch.tensor([2, 3]), src_blocks=4, dst_blocks=4)
+    # plane 0 is dense (64-byte blocks 64 apart): its run of two blocks is one range; plane 1's are not
+    assert sorted(ranges) == [(0, 128, 128), (4096, 4224, 32), (4160, 4288, 32)]
