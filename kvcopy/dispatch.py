@@ -224,9 +224,10 @@ def copy(
     stream: torch.cuda.Stream | None,
     num_ctas: int | None,
     names: tuple[str, str] = ("src_ids", "dst_ids"),
+    cache_names: tuple[str, str] = ("src", "dst"),
 ) -> None:
-    """The whole pipeline for one copy_blocks call on a checked pair (:func:`check_pair`, :func:`check_copyable`);
-    ``names``: the id arguments' names."""
+    """The whole pipeline for one copy_blocks call on a checked pair (:func:`check_pair`); ``names`` and
+    ``cache_names``: the id and cache arguments' names, as errors say them."""
     # Device and stream first: ids converted on the GPU are made on the copy's stream.
     with device_context(src, dst, stream):
         src_t, dst_t, host_ids = prepare_pair(src, src_ids, dst, dst_ids, names)
@@ -234,6 +235,7 @@ def copy(
             check_caller("copy_blocks", src, src_t, writes=False)
             check_caller("copy_blocks", dst, dst_t, writes=True)
         chosen = resolve(method, src, dst, host_ids=host_ids, capturing=capturing(src, dst), num_blocks=src_t.numel())
+        check_copyable(src, dst, cache_names)  # after the method's own reason, which says more
         if src_t.numel():
             run(chosen, src, src_t, dst, dst_t, num_ctas)
 

@@ -85,8 +85,9 @@ def _copy(
     src_name, src_ids_name, dst_name, dst_ids_name = names
     src_kv, dst_kv = dispatch.as_paged(src, src_name), dispatch.as_paged(dst, dst_name)
     dispatch.check_pair(src_kv, dst_kv, (src_name, dst_name))
-    dispatch.check_copyable(src_kv, dst_kv, (src_name, dst_name))
-    dispatch.copy(src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas, (src_ids_name, dst_ids_name))
+    dispatch.copy(
+        src_kv, src_ids, dst_kv, dst_ids, method, stream, num_ctas, (src_ids_name, dst_ids_name), (src_name, dst_name)
+    )
 
 
 def gather(
