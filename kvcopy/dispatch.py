@@ -160,9 +160,10 @@ def prepare_pair(
     host_ids = src_t.device.type == "cpu" and dst_t.device.type == "cpu"
     if host_ids:
         # The compiled check covers memory shared block for block; any other sharing is checked after it.
-        same_blocks = block_for_block(src, dst)
+        shared = shares_memory(src, dst)  # False for most pairs: no other question asked
+        same_blocks = shared and block_for_block(src, dst)
         check_host_pair(src_t, dst_t, src.num_blocks, dst.num_blocks, same_cache=same_blocks, names=names)
-        if not same_blocks and shares_memory(src, dst):
+        if shared and not same_blocks:
             if torch.compiler.is_compiling():  # the traced ids cannot be read here
                 raise ValueError(
                     f"src/dst: they share memory other than block for block (one shifted or resized against the "
