@@ -36,7 +36,10 @@ def copy_blocks(
 
     All planes and blocks go in one submission. ``src`` and ``dst`` are PagedKV
     or HostKVPool; ids are 1-D int32/int64 tensors or sequences of ints.
-    Repeated source ids are allowed; repeated destination ids are not.
+    Repeated source ids are allowed; repeated destination ids are not. ``src`` and ``dst`` may be one cache,
+    or share memory in any way (two PagedKVs over the same tensors, a view shifted by a block): a block read
+    that shares a byte with a block written is a ValueError naming ``src_ids``/``dst_ids`` (host ids; judged
+    by the planes' addresses, kvcopy.layout.memory_overlap).
 
     ``method``: "auto" (default; see kvcopy.methods.choice.choose_method) or a
     registered method name (kvcopy.METHODS lists the built-in ones). GPU

@@ -320,15 +320,15 @@ def test_errors_via_gather_and_scatter(pair, method):
     before_pool, before_kv = snapshot(pool), snapshot(kv)
     # Each error names the argument as gather and scatter call it (block_ids, host_ids), fast path or not.
     for kind in (list, torch.tensor):
-        with pytest.raises(IndexError, match="^block_ids"):
+        with pytest.raises(IndexError, match=r"^block_ids"):
             kvcopy.gather(kv, kind([NUM_BLOCKS]), pool, kind([0]), method=method)
-        with pytest.raises(ValueError, match="^host_ids"):
+        with pytest.raises(ValueError, match=r"^host_ids"):
             kvcopy.gather(kv, kind([0, 1]), pool, kind([2, 2]), method=method)
-        with pytest.raises(IndexError, match="^block_ids"):
+        with pytest.raises(IndexError, match=r"^block_ids"):
             kvcopy.scatter(pool, kind([0]), kv, kind([NUM_BLOCKS]), method=method)
-        with pytest.raises(ValueError, match="^block_ids: expected as many ids as host_ids"):
+        with pytest.raises(ValueError, match=r"^block_ids: expected as many ids as host_ids"):
             kvcopy.scatter(pool, kind([0]), kv, kind([1, 2]), method=method)
-    with pytest.raises(TypeError, match="^host_ids"):
+    with pytest.raises(TypeError, match=r"^host_ids"):
         kvcopy.scatter(pool, [0.5], kv, [1], method=method)
     assert_same_bytes(snapshot(pool), before_pool)
     assert_same_bytes(snapshot(kv), before_kv)
