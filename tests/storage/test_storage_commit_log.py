@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from kvcopy._checks import FileFormatError
 from kvcopy.storage.commit_log import COMPACT_FACTOR, EXTEND_BYTES, MAGIC, RECORD_BYTES, CommitLog, Entry
 
 
@@ -151,13 +152,13 @@ def test_unused_matches_the_slots_that_hold_nothing_over_random_use(tmp_path):
 def test_another_file_is_refused(tmp_path):
     path = tmp_path / "index.log"
     path.write_bytes(b"not a log at all, longer than the magic")
-    with pytest.raises(ValueError, match="not a kvcopy disk-store log"):
+    with pytest.raises(FileFormatError, match="index.log: magic: expected a kvcopy disk-store log"):
         CommitLog(path, 4)
 
 
 def test_bad_hashes_are_value_errors(tmp_path):
     log = CommitLog(tmp_path / "index.log", 4)
-    with pytest.raises(ValueError, match="block_hashes: expected SHA-256 hex digests"):
+    with pytest.raises(ValueError, match="block_hashes: expected a SHA-256 hex digest"):
         log.commit([Entry(0, "abcd", 0)])
 
 
