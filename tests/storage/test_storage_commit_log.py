@@ -152,7 +152,7 @@ def test_unused_matches_the_slots_that_hold_nothing_over_random_use(tmp_path):
 def test_another_file_is_refused(tmp_path):
     path = tmp_path / "index.log"
     path.write_bytes(b"not a log at all, longer than the magic")
-    with pytest.raises(FileFormatError, match="index.log: magic: expected a kvcopy disk-store log"):
+    with pytest.raises(FileFormatError, match=r"index\.log: magic: expected a kvcopy disk-store log"):
         CommitLog(path, 4)
 
 
