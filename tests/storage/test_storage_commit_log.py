@@ -192,3 +192,23 @@ def test_a_writer_killed_mid_append_leaves_every_reported_commit(tmp_path, delay
         assert entry is not None and entry.slot == i % 64 and entry.checksum == i
     for entry in log._by_slot.values():  # nothing it had not at least begun: one commit past the last reported
         assert entry.checksum <= last + 1
+
+
+def test_commit_and_free_each_sync_the_log_before_they_return(tmp_path, monkeypatch):
+    """A record is durable when commit or free returns: each calls fdatasync on the log's own file."""
+    log = CommitLog(tmp_path / "index.log", 4)
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        real(fd)
+        synced.append(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
+    log.commit([Entry(0, h(0), 1)])
+    assert synced == [log._fd]
+    log.free([0])
+    assert synced == [log._fd, log._fd]
+    log.free([0])  # holds nothing now: no record, nothing to sync
+    assert len(synced) == 2
+    log.close()
