@@ -33,7 +33,9 @@ __all__ = [
     "check_lengths",
     "check_shared_memory",
     "check_side",
+    "prepare_host_ids",
     "prepare_ids",
+    "require_host",
 ]
 
 BlockIds = torch.Tensor | Sequence[int] | np.ndarray
@@ -192,6 +194,23 @@ def check_lengths(src_ids: torch.Tensor, dst_ids: torch.Tensor, names: tuple[str
 def prepare_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> torch.Tensor:
     """:func:`as_ids`, then :func:`check_side`: the ids of one side, validated."""
     tensor = as_ids(ids, name, num_blocks)
+    check_side(tensor, name, num_blocks, unique=unique)
+    return tensor
+
+
+def require_host(ids: torch.Tensor, name: str) -> None:
+    """ValueError unless ``ids`` (from :func:`as_ids`) are on the host, for code that reads their values there
+    (a range planner, a disk store, NIXL's descriptors): a CUDA or meta tensor's data pointer is no host
+    address, and reading it would crash the process."""
+    if ids.device.type != "cpu":
+        raise ValueError(f"{name}: expected ids on the host (cpu), got ids on {ids.device}")
+
+
+def prepare_host_ids(ids: BlockIds, name: str, num_blocks: int, *, unique: bool) -> torch.Tensor:
+    """:func:`as_ids`, :func:`require_host`, then :func:`check_side`: one side's ids as a contiguous 1-D int64
+    tensor on the host, every value checked, for code that reads them there."""
+    tensor = as_ids(ids, name, num_blocks)
+    require_host(tensor, name)
     check_side(tensor, name, num_blocks, unique=unique)
     return tensor
 

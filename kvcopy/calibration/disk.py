@@ -13,6 +13,7 @@ by range bytes; ``hardware["disk"]`` says where and how (filesystem, O_DIRECT, N
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 
 import torch
 
+from kvcopy._checks import path_argument
 from kvcopy.calibration.local import fit_lines
 from kvcopy.calibration.network import RangeSweep, calibration_pool, run_ids
 from kvcopy.calibration.progress import progress_bar
@@ -29,7 +31,16 @@ from kvcopy.profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
 from kvcopy.storage.files import filesystem_of, fill_with_zeros
 from kvcopy.storage.store import DiskKVStore
 
-__all__ = ["DISK_METHOD", "DISK_READ", "DISK_WRITE", "FULL_SWEEP", "QUICK_SWEEP", "add_disk_fits", "measure_disk"]
+__all__ = [
+    "DISK_METHOD",
+    "DISK_READ",
+    "DISK_WRITE",
+    "FULL_SWEEP",
+    "QUICK_SWEEP",
+    "add_disk_fits",
+    "check_disk_directory",
+    "measure_disk",
+]
 
 # Where the disk's fits go in a Profile: host to file (a put), file to host (a get), through NIXL's POSIX backend.
 DISK_WRITE, DISK_READ, DISK_METHOD = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION, "nixl_posix"
@@ -46,13 +57,45 @@ class _Key:
     context_hash = hashlib.sha256(b"kvcopy disk calibration").hexdigest()
 
 
+def _shapes(sweep: RangeSweep) -> list[tuple[int, int]]:
+    return [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_read if s * c <= sweep.max_read_bytes]
+
+
+def _store_blocks(sweep: RangeSweep, size: int) -> int:
+    """Blocks of the calibration store for range size ``size``: room for every put of that size, so that no put
+    evicts (an eviction adds a sync, which would bend the line)."""
+    calls = 2 + sweep.repeats  # measure's warm-up and timed calls
+    return calls * sum(c for s, c in _shapes(sweep) if s == size)
+
+
+def check_disk_directory(directory: str | os.PathLike[str], sweep: RangeSweep = QUICK_SWEEP) -> None:
+    """Before any measuring: ``directory`` is (or is made) a folder this process can make a store in, with room
+    for the largest calibration store of ``sweep`` (they are made one at a time). OSError saying which not:
+    a path under a file, no permission, a read-only or full filesystem."""
+    directory = os.fspath(path_argument("directory", directory))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = tempfile.mkdtemp(prefix="kvcopy-calibrate-disk-check-", dir=directory)
+    except OSError as err:
+        raise type(err)(err.errno, f"directory: cannot make a store under {directory}: {err.strerror}") from None
+    shutil.rmtree(probe, ignore_errors=True)
+    needed = max((_store_blocks(sweep, size) * size for size in sweep.range_nbytes), default=0)
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"directory: the calibration stores need {needed} bytes free under {directory}, and {free} are",
+        )
+
+
 def measure_disk(directory: str, sweep: RangeSweep = QUICK_SWEEP, *, progress: bool = True) -> dict:
     """Times puts and gets of a calibration store made in a temporary folder inside ``directory`` (removed
     after): ``{"points": {direction: rows}, "direct": bool, "queue": str, "filesystem": str}``, each row (total
-    bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s)."""
-    os.makedirs(directory, exist_ok=True)
+    bytes, NIXL descriptors per call on average, range bytes, median s, p20 s, p80 s). ``directory`` is checked
+    first (:func:`check_disk_directory`)."""
+    check_disk_directory(directory, sweep)
     folder = tempfile.mkdtemp(prefix="kvcopy-calibrate-disk-", dir=directory)
-    shapes = [(s, c) for s in sweep.range_nbytes for c in sweep.ranges_per_read if s * c <= sweep.max_read_bytes]
+    shapes = _shapes(sweep)
     calls = 2 + sweep.repeats  # measure's warm-up and timed calls
     points: dict[str, list[list[float]]] = {DISK_WRITE: [], DISK_READ: []}
     generator = torch.Generator().manual_seed(0)
@@ -64,9 +107,8 @@ def measure_disk(directory: str, sweep: RangeSweep = QUICK_SWEEP, *, progress: b
             if not counts:
                 continue
             pool = calibration_pool(sweep.pool_nbytes, block_nbytes=size)
-            # room for every put of this size: no put evicts (an eviction adds a sync, which would bend the line)
             path = os.path.join(folder, f"store-{size}")
-            store = DiskKVStore.create(path, pool, calls * sum(counts), cache_key=_Key())
+            store = DiskKVStore.create(path, pool, _store_blocks(sweep, size), cache_key=_Key())
             with store:
                 fill_with_zeros(path)
                 found = {"direct": store.direct, "queue": store.queue}
@@ -118,8 +160,19 @@ def _time_shape(
 def add_disk_fits(profile: Profile, directory: str, *, quick: bool = True, progress: bool = True) -> Profile:
     """Measures the disk under ``directory`` and adds it to ``profile``: ``directions["h2f"]`` and ``directions["f2h"]``
     (method "nixl_posix", fits per range size) and ``hardware["disk"]``."""
-    measured = measure_disk(directory, QUICK_SWEEP if quick else FULL_SWEEP, progress=progress)
-    fits = fit_lines({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
+    sweep = QUICK_SWEEP if quick else FULL_SWEEP
+    measured = measure_disk(directory, sweep, progress=progress)
+    try:
+        fits = fit_lines({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
+    except ValueError:  # times that do not grow with the bytes moved: a busy machine; once more
+        measured = measure_disk(directory, sweep, progress=progress)
+        try:
+            fits = fit_lines({d: {DISK_METHOD: rows} for d, rows in measured["points"].items()})
+        except ValueError as err:
+            raise ValueError(
+                f"directory: the disk under {directory} was measured twice, and both times its times did not grow "
+                f"with the bytes moved ({err}): the machine is too busy to calibrate it now"
+            ) from None
     profile.directions.update(fits)
     profile.hardware["disk"] = (
         f"{os.path.abspath(directory)} ({measured['filesystem']}; "

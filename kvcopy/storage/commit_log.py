@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import string
 import struct
 import zlib
 from collections import OrderedDict
@@ -35,10 +36,15 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-__all__ = ["COMMIT", "FREE", "Batch", "CommitLog", "Entry"]
+from kvcopy._checks import FileFormatError
+
+__all__ = ["COMMIT", "FREE", "HASH_HEX_DIGITS", "Batch", "CommitLog", "Entry", "block_hash_of"]
 
 MAGIC = b"KVCOPYLOG1\n\0\0\0\0\0"  # the file's first 16 bytes: format and version
 COMMIT, FREE = 1, 2
+# a block hash: a SHA-256 digest (32 bytes in a record), as 64 hex digits everywhere else
+HASH_HEX_DIGITS = 64
+_HEX_DIGITS = frozenset(string.hexdigits)
 # kind, sequence number, slot, block hash (the 32 bytes of a SHA-256 hex digest), the data's XXH3-64; then the
 # record's own CRC-32 over those fields (a record is 64 bytes: zlib's CRC is fast enough there).
 _FIELDS = struct.Struct("<4sB3xQI32sQ")
@@ -61,11 +67,26 @@ class Entry:
     checksum: int
 
 
+def block_hash_of(value: object, name: str = "block_hashes") -> str:
+    """``value`` as the store's one form of a block hash: the lowercase hex digest string of a SHA-256 (what
+    CacheKey.block_hashes gives), uppercase hex digits lowered, so that a hash matches alike before and after
+    a reopen (the log keeps its 32 bytes). TypeError for anything but a str (raw digest bytes, an int, None),
+    ValueError for another length or a character that is no hex digit."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name}: expected a block hash as a hex digest string ({HASH_HEX_DIGITS} hex digits), got "
+            f"{type(value).__name__} {value!r:.80}"
+        )
+    if len(value) != HASH_HEX_DIGITS or not _HEX_DIGITS.issuperset(value):
+        raise ValueError(
+            f"{name}: expected a SHA-256 hex digest ({HASH_HEX_DIGITS} hex digits), got {len(value)} characters "
+            f"{value!r:.80}"
+        )
+    return value.lower()
+
+
 def _hash_bytes(block_hash: str) -> bytes:
-    raw = bytes.fromhex(block_hash)
-    if len(raw) != 32:
-        raise ValueError(f"block_hashes: expected SHA-256 hex digests (64 hex digits), got {block_hash!r}")
-    return raw
+    return bytes.fromhex(block_hash_of(block_hash))
 
 
 def _record(kind: int, seq: int, slot: int, block_hash: bytes, checksum: int) -> bytes:
@@ -83,11 +104,16 @@ class Batch:
 
 class CommitLog:
     """The log at ``path`` for a store of ``num_slots`` slots: replayed (and a torn tail cut off) when opened,
-    created empty when missing. :meth:`commit` and :meth:`free` return once their records are synced."""
+    created empty when missing (with ``create``; else a missing or headless log is a FileFormatError: a
+    store's log is made with it, and opening it empty would forget every block). A whole record that does not
+    fit the store (a slot beyond ``num_slots``, say) is a FileFormatError naming it, and nothing is cut off:
+    only a tail whose records do not check (what a crash tears) is. :meth:`commit` and :meth:`free` return
+    once their records are synced."""
 
-    def __init__(self, path: str | os.PathLike[str], num_slots: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], num_slots: int, *, create: bool = True) -> None:
         self.path = os.fspath(path)
         self.num_slots = num_slots
+        self._create = create
         self._by_hash: dict[str, Entry] = {}
         self._by_slot: OrderedDict[int, Entry] = OrderedDict()  # least recently committed or used first
         self._seq = 0
@@ -104,14 +130,21 @@ class CommitLog:
     def _open(self) -> int:
         if os.path.exists(self.path + ".compact"):  # a compaction a crash interrupted: the old log is whole
             os.remove(self.path + ".compact")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if not self._create and not os.path.exists(self.path):
+            raise FileFormatError(
+                self.path,
+                "(the file)",
+                "the store's index, made with it",
+                "nothing: the file is missing (opened as an empty store, every block the store holds would be lost)",
+            )
+        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if self._create else 0), 0o644)
         try:
             data = b""
             with os.fdopen(os.dup(fd), "rb") as f:
                 data = f.read()
             if len(data) < len(MAGIC) or not data.startswith(MAGIC):
-                if data and not MAGIC.startswith(data):  # something else, or a torn header of a fresh log
-                    raise ValueError(f"{self.path}: not a kvcopy disk-store log")
+                if (data and not MAGIC.startswith(data)) or not self._create:  # something else, or a torn header
+                    raise FileFormatError(self.path, "magic", f"a kvcopy disk-store log, starting {MAGIC!r}", data[:16])
                 os.ftruncate(fd, 0)
                 os.write(fd, MAGIC)
                 os.fsync(fd)
@@ -135,8 +168,14 @@ class CommitLog:
             if zlib.crc32(body) != check:
                 break
             magic, kind, seq, slot, raw_hash, checksum = _FIELDS.unpack(body)
-            if magic != _RECORD_MAGIC or kind not in (COMMIT, FREE) or slot >= self.num_slots:
-                break
+            # a whole record (its CRC checks) that does not fit: not a torn tail; never cut off, refused
+            record = f"record {(at - len(MAGIC)) // RECORD_BYTES}"
+            if magic != _RECORD_MAGIC or kind not in (COMMIT, FREE):
+                raise FileFormatError(self.path, record, "a COMMIT or FREE record of this format", body[:8])
+            if slot >= self.num_slots:
+                raise FileFormatError(
+                    self.path, f"{record} slot", f"a slot below the store's {self.num_slots} (header.json)", slot
+                )
             self._apply(kind, slot, raw_hash.hex(), checksum)
             self._seq = max(self._seq, seq)
             self._records += 1

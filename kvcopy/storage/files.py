@@ -17,10 +17,17 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+
+from kvcopy._checks import FileFormatError, file_field
 from kvcopy.layout import PLANE_BLOCK_BYTES, PagedKV
 from kvcopy.model.dtypes import torch_name
+from kvcopy.storage.commit_log import CommitLog
 
 __all__ = [
     "BACKENDS",
@@ -31,7 +38,10 @@ __all__ = [
     "file_agent",
     "filesystem_of",
     "fill_with_zeros",
+    "layout_difference",
     "layout_of",
+    "max_blocks",
+    "native_output_captured",
     "read_header",
 ]
 
@@ -44,6 +54,10 @@ BACKENDS = ("auto", "posix", "gds")
 # NIXL POSIX backend parameters, in the order tried: io_uring, Linux AIO (libaio), POSIX AIO.
 POSIX_QUEUES = ("use_uring", "use_aio", "use_posix_aio")
 HEADER, DATA, INDEX = "header.json", "blocks.data", "index.log"
+# A header is a few hundred bytes; a longer file is not one (and is not read whole).
+MAX_HEADER_BYTES = 1 << 20
+# The log numbers a slot in 32 bits (kvcopy.storage.commit_log); a file offset is a signed 64-bit number.
+MAX_SLOTS, MAX_FILE_BYTES = 1 << 32, (1 << 63) - 1
 # fill_with_zeros writes the data file in chunks of this size, from one page-aligned buffer (as O_DIRECT wants)
 ZEROS_CHUNK_BYTES = 16 << 20
 
@@ -55,8 +69,30 @@ def layout_of(like: PagedKV) -> dict[str, Any]:
     return {"layout": "page_first", "planes": planes, "nbytes_per_block": like.nbytes_per_block}
 
 
+def max_blocks(nbytes_per_block: int) -> int:
+    """The most blocks of ``nbytes_per_block`` bytes one store holds: its log numbers slots in 32 bits, and its
+    data file's size must be a file offset."""
+    return min(MAX_SLOTS, MAX_FILE_BYTES // nbytes_per_block)
+
+
+def layout_difference(stored: dict[str, Any], given: dict[str, Any]) -> str | None:
+    """What differs between two layouts (:func:`layout_of`), said plainly; None when they are alike."""
+    if stored["layout"] != given["layout"]:
+        return f"blocks laid out {stored['layout']}, not {given['layout']}"
+    mine, theirs = stored["planes"], given["planes"]
+    if len(mine) != len(theirs):
+        return f"{len(mine)} planes per block, not {len(theirs)}"
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if list(a) != list(b):
+            return f"plane {i} of {a[0]} bytes of {a[1]} per block, not {b[0]} bytes of {b[1]}"
+    if stored["nbytes_per_block"] != given["nbytes_per_block"]:
+        return f"{stored['nbytes_per_block']} bytes per block, not {given['nbytes_per_block']}"
+    return None
+
+
 def create_files(path: str, layout: dict[str, Any], num_blocks: int, context_hash: str) -> None:
-    """The store's directory with its header and its data file reserved; nothing left behind on an error."""
+    """The store's directory with its data file reserved, its empty index and its header (written last: a store
+    without one was never made); nothing left behind on an error."""
     os.makedirs(path)  # FileExistsError for an existing path: a store is never created over another
     try:
         size = num_blocks * layout["nbytes_per_block"]
@@ -71,26 +107,76 @@ def create_files(path: str, layout: dict[str, Any], num_blocks: int, context_has
             os.fsync(fd)
         finally:
             os.close(fd)
+        CommitLog(os.path.join(path, INDEX), num_blocks).close()  # empty, synced
         header = {"format": FORMAT, "num_blocks": num_blocks, "context_hash": context_hash, **layout}
         with open(os.path.join(path, HEADER), "w") as f:
             json.dump(header, f)
             f.flush()
             os.fsync(f.fileno())
+        directory = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the three files' names are durable too
+        finally:
+            os.close(directory)
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise
 
 
 def read_header(path: str) -> dict[str, Any]:
+    """The store's header.json, every field checked (FileFormatError naming the file and the field), and its
+    data file's size checked against it (the header's blocks are what the store writes into it)."""
+    name = os.path.join(path, HEADER)
     try:
-        with open(os.path.join(path, HEADER)) as f:
-            header = json.load(f)
+        with open(name, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
     except FileNotFoundError:
         raise FileNotFoundError(f"path: no disk store at {path} (no {HEADER})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"path: {path}/{HEADER} is not valid JSON ({err})") from None
-    if header.get("format") != FORMAT:
-        raise ValueError(f"path: {path} is a disk store of format {header.get('format')}, this kvcopy reads {FORMAT}")
+    if len(raw) > MAX_HEADER_BYTES:
+        raise FileFormatError(name, "(the file)", f"a header of at most {MAX_HEADER_BYTES} bytes", "a longer file")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, a number of too many digits, too deep
+        raise FileFormatError(name, "(the file)", "a JSON object", f"no JSON ({type(err).__name__}: {err})") from None
+    fields = {"file": name}
+    file_field(header, "format", int, f"the format this kvcopy reads ({FORMAT})", **fields)
+    if header["format"] != FORMAT:
+        raise FileFormatError(name, "format", f"the format this kvcopy reads ({FORMAT})", header["format"])
+    num_blocks = file_field(header, "num_blocks", int, "a positive int", **fields)
+    file_field(header, "context_hash", str, "a CacheKey context hash (a str)", **fields)
+    if file_field(header, "layout", str, "'page_first'", **fields) != "page_first":
+        raise FileFormatError(name, "layout", "'page_first'", header["layout"])
+    planes = file_field(header, "planes", list, "a list of [block bytes, dtype] pairs", **fields)
+    for i, plane in enumerate(planes):
+        if not (
+            isinstance(plane, list)
+            and len(plane) == 2
+            and isinstance(plane[0], int)
+            and not isinstance(plane[0], bool)
+            and plane[0] > 0
+            and isinstance(plane[1], str)
+        ):
+            raise FileFormatError(name, f"planes[{i}]", "[block bytes (a positive int), dtype (a str)]", plane)
+    nbytes = file_field(header, "nbytes_per_block", int, "a positive int", **fields)
+    if not planes or nbytes != sum(n for n, _ in planes):
+        total = sum(n for n, _ in planes)
+        raise FileFormatError(name, "nbytes_per_block", f"the planes' bytes per block ({total})", nbytes)
+    if not 1 <= num_blocks <= max_blocks(nbytes):
+        raise FileFormatError(name, "num_blocks", f"an int in [1, {max_blocks(nbytes)}]", num_blocks)
+    data = os.path.join(path, DATA)
+    try:
+        size = os.stat(data).st_size
+    except FileNotFoundError:
+        raise FileFormatError(
+            data, "(the file)", f"the store's data file ({HEADER})", "nothing: it is missing"
+        ) from None
+    if size != num_blocks * nbytes:
+        raise FileFormatError(
+            data,
+            "size",
+            f"{num_blocks * nbytes} bytes: {HEADER}'s num_blocks {num_blocks} x nbytes_per_block {nbytes}",
+            f"{size} bytes (the header and the data file disagree)",
+        )
     return header
 
 
@@ -137,18 +223,28 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     from kvcopy.nixl.agent import nixl_module
 
+    if backend == "gds" and not torch.cuda.is_available():  # said here: NIXL and cuFile would print their own
+        raise RuntimeError(
+            "backend: NIXL's GDS backend (GPUDirect Storage) would not start here: it needs a CUDA GPU, its driver "
+            "and cuFile, and torch sees no CUDA GPU. backend='posix' reads and writes host pools"
+        )
     nixl_agent, nixl_agent_config = nixl_module()
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
     if backend == "gds" or (backend == "auto" and gpu):
         try:
-            agent.create_backend("GDS", {})
-            return agent, "gds", "cuFile"
+            with native_output_captured() as printed:  # cuFile's and NIXL's C++ lines: in the error, if any
+                agent.create_backend("GDS", {})
         except Exception as err:  # NIXL's errors are its own classes
             if backend == "gds":
+                said = "; ".join(line.strip() for line in printed if line.strip())
                 raise RuntimeError(
                     f"backend: NIXL's GDS backend (GPUDirect Storage) would not start here ({type(err).__name__}: "
-                    f"{err}); it needs a CUDA GPU, its driver and cuFile. backend='posix' reads and writes host pools"
+                    f"{err}{'; ' + said if said else ''}); it needs a CUDA GPU, its driver and cuFile. "
+                    "backend='posix' reads and writes host pools"
                 ) from None
+        else:
+            _print_again(printed)  # it started: whatever it said is not ours to hide
+            return agent, "gds", "cuFile"
     errors = []
     for queue in (*POSIX_QUEUES, None):
         params = {} if queue is None else {queue: "true"}
@@ -158,3 +254,34 @@ def file_agent(name: str, backend: str, *, gpu: bool = False) -> tuple[Any, str,
         except Exception as err:  # NIXL's errors are its own classes
             errors.append(f"{queue}: {err}")
     raise RuntimeError(f"backend: NIXL's POSIX backend would not start here ({'; '.join(errors)})")
+
+
+@contextlib.contextmanager
+def native_output_captured() -> Iterator[list[str]]:
+    """Captures what compiled code writes to this process's stdout and stderr (file descriptors 1 and 2) while
+    the block runs, as the lines of the list it yields (filled when it ends): cuFile and NIXL's C++ logger
+    print there directly, past Python's streams. Process-wide while it lasts: keep the block short."""
+    lines: list[str] = []
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                sink.seek(0)
+                lines.extend(sink.read().decode(errors="replace").splitlines())
+    finally:
+        for fd in saved:
+            os.close(fd)
+
+
+def _print_again(lines: list[str]) -> None:
+    if lines:
+        os.write(2, ("\n".join(lines) + "\n").encode())

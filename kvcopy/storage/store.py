@@ -35,20 +35,38 @@ import numpy as np
 import torch
 import xxhash
 
-from kvcopy._checks import positive_int
+from kvcopy._checks import boolean, path_argument, positive_int, sequence_argument
 from kvcopy.cachekey.key import context_hash_of
 from kvcopy.host.pool import HostKVPool
-from kvcopy.ids import BlockIds, as_ids, check_side
+from kvcopy.ids import BlockIds, prepare_host_ids
 from kvcopy.layout import PagedKV
 from kvcopy.nixl.registration import registration_of
-from kvcopy.nixl.transfer import NixlTransfer, WrittenBlocks
+from kvcopy.nixl.transfer import NixlTransfer, RemoteTransferError, WrittenBlocks
 from kvcopy.ranges import plan_table_ranges
-from kvcopy.storage.commit_log import Batch, CommitLog, Entry
-from kvcopy.storage.files import BACKENDS, INDEX, create_files, file_agent, layout_of, open_data, read_header
+from kvcopy.storage.commit_log import Batch, CommitLog, Entry, block_hash_of
+from kvcopy.storage.files import (
+    BACKENDS,
+    DATA,
+    INDEX,
+    create_files,
+    file_agent,
+    layout_difference,
+    layout_of,
+    max_blocks,
+    open_data,
+    read_header,
+)
 from kvcopy.storage.gpu_blocks import paged_checksums
 from kvcopy.storage.transfer import DiskTransfer
 
 __all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
+
+
+def _check_backend(backend: object) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected one of {BACKENDS} (a str), got {type(backend).__name__} {backend!r:.80}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
 
 class CorruptBlockError(ValueError):
@@ -70,7 +88,7 @@ class DiskKVStore:
         self.num_blocks = int(header["num_blocks"])
         self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
         self._block_nbytes = int(header["nbytes_per_block"])
-        self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks)
+        self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks, create=False)
         try:
             self._fd, self.direct = open_data(path, self._block_nbytes)
         except BaseException:
@@ -127,12 +145,17 @@ class DiskKVStore:
         - ``cache_key``: the CacheKey whose blocks it holds; a store opened under another context refuses.
         - ``backend``: ``"posix"``, ``"gds"`` or ``"auto"`` (see the module documentation).
         """
+        path = os.fspath(path_argument("path", path))
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        positive_int("num_blocks", num_blocks)
-        path = os.fspath(path)
+        _check_backend(backend)
+        num_blocks = positive_int("num_blocks", num_blocks)
+        most = max_blocks(paged.nbytes_per_block)
+        if num_blocks > most:
+            raise ValueError(
+                f"num_blocks: expected at most {most} blocks of {paged.nbytes_per_block} bytes (a store numbers its "
+                f"slots in 32 bits, and its data file's size is a file offset), got {num_blocks}"
+            )
         create_files(path, layout_of(paged), num_blocks, context_hash)
         try:
             return cls.open(path, like, cache_key=cache_key, backend=backend)
@@ -145,21 +168,24 @@ class DiskKVStore:
         cls, path: str | os.PathLike[str], like: HostKVPool | PagedKV, *, cache_key: object, backend: str = "auto"
     ) -> DiskKVStore:
         """The store at ``path``, as its last process left it (killed or not). ValueError when it holds another
-        CacheKey context or another block layout than ``like``'s, naming what differs. The parameters are
-        :meth:`create`'s."""
+        CacheKey context or another block layout than ``like``'s, naming what differs; FileFormatError (a
+        ValueError) naming the file and the field when its files are not what a store writes or disagree (a
+        header whose block count is not the data file's, a log with a slot beyond it, a missing log), with
+        nothing changed. Opening cuts off only a torn tail of the log (records a crash left unchecked). The
+        parameters are :meth:`create`'s."""
+        path = os.fspath(path_argument("path", path))
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)
-        path = os.fspath(path)
+        _check_backend(backend)
         header = read_header(path)
         if header["context_hash"] != context_hash:
             raise ValueError(
                 f"cache_key: {path} holds blocks of CacheKey context {header['context_hash']}, not {context_hash}: "
                 "a block of another model configuration is never read as this one's"
             )
-        mine = layout_of(paged)
-        for key in ("layout", "planes", "nbytes_per_block"):
-            if header[key] != mine[key]:
-                raise ValueError(f"like: {path} holds blocks with {key} {header[key]}, like has {mine[key]}")
+        differs = layout_difference(header, layout_of(paged))
+        if differs is not None:
+            raise ValueError(f"like: {path} holds {differs} (like's)")
         return cls(path, header, backend, gpu=paged.device.type == "cuda")
 
     # ------------------------------------------------------------------ the pool side
@@ -180,13 +206,17 @@ class DiskKVStore:
             )
         paged = self._paged(pool)
         if id(pool) not in self._pools:  # checked and registered once: a pool's layout never changes
-            layout = layout_of(paged)
-            if layout != self._layout or (isinstance(pool, HostKVPool) and pool.layout != "page_first"):
-                raise ValueError(f"pool: expected a page_first pool laid out {self._layout}, got {layout}")
-        ids = as_ids(pool_ids, "pool_ids", paged.num_blocks)
+            if isinstance(pool, HostKVPool) and pool.layout != "page_first":
+                raise ValueError(
+                    f"pool: the store keeps page_first blocks, this pool is laid out {pool.layout} (make it with "
+                    "layout='page_first')"
+                )
+            differs = layout_difference(self._layout, layout_of(paged))
+            if differs is not None:
+                raise ValueError(f"pool: the store holds {differs} (the pool's)")
+        ids = prepare_host_ids(pool_ids, "pool_ids", paged.num_blocks, unique=True)
         if ids.numel() != count:
             raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
-        check_side(ids, "pool_ids", paged.num_blocks, unique=True)
         if id(pool) not in self._pools:
             reg = registration_of(pool)
             registered = self._agent.register_memory(list(reg.regions), reg.memory)
@@ -227,13 +257,38 @@ class DiskKVStore:
         written = WrittenBlocks("local", ids if op == "READ" else slot_ids)
         transfer = NixlTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for *_, n in ranges), written)
         release = self._hold(slots)
+
+        def explain(error: Exception) -> Exception | None:
+            return self._failure_cause(error, op.lower(), written)
+
         try:
             if self._agent.transfer(handle) == "ERR":
                 transfer.done()  # raises
+        except Exception as err:
+            release()
+            raise (explain(err) or err) from err
         except BaseException:
             release()
             raise
-        return DiskTransfer(transfer, finish, release)
+        return DiskTransfer(transfer, finish, release, explain)
+
+    def _failure_cause(self, error: Exception, what: str, written: WrittenBlocks) -> Exception | None:
+        """A failed NIXL transfer's error, with its cause where the store can tell it (NIXL's says only that
+        it failed): a data file shorter than its blocks (truncated while open) or gone; else None."""
+        name = os.path.join(self.path, DATA)
+        expected = self.num_blocks * self._block_nbytes
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError as err:
+            cause = f"the data file {name} cannot be read ({err})"
+        else:
+            if size >= expected:
+                return None
+            cause = (
+                f"the data file {name} is {size} bytes, shorter than the {expected} its {self.num_blocks} blocks "
+                "need (truncated while the store was open?)"
+            )
+        return RemoteTransferError(f"{what} failed: {cause}; {written} hold no valid data", written)
 
     def _checksums(self, pool: HostKVPool | PagedKV, ids: torch.Tensor) -> list[int]:
         if isinstance(pool, PagedKV):  # a GPU's blocks: gathered and copied to the host (kvcopy.storage.gpu_blocks)
@@ -246,10 +301,16 @@ class DiskKVStore:
     def put(self, block_hashes: Sequence[str], pool: HostKVPool | PagedKV, pool_ids: BlockIds) -> DiskTransfer:
         """Writes ``pool``'s blocks ``pool_ids`` as the blocks of ``block_hashes``; they match once the returned
         transfer is done. Hashes already stored are kept (and count as used). Full: the least recently used
-        blocks are evicted. A length mismatch or duplicate hashes (ValueError), pool ids out of range
-        (IndexError), more blocks than the store holds (ValueError): raised before anything is written."""
+        blocks are evicted.
+
+        A block hash is the hex digest string of a SHA-256, as CacheKey.block_hashes gives it (64 hex digits;
+        uppercase ones are taken as their lowercase). Every argument is checked before anything is evicted or
+        written: a hash that is not a str (raw digest bytes, an int, None) or a ``block_hashes`` that is not a
+        sequence of them (a single str) is a TypeError; a hash of another length or with other characters,
+        a length mismatch, duplicate hashes or more blocks than the store holds a ValueError; pool ids out of
+        range an IndexError, and pool ids not on the host a ValueError."""
         self._check_open()
-        hashes = list(block_hashes)
+        hashes = self._hashes(block_hashes)
         if len(set(hashes)) != len(hashes):
             raise ValueError("block_hashes: expected distinct hashes, got a repeated one")
         pool, ids = self._pool(pool, pool_ids, len(hashes))
@@ -259,7 +320,6 @@ class DiskKVStore:
         found = [index.get(h) for h in hashes]
         new = [(h, i) for h, i, entry in zip(hashes, ids.tolist(), found, strict=True) if entry is None]
         stored = [entry.slot for entry in found if entry is not None]
-        index.touch(stored)  # in the order given, as used again
         free = index.unused(len(new), skip=self._busy)
         slots = free + index.least_recent(len(new) - len(free), keep=set(stored) | set(self._busy))
         if len(slots) < len(new):
@@ -267,6 +327,8 @@ class DiskKVStore:
                 f"block_hashes: {len(new)} new blocks, but only {len(slots)} slots are neither in use by an "
                 "unfinished put or get nor kept by this one"
             )
+        # every argument checked: from here on the store changes
+        index.touch(stored)  # in the order given, as used again
         index.free(slots[len(free) :])  # evicted: durably forgotten before they are overwritten
         new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
         records: list[Batch] = []
@@ -286,11 +348,19 @@ class DiskKVStore:
             raise
         return transfer
 
+    @staticmethod
+    def _hashes(block_hashes: object) -> list[str]:
+        """``block_hashes`` as the store's form of each (kvcopy.storage.commit_log.block_hash_of), every one
+        checked."""
+        sequence = sequence_argument("block_hashes", block_hashes, "block hashes (hex digest strings)")
+        return [block_hash_of(h, f"block_hashes[{i}]") for i, h in enumerate(sequence)]
+
     def match(self, block_hashes: Sequence[str]) -> list[int]:
-        """The slots of the longest prefix of ``block_hashes`` the store holds, in order."""
+        """The slots of the longest prefix of ``block_hashes`` the store holds, in order. The hashes are checked
+        as :meth:`put` checks them (a single str is a TypeError, not a sequence of characters)."""
         self._check_open()
         slots = []
-        for h in block_hashes:
+        for h in self._hashes(block_hashes):
             entry = self._index.get(h)
             if entry is None:
                 break
@@ -307,10 +377,8 @@ class DiskKVStore:
         GPU's blocks copied to the host for it): for a disk trusted not to lose or corrupt what it
         acknowledged. A crash still never leaves a torn block matched; that is the commit scheme's doing."""
         self._check_open()
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify: expected a bool, got {type(verify).__name__}")
-        slot_ids = as_ids(slots, "slots", self.num_blocks)
-        check_side(slot_ids, "slots", self.num_blocks, unique=False)
+        boolean("verify", verify)
+        slot_ids = prepare_host_ids(slots, "slots", self.num_blocks, unique=False)
         entries = {e.slot: e for e in (self._index.entry_at(s) for s in slot_ids.tolist()) if e is not None}
         empty = [s for s in slot_ids.tolist() if s not in entries]
         if empty:
@@ -344,6 +412,8 @@ class DiskKVStore:
             raise ValueError(f"DiskKVStore {self.path}: closed")
 
     def close(self) -> None:
+        """Closes its files and NIXL registrations; then match, put and get raise a "closed" ValueError. A
+        second close does nothing."""
         if self._closed:
             return
         self._closed = True

@@ -34,3 +34,10 @@ def filled_pool(paged: kvcopy.PagedKV, seed: int) -> kvcopy.HostKVPool:
 
 def hashes(n: int, start: int = 0) -> list[str]:
     return [hashlib.sha256(f"block {i}".encode()).hexdigest() for i in range(start, start + n)]
+
+
+def store_files(path) -> dict[str, bytes]:
+    """Every file of the store at ``path`` (a directory), name to bytes: to compare before and after a call."""
+    from pathlib import Path
+
+    return {f.name: f.read_bytes() for f in sorted(Path(path).iterdir())}

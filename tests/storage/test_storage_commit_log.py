@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from kvcopy._checks import FileFormatError
 from kvcopy.storage.commit_log import COMPACT_FACTOR, EXTEND_BYTES, MAGIC, RECORD_BYTES, CommitLog, Entry
 
 
@@ -151,13 +152,13 @@ def test_unused_matches_the_slots_that_hold_nothing_over_random_use(tmp_path):
 def test_another_file_is_refused(tmp_path):
     path = tmp_path / "index.log"
     path.write_bytes(b"not a log at all, longer than the magic")
-    with pytest.raises(ValueError, match="not a kvcopy disk-store log"):
+    with pytest.raises(FileFormatError, match=r"index\.log: magic: expected a kvcopy disk-store log"):
         CommitLog(path, 4)
 
 
 def test_bad_hashes_are_value_errors(tmp_path):
     log = CommitLog(tmp_path / "index.log", 4)
-    with pytest.raises(ValueError, match="block_hashes: expected SHA-256 hex digests"):
+    with pytest.raises(ValueError, match="block_hashes: expected a SHA-256 hex digest"):
         log.commit([Entry(0, "abcd", 0)])
 
 
@@ -191,3 +192,23 @@ def test_a_writer_killed_mid_append_leaves_every_reported_commit(tmp_path, delay
         assert entry is not None and entry.slot == i % 64 and entry.checksum == i
     for entry in log._by_slot.values():  # nothing it had not at least begun: one commit past the last reported
         assert entry.checksum <= last + 1
+
+
+def test_commit_and_free_each_sync_the_log_before_they_return(tmp_path, monkeypatch):
+    """A record is durable when commit or free returns: each calls fdatasync on the log's own file."""
+    log = CommitLog(tmp_path / "index.log", 4)
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        real(fd)
+        synced.append(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
+    log.commit([Entry(0, h(0), 1)])
+    assert synced == [log._fd]
+    log.free([0])
+    assert synced == [log._fd, log._fd]
+    log.free([0])  # holds nothing now: no record, nothing to sync
+    assert len(synced) == 2
+    log.close()

@@ -76,7 +76,7 @@ def test_another_cache_key_or_layout_is_refused(tmp_path):
     DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key()).close()
     with pytest.raises(ValueError, match=r"cache_key: .* holds blocks of CacheKey context"):
         DiskKVStore.open(tmp_path / "store", pool, cache_key=key("other weights"))
-    with pytest.raises(ValueError, match=r"like: .* holds blocks with planes"):
+    with pytest.raises(ValueError, match=r"like: .* holds plane 0 of 4096 bytes of bfloat16 per block, not 2048 "):
         DiskKVStore.open(tmp_path / "store", layout("fp8_scales"), cache_key=key())
     with pytest.raises(FileExistsError):
         DiskKVStore.create(tmp_path / "store", pool, NUM_BLOCKS, cache_key=key())
@@ -289,3 +289,120 @@ def test_a_writer_killed_mid_put_leaves_only_right_blocks(tmp_path, delay_s):
             if slots:
                 store.get(slots, pool, [1]).wait()
                 assert bool((pool.block_bytes(1) == i % 251).all())
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_flipped_first_or_last_byte_of_a_block_is_found(tmp_path, where):
+    """The checksum covers every byte of a block: the committed one is XXH3-64 over the whole page-first
+    block, and a flip of its first or last byte on disk is a CorruptBlockError."""
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    size = pool.nbytes_per_block
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        store.put(hashes(2), pool, [3, 9]).wait()
+        slots = store.match(hashes(2))
+        assert [store._index.entry_at(s).checksum for s in slots] == [
+            xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in (3, 9)
+        ]
+        offset = slots[1] * size + (0 if where == "first" else size - 1)
+        with open(tmp_path / "store" / "blocks.data", "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ 0x01]))
+            f.flush()
+            os.fsync(f.fileno())
+        store.drop_page_cache()
+        with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]"):
+            store.get(slots, other, [0, 1]).wait()
+
+
+def test_a_put_of_a_stored_hash_counts_it_as_used(tmp_path):
+    """In a full store, putting hash 0 again makes it the most recently used: the next new hash evicts hash 1."""
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        store.put(hashes(4), pool, [0, 1, 2, 3]).wait()
+        store.put(hashes(1), pool, [0]).wait()  # stored already: nothing written, used again
+        store.put(hashes(1, start=10), pool, [4]).wait()
+        assert store.match(hashes(1, start=1)) == []  # hash 1 was the least recent
+        assert len(store.match(hashes(1))) == 1 and len(store.match(hashes(1, start=10))) == 1
+
+
+def test_a_get_without_verify_computes_no_checksum(tmp_path, monkeypatch):
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    hashed: list[int] = []
+    real = xxhash.xxh3_64_intdigest
+
+    def counting(data, *args):
+        hashed.append(1)
+        return real(data, *args)
+
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        store.put(hashes(3), pool, [0, 1, 2]).wait()
+        slots = store.match(hashes(3))
+        monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting)
+        store.get(slots, other, [4, 5, 6], verify=False).wait()
+        assert hashed == []
+        assert all(other.block_bytes(4 + i).equal(pool.block_bytes(i)) for i in range(3))
+        store.get(slots, other, [4, 5, 6]).wait()  # verified: one checksum per block (the spy sees them)
+        assert len(hashed) == 3
+
+
+def test_a_failed_put_frees_its_slots_only_once_nixl_reports_its_write_ended(tmp_path, monkeypatch):
+    """A put whose checksums fail while NIXL still reports its write in flight waits for NIXL to report it
+    ended before its slots come free (its DMA would still write them): here NIXL is made to say "in flight"
+    for its first polls."""
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        events: list[str] = []
+        in_flight_polls = 20
+        real_state = store._agent.check_xfer_state
+
+        def slow_state(handle):
+            state = real_state(handle)
+            reported = "PROC" if events.count("PROC") < in_flight_polls else state
+            events.append(reported)
+            return reported
+
+        real_hold = store._hold
+
+        def recorded_hold(slots):
+            release = real_hold(slots)
+
+            def recorded_release():
+                events.append("released")
+                release()
+
+            return recorded_release
+
+        def failing_checksums(pool, ids):
+            raise RuntimeError("the checksums failed")
+
+        monkeypatch.setattr(store._agent, "check_xfer_state", slow_state)
+        monkeypatch.setattr(store, "_hold", recorded_hold)
+        monkeypatch.setattr(store, "_checksums", failing_checksums)
+        with pytest.raises(RuntimeError, match="the checksums failed"):
+            store.put(hashes(2), pool, [0, 1])
+        assert events.count("released") == 1
+        before = events[: events.index("released")]
+        assert before.count("PROC") >= in_flight_polls and before[-1] in ("DONE", "ERR")
+        monkeypatch.undo()
+        assert store.match(hashes(2)) == [] and store._busy == {}
+
+
+def test_a_closed_store_says_so_and_closes_once(tmp_path):
+    pool = filled_pool(layout(), 1)
+    store = DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key())
+    store.put(hashes(1), pool, [0]).wait()
+    slots = store.match(hashes(1))
+    store.close()
+    for call in (
+        lambda: store.match(hashes(1)),
+        lambda: store.put(hashes(1, start=3), pool, [1]),
+        lambda: store.get(slots, pool, [2]),
+        store.drop_page_cache,
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    opened = os.listdir("/proc/self/fd")
+    store.close()  # nothing: no file closed twice (its descriptor numbers may be another file's by now)
+    assert os.listdir("/proc/self/fd") == opened

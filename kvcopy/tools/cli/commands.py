@@ -51,7 +51,7 @@ def calibrate(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     device = device_arg(args.device)
     descriptor = remote_descriptor(args.remote)
-    check_disk_arg(args.disk)
+    check_disk_arg(args.disk, quick=args.quick)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     unknown = [m for m in methods or [] if m not in method_names()]
     if unknown:
@@ -399,13 +399,20 @@ def peer(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- --disk
 
 
-def check_disk_arg(value: str | None) -> None:
-    """Before any work: --disk names a directory (or one that can be made), and NIXL is importable."""
+def check_disk_arg(value: str | None, *, quick: bool = True) -> None:
+    """Before any work: --disk names a directory (or one that can be made) where a store can be made, with room
+    for the calibration's, and NIXL is importable: not after the whole calibration, which would be lost."""
     if value is None:
         return
     if os.path.exists(value) and not os.path.isdir(value):
         raise CliError(f"--disk: {value} is not a directory (give a folder on the disk to measure)")
     need_nixl("--disk")
+    from kvcopy.calibration.disk import FULL_SWEEP, QUICK_SWEEP, check_disk_directory
+
+    try:
+        check_disk_directory(value, QUICK_SWEEP if quick else FULL_SWEEP)
+    except OSError as err:  # under a file, no permission, read-only, full
+        raise CliError(f"--disk: {(err.strerror or str(err)).removeprefix('directory: ')}") from None
 
 
 def add_disk_fits(profile: Profile, directory: str, *, quick: bool, progress: bool) -> None:
