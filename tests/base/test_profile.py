@@ -390,7 +390,7 @@ def test_a_format_2_file_with_links_or_a_format_1_file_with_directions_is_refuse
 @pytest.mark.parametrize(
     ("content", "found"),
     [
-        (b"{\"format\": \x80}", "UnicodeDecodeError"),  # not UTF-8
+        (b'{"format": \x80}', "UnicodeDecodeError"),  # not UTF-8
         (b"[" * 100_000, "RecursionError"),  # nested past the parser's depth
         (b'{"format": 2, "x": 1' + b"9" * 5000 + b"}", "digits"),  # an int past Python's 4300 digits
         (b'{"format": 2,', "line 1 column 14"),  # cut short
