@@ -10,13 +10,16 @@ the link. Plus the machine's prefill throughput and the hardware identity.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from kvcopy._checks import FileFormatError, path_argument
 from kvcopy._version import warn_renamed
 
 __all__ = [
@@ -276,47 +279,214 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Profile:
-        if not isinstance(data, dict):
-            raise ValueError(f"profile: expected a JSON object, got {type(data).__name__}")
-        if data.get("format") not in _READABLE_FORMATS:
-            raise ValueError(f"profile: expected format {PROFILE_FORMAT} (or 1), got {data.get('format')!r}")
-        directions = {
-            direction: {
-                method: MethodProfile(
-                    fit=CostLine(**mp["fit"]),
-                    by_block_nbytes={int(b): CostLine(**f) for b, f in mp.get("by_block_nbytes", {}).items()},
-                    points=[list(p) for p in mp.get("points", [])],
-                )
-                for method, mp in methods.items()
-            }
-            for direction, methods in data.get("directions" if data["format"] >= 2 else "links", {}).items()
-        }
-        prefill = data.get("prefill")
-        if prefill is not None:
-            prefill = PrefillProfile(**{**prefill, "points": tuple(tuple(p) for p in prefill.get("points", ()))})
-        return cls(
-            hardware=dict(data["hardware"]), directions=directions, peaks=dict(data.get("peaks", {})), prefill=prefill
-        )
+    def from_dict(cls, data: Mapping[str, Any], *, file: str | os.PathLike[str] = "<profile dict>") -> Profile:
+        """The Profile ``data`` (a :meth:`to_dict`) describes: format 2, or format 1 (its fits keyed "links").
+        Every field is checked: FileFormatError (a ValueError) naming ``file``, the field, what was expected and
+        what was found, for the first that is not what :meth:`save` writes (a missing or unknown field, a wrong
+        type, a number that is not finite, or negative or 0 where it cannot be)."""
+        return _ProfileReader(file).profile(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
+        """Writes the profile as JSON at ``path`` (its folders made). TypeError naming ``path`` unless it is a
+        path; ValueError, before anything is written, for a profile that :meth:`load` would refuse."""
+        path = path_argument("path", path)
+        data = self.to_dict()
+        try:
+            _ProfileReader("the profile to save").profile(json.loads(json.dumps(data)))
+        except FileFormatError as err:
+            raise ValueError(f"Profile.save: would not load back from {path}: {err}") from None
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        path.write_text(json.dumps(data, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"profile: expected a path to a profile JSON file, got {type(path).__name__}")
-        if Path(path).is_dir():
-            raise ValueError(f"profile: {path} is a directory, expected a profile JSON file (kvcopy calibrate --out)")
+        """The profile saved at ``path``. TypeError naming ``path`` unless it is a path; FileNotFoundError when
+        there is no file; OSError (naming the file) when it cannot be read; FileFormatError (a ValueError)
+        naming the file, the field, what was expected and what was found when it is not a profile: not JSON,
+        or any field missing, unknown, of the wrong type or out of range (see :meth:`from_dict`)."""
+        path = path_argument("path", path)
+        if path.is_dir():
+            raise FileFormatError(path, "(the file)", "a profile JSON file (kvcopy calibrate --out)", "a directory")
         try:
-            data = json.loads(Path(path).read_text())
+            raw = path.read_bytes()
         except FileNotFoundError:
             raise FileNotFoundError(f"profile: no file at {path} (run `kvcopy calibrate --out {path}`)") from None
+        except OSError as err:
+            raise type(err)(err.errno, f"profile: cannot read {path}: {err.strerror}") from None
+        try:
+            data = json.loads(raw)
         except json.JSONDecodeError as err:
-            raise ValueError(f"profile: {path} is not valid JSON ({err})") from None
-        return cls.from_dict(data)
+            found = f"{err.msg} at line {err.lineno} column {err.colno}"
+            raise FileFormatError(path, "(the file)", "a profile in JSON", found) from None
+        except (ValueError, RecursionError) as err:  # not UTF-8; an int of too many digits; nested too deep
+            raise FileFormatError(path, "(the file)", "a profile in JSON", f"{type(err).__name__}: {err}") from None
+        return cls.from_dict(data, file=path)
+
+
+# --------------------------------------------------------------------------- reading a profile's JSON
+
+# The top-level fields of a profile file (besides its fits, keyed "directions" in format 2, "links" in format 1).
+_TOP_FIELDS = ("format", "hardware", "peaks", "prefill")
+_COST_LINE_FIELDS = ("alpha_s", "beta_bytes_per_s", "r2", "max_abs_residual")
+_METHOD_FIELDS = ("fit", "by_block_nbytes", "points")
+_PREFILL_FIELDS = (
+    "model",
+    "alpha_s",
+    "flops_per_s",
+    "r2",
+    "points",
+    "weight_bytes_per_s",
+    "num_layers",
+    "extra_request_s",
+)
+# Values of a point: a copy's [bytes, blocks, plane-block bytes, median s, p20 s, p80 s]; prefill's (flops, s).
+_COPY_POINT_WIDTH, _PREFILL_POINT_WIDTH = 6, 2
+# A per-size fit's key: a plane-block size in bytes, written in decimal (at most 19 digits: an int64).
+_BLOCK_SIZE_KEY = re.compile(r"[1-9][0-9]{0,18}")
+
+# What a number of a profile must be: the words an error says, and the test.
+_Rule = tuple[str, Callable[[float], bool]]
+_NON_NEGATIVE: _Rule = ("a finite number >= 0", lambda x: x >= 0)
+_POSITIVE: _Rule = ("a finite number > 0", lambda x: x > 0)
+_FIT_QUALITY: _Rule = ("a finite number <= 1 (R^2)", lambda x: x <= 1)
+
+
+class _ProfileReader:
+    """Builds a Profile from the JSON document of ``file``, checking every field on the way: a FileFormatError
+    naming the file, the field's path (``directions.h2d.cuda.fit.alpha_s``), what was expected and what was
+    found, for the first field that is not what Profile.save writes."""
+
+    def __init__(self, file: str | os.PathLike[str]) -> None:
+        self.file = file
+
+    def fail(self, at: str, expected: str, found: object) -> NoReturn:
+        raise FileFormatError(self.file, at or "(top level)", expected, found)
+
+    def fields(self, value: object, at: str, allowed: Sequence[str], required: Sequence[str] = ()) -> Mapping[str, Any]:
+        """``value`` as an object holding every ``required`` field and no field outside ``allowed``."""
+        if not isinstance(value, Mapping):
+            self.fail(at, "an object", value)
+        for name in value:
+            if name not in allowed:
+                self.fail(at, f"only the fields {', '.join(allowed)}", name)
+        for name in required:
+            if name not in value:
+                self.fail(_join(at, name), "a value", "nothing (the field is missing)")
+        return value
+
+    def mapping(self, value: object, at: str) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            self.fail(at, "an object", value)
+        return value
+
+    def number(self, value: object, at: str, rule: _Rule) -> float:
+        expected, holds = rule
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(at, expected, value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond any float
+            self.fail(at, expected, value)
+        if not (math.isfinite(number) and holds(number)):
+            self.fail(at, expected, value)
+        return number
+
+    def count(self, value: object, at: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self.fail(at, "an int >= 1", value)
+        return value
+
+    def rows(self, value: object, at: str, width: int) -> list[list[float]]:
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            self.fail(at, f"a list of points ({width} numbers each)", value)
+        rows = []
+        for i, row in enumerate(value):
+            where = f"{at}[{i}]"
+            if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or len(row) != width:
+                self.fail(where, f"a point of {width} numbers", row)
+            rows.append([self.number(x, f"{where}[{j}]", _NON_NEGATIVE) for j, x in enumerate(row)])
+        return rows
+
+    def cost_line(self, value: object, at: str) -> CostLine:
+        doc = self.fields(value, at, _COST_LINE_FIELDS, required=("alpha_s", "beta_bytes_per_s"))
+        return CostLine(
+            alpha_s=self.number(doc["alpha_s"], _join(at, "alpha_s"), _NON_NEGATIVE),
+            beta_bytes_per_s=self.number(doc["beta_bytes_per_s"], _join(at, "beta_bytes_per_s"), _POSITIVE),
+            r2=self.number(doc.get("r2", 1.0), _join(at, "r2"), _FIT_QUALITY),
+            max_abs_residual=self.number(
+                doc.get("max_abs_residual", 0.0), _join(at, "max_abs_residual"), _NON_NEGATIVE
+            ),
+        )
+
+    def method(self, value: object, at: str) -> MethodProfile:
+        doc = self.fields(value, at, _METHOD_FIELDS, required=("fit",))
+        by_size = {}
+        sizes_at = _join(at, "by_block_nbytes")
+        for key, line in self.mapping(doc.get("by_block_nbytes", {}), sizes_at).items():
+            if not _BLOCK_SIZE_KEY.fullmatch(key):
+                self.fail(_join(sizes_at, key), "a plane-block size in bytes (a positive int) as the key", key)
+            by_size[int(key)] = self.cost_line(line, _join(sizes_at, key))
+        points = self.rows(doc.get("points", []), _join(at, "points"), _COPY_POINT_WIDTH)
+        return MethodProfile(fit=self.cost_line(doc["fit"], _join(at, "fit")), by_block_nbytes=by_size, points=points)
+
+    def prefill(self, value: object, at: str) -> PrefillProfile | None:
+        if value is None:
+            return None
+        doc = self.fields(value, at, _PREFILL_FIELDS, required=("model", "alpha_s", "flops_per_s", "r2"))
+        if not isinstance(doc["model"], str):
+            self.fail(_join(at, "model"), "a model name (a string)", doc["model"])
+        weight_rate, layers = doc.get("weight_bytes_per_s"), doc.get("num_layers")
+        return PrefillProfile(
+            model=doc["model"],
+            alpha_s=self.number(doc["alpha_s"], _join(at, "alpha_s"), _NON_NEGATIVE),
+            flops_per_s=self.number(doc["flops_per_s"], _join(at, "flops_per_s"), _POSITIVE),
+            r2=self.number(doc["r2"], _join(at, "r2"), _FIT_QUALITY),
+            points=tuple(
+                (flops, seconds)
+                for flops, seconds in self.rows(doc.get("points", []), _join(at, "points"), _PREFILL_POINT_WIDTH)
+            ),
+            weight_bytes_per_s=None
+            if weight_rate is None
+            else self.number(weight_rate, _join(at, "weight_bytes_per_s"), _POSITIVE),
+            num_layers=None if layers is None else self.count(layers, _join(at, "num_layers")),
+            extra_request_s=self.number(doc.get("extra_request_s", 0.0), _join(at, "extra_request_s"), _NON_NEGATIVE),
+        )
+
+    def profile(self, data: object) -> Profile:
+        if not isinstance(data, Mapping):
+            self.fail("", "a profile (a JSON object)", data)
+        version = data.get("format")
+        if isinstance(version, bool) or not isinstance(version, int) or version not in _READABLE_FORMATS:
+            self.fail(
+                "format", f"{PROFILE_FORMAT} (or 1)", "nothing (the field is missing)" if version is None else version
+            )
+        fits_key = "directions" if version >= 2 else "links"
+        doc = self.fields(data, "", (*_TOP_FIELDS, fits_key), required=("format", "hardware", fits_key))
+        hardware = self.mapping(doc["hardware"], "hardware")
+        if "calibration_planes" in hardware:
+            self.count(hardware["calibration_planes"], "hardware.calibration_planes")
+        peaks = {
+            direction: self.number(rate, _join("peaks", direction), _POSITIVE)
+            for direction, rate in self.mapping(doc.get("peaks", {}), "peaks").items()
+        }
+        directions = {
+            direction: {
+                method: self.method(mp, _join(fits_key, direction, method))
+                for method, mp in self.mapping(methods, _join(fits_key, direction)).items()
+            }
+            for direction, methods in self.mapping(doc[fits_key], fits_key).items()
+        }
+        return Profile(
+            hardware=dict(hardware),
+            directions=directions,
+            peaks=peaks,
+            prefill=self.prefill(doc.get("prefill"), "prefill"),
+        )
+
+
+def _join(*parts: str) -> str:
+    """A field's path: the non-empty parts joined by dots."""
+    return ".".join(part for part in parts if part)
 
 
 # A fit is poor when it explains its points this badly: R^2 below this, or a measured point this far (relative)
@@ -387,7 +557,7 @@ def default_profile() -> Profile | None:
             path = Path(where) if where else DEFAULT_PROFILE_PATH
             try:
                 _default["profile"] = Profile.load(path) if path.exists() else None
-            except (ValueError, KeyError, TypeError) as err:  # unreadable or old: the documented defaults apply
+            except (ValueError, OSError) as err:  # unreadable, or not a profile: the documented defaults apply
                 warnings.warn(f"kvcopy: ignoring the profile at {path}: {err}", stacklevel=2)
                 _default["profile"] = None
     return _default["profile"]

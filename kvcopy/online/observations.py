@@ -20,6 +20,8 @@ MIN_SECONDS = 1e-9
 
 
 def checked_seconds(value: object) -> float:
+    """A measured duration: TypeError unless a real number (not a bool), ValueError unless finite and >= 0; a
+    measured 0 s is accepted, as MIN_SECONDS."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"seconds: expected a number of seconds, got {type(value).__name__}")
     value = float(value)
@@ -52,7 +54,7 @@ def token_counts(tokens: object, cached_tokens: object) -> tuple[tuple[int, ...]
         new = tuple(positive_int("tokens", n) for n in tokens)
         if isinstance(cached_tokens, Sequence) and not isinstance(cached_tokens, (str, bytes)):
             cached_list = list(cached_tokens)
-        elif cached_tokens == 0 and not isinstance(cached_tokens, bool):
+        elif isinstance(cached_tokens, numbers.Integral) and not isinstance(cached_tokens, bool) and cached_tokens == 0:
             cached_list = [0] * len(new)
         else:
             raise TypeError(

@@ -107,7 +107,14 @@ class OnlineProfile:
 
     def observe_copy(self, direction: str, method: str, nbytes: int, seconds: float, *, num_blocks: int = 1) -> None:
         """One transfer as the engine measured it: ``nbytes`` in ``num_blocks`` blocks took ``seconds`` from its
-        submission until it was done (queueing and contention included), with copy ``method``."""
+        submission until it was done (queueing and contention included), with copy ``method``. A measured 0 s
+        (below the clock's resolution) is kept as MIN_SECONDS.
+
+        The methods observed in a direction replace the base's there (the base's, timed without the engine's
+        queueing, are not comparable), so in a direction the base measured, ``method`` must be one of the
+        base's methods there: ValueError naming it and them otherwise (a misspelt name would replace the
+        calibration). In a direction the base did not measure (or without a base), any method name is taken.
+        TypeError for an argument of the wrong type, ValueError for a wrong value; nothing is kept then."""
         if not isinstance(direction, str):
             raise TypeError(f"direction: expected a str, got {type(direction).__name__}")
         if direction not in DIRECTIONS:
@@ -116,6 +123,12 @@ class OnlineProfile:
             raise TypeError(f"method: expected a method name (str), got {type(method).__name__}")
         if not method:
             raise ValueError("method: expected a method name, got ''")
+        calibrated = self.base.directions.get(direction) if self.base is not None else None
+        if calibrated and method not in calibrated:
+            raise ValueError(
+                f"method: {method!r} was not calibrated for {direction}; the base measured {sorted(calibrated)} "
+                f"there, which observations of another method would replace"
+            )
         nbytes = positive_int("nbytes", nbytes)
         seconds = checked_seconds(seconds)
         num_blocks = positive_int("num_blocks", num_blocks)
@@ -127,7 +140,9 @@ class OnlineProfile:
         self, tokens: int | Sequence[int], seconds: float, *, cached_tokens: int | Sequence[int] = 0
     ) -> None:
         """One forward of the engine's model: ``tokens`` new tokens after ``cached_tokens`` cached ones took
-        ``seconds``. A batched forward gives one count per request in both (sequences of one length)."""
+        ``seconds``. A batched forward gives one count per request in both (sequences of one length). A measured
+        0 s is kept as MIN_SECONDS. TypeError for a count or seconds of the wrong type, ValueError for a wrong
+        value; nothing is kept then."""
         new, cached = token_counts(tokens, cached_tokens)
         self._forwards.append(new, cached, checked_seconds(seconds))
 

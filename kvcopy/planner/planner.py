@@ -37,27 +37,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from kvcopy._checks import non_negative_int, positive_int
+from kvcopy._checks import boolean, non_negative_int, non_negative_number, positive_int, positive_number
 from kvcopy._version import warn_renamed
-from kvcopy.model.spec import forward_costs
+from kvcopy.model.spec import ModelSpec, forward_costs
 from kvcopy.planner.decision import ACTIONS, Action, Decision, seconds_text
 from kvcopy.planner.pipeline import pipelined_seconds
 from kvcopy.planner.split import best_split
 from kvcopy.planner.threshold import first_winning
-from kvcopy.profile import DISK_READ_DIRECTION, REMOTE_DIRECTION, CostLine
+from kvcopy.profile import DISK_READ_DIRECTION, REMOTE_DIRECTION, CostLine, Profile
 
-if TYPE_CHECKING:
-    from kvcopy.model.spec import ModelSpec
-    from kvcopy.profile import Profile
-
-__all__ = ["ACTIONS", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CONTEXT_TOKENS", "SOURCES", "Decision", "Planner", "Source"]
+__all__ = [
+    "ACTIONS",
+    "DEFAULT_BLOCK_TOKENS",
+    "DEFAULT_CONTEXT_TOKENS",
+    "MAX_TOKENS_WITHOUT_CONTEXT_LENGTH",
+    "SOURCES",
+    "Decision",
+    "Planner",
+    "Source",
+]
 
 # Tokens per block when a profile is turned into load costs: the common paged-attention block.
 DEFAULT_BLOCK_TOKENS = 16
 # The longest prefix the threshold considers when the model's config does not give its context length.
 DEFAULT_CONTEXT_TOKENS = 131072
+# The longest sequence (prefix and new tokens) a planner takes when the model's config gives no context length
+# (max_position_embeddings): 16 Mi tokens, beyond every model's context today (Llama 4 Scout's 10 M is the
+# longest), and small enough that every cost of it stays a finite float.
+MAX_TOKENS_WITHOUT_CONTEXT_LENGTH = 1 << 24
+# The most bytes a load may be said to move (load_nbytes): an int64, more than any machine's memory.
+_MAX_LOAD_NBYTES = (1 << 63) - 1
 # A split must beat the best other option by at least this fraction when the caller gives no margin.
 _DEFAULT_SPLIT_MARGIN = 0.0
 # Where a cached prefix is: in this host's pool (reload), on a peer or in the disk store (fetch).
@@ -119,6 +130,8 @@ class Planner:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         **renamed: float | None,
     ) -> None:
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec: expected a ModelSpec (ModelSpec.preset(name), ...), got {type(spec).__name__}")
         lines = _lines_from_renamed(renamed, {"load": load, "fetch": fetch, "disk": disk})
         load, fetch, disk = lines["load"], lines["fetch"], lines["disk"]
         if load is None:
@@ -137,19 +150,15 @@ class Planner:
             ("prefill_flops_per_s", prefill_flops_per_s),
             ("weight_bytes_per_s", weight_bytes_per_s),
         ):
-            if rate is not None and not rate > 0:
-                raise ValueError(f"{name}: expected a positive rate, got {rate}")
-        for name, seconds in (
-            ("prefill_alpha_s", prefill_alpha_s),
-            ("prefill_extra_request_s", prefill_extra_request_s),
-        ):
-            if not seconds >= 0:
-                raise ValueError(f"{name}: expected seconds >= 0, got {seconds}")
+            if rate is not None:
+                positive_number(name, rate)
+        non_negative_number("prefill_alpha_s", prefill_alpha_s)
+        non_negative_number("prefill_extra_request_s", prefill_extra_request_s)
         positive_int("block_tokens", block_tokens)
-        if not 0 <= decode_share < 1:
-            raise ValueError(f"decode_share: expected a fraction in [0, 1), got {decode_share}")
-        if not 0 <= split_margin < 1:
-            raise ValueError(f"split_margin: expected a fraction in [0, 1), got {split_margin}")
+        for name, fraction in (("decode_share", decode_share), ("split_margin", split_margin)):
+            if not non_negative_number(name, fraction) < 1:
+                raise ValueError(f"{name}: expected a fraction in [0, 1), got {fraction}")
+        boolean("layerwise", layerwise)
         self.spec = spec
         self.load = load
         self.load_options: tuple[CostLine, ...] = (load, *options)
@@ -187,7 +196,22 @@ class Planner:
         tensor-parallel ranks (``spec.shard(tp)``: its KV heads, FLOPs and weight bytes). A
         profile with the network link to a peer (``kvcopy calibrate --remote``) gives the fetch
         costs, at the range size of one page-first block (one network descriptor per block).
+
+        TypeError naming the argument for a ``profile`` that is not a Profile (a path: ``Profile.load(path)``
+        reads it), a ``spec`` that is not a ModelSpec (a name: ``ModelSpec.preset(name)``), or a ``layerwise``
+        that is not a bool.
         """
+        if not isinstance(profile, Profile):
+            raise TypeError(
+                f"profile: expected a Profile (Profile.load(path) reads one), got {type(profile).__name__} "
+                f"{profile!r:.80}"
+            )
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(
+                f"spec: expected a ModelSpec (ModelSpec.preset(name), ModelSpec.from_hf_config(path)), got "
+                f"{type(spec).__name__} {spec!r:.80}"
+            )
+        boolean("layerwise", layerwise)
         spec = spec.shard(tp)
         direction = "h2d" if "h2d" in profile.directions else "h2h"
         if direction not in profile.directions:
@@ -313,16 +337,25 @@ class Planner:
         fetched) or recompute; ValueError when the planner has no network link. "disk": in the disk store
         (kvcopy.storage): the same three, the fetch reading the disk into the host pool (action "fetch").
         ``from_peer=True`` / ``from_disk=True``: deprecated spellings of ``source``.
+
+        TypeError for a count that is not an int (100.0, True, "100"); ValueError for ``prefix_tokens +
+        new_tokens`` beyond :meth:`max_sequence_tokens` (the model's context length).
         """
         source = _source_from_renamed(renamed, source, "Planner.decide")
         prefix_tokens = non_negative_int("prefix_tokens", prefix_tokens)
-        if non_negative_int("new_tokens", new_tokens) < 1:
+        new_tokens = _new_tokens(new_tokens)
+        limit, said = self.max_sequence_tokens()
+        if prefix_tokens + new_tokens > limit:
             raise ValueError(
-                f"new_tokens: a resumed request computes at least the token it continues from; "
-                f"expected an int >= 1, got {new_tokens!r}"
+                f"prefix_tokens + new_tokens: expected at most {limit} tokens ({said}), got "
+                f"{_count_text(prefix_tokens)} + {_count_text(new_tokens)}"
             )
         if load_nbytes is not None:
             load_nbytes = non_negative_int("load_nbytes", load_nbytes)
+            if load_nbytes > _MAX_LOAD_NBYTES:
+                raise ValueError(
+                    f"load_nbytes: expected at most {_MAX_LOAD_NBYTES} bytes, got {_count_text(load_nbytes)}"
+                )
         elsewhere = source != "host"
         if elsewhere:
             self._fetch_line(source)  # the error, before any work, when there is no such line
@@ -365,6 +398,16 @@ class Planner:
             t_load,
         )
 
+    def max_sequence_tokens(self) -> tuple[int, str]:
+        """(the most tokens a sequence may have, what that limit is): the model's context length
+        (``spec.context_length``, its config's max_position_embeddings), else
+        MAX_TOKENS_WITHOUT_CONTEXT_LENGTH."""
+        if self.spec.context_length is not None:
+            return self.spec.context_length, f"the context length of {self.spec.name}, max_position_embeddings"
+        return MAX_TOKENS_WITHOUT_CONTEXT_LENGTH, (
+            f"{self.spec.name}'s config gives no context length; the planner's limit without one"
+        )
+
     def _note(self, text: str) -> str:
         return f"{text} ({self.note})" if self.note else text
 
@@ -391,17 +434,32 @@ class Planner:
         self, new_tokens: int = 1, *, max_tokens: int | None = None, source: Source = "host", **renamed: bool
     ) -> int | None:
         """The smallest prefix P from which keeping the cache always pays: for every P' from P up to
-        ``max_tokens`` (default: the model's context length, else DEFAULT_CONTEXT_TOKENS), ``decide``
+        ``max_tokens`` (default: the longest prefix the model's context length leaves room for after
+        ``new_tokens``, else DEFAULT_CONTEXT_TOKENS), ``decide``
         picks an option other than recompute (it beats recompute strictly; a split by the margin),
         with ``new_tokens`` to compute after it. None when recompute wins at ``max_tokens``.
 
         Evaluated on every length up to 4096 and on a geometric grid above (64 steps per
         doubling), then bisected between the last losing and the first winning length of the grid:
         exact unless the sign changes twice within one grid step. ``source``: where the prefix is (see
-        :meth:`decide`); ``from_peer`` / ``from_disk``: its deprecated spellings.
+        :meth:`decide`); ``from_peer`` / ``from_disk``: its deprecated spellings. ValueError naming
+        ``max_tokens`` when it is below 1 or leaves no room for ``new_tokens`` in :meth:`max_sequence_tokens`.
         """
         source = _source_from_renamed(renamed, source, "Planner.threshold_tokens")
-        limit = max_tokens or getattr(self.spec, "context_length", None) or DEFAULT_CONTEXT_TOKENS
+        new_tokens = _new_tokens(new_tokens)
+        most, said = self.max_sequence_tokens()
+        room = most - new_tokens  # the longest prefix that leaves room for the new tokens
+        if max_tokens is None:
+            if room < 1:
+                raise ValueError(f"new_tokens: expected fewer than {most} tokens ({said}), got {new_tokens}")
+            limit = room if self.spec.context_length is not None else min(room, DEFAULT_CONTEXT_TOKENS)
+        else:
+            limit = positive_int("max_tokens", max_tokens)
+            if limit > room:
+                raise ValueError(
+                    f"max_tokens: expected at most {room} (a prefix that leaves room for {new_tokens} new tokens "
+                    f"in {most}: {said}), got {_count_text(limit)}"
+                )
         return first_winning(lambda p: self.decide(p, new_tokens, source=source).action != "recompute", limit)
 
     # ------------------------------------------------------------------ deprecated spellings (0.1)
@@ -467,13 +525,39 @@ def _lines_from_renamed(renamed: dict[str, Any], lines: dict[str, CostLine | Non
     return lines
 
 
+def _new_tokens(new_tokens: object) -> int:
+    """``new_tokens`` as an int >= 1: a resumed request computes at least the token it continues from."""
+    count = non_negative_int("new_tokens", new_tokens)
+    if count < 1:
+        raise ValueError(
+            f"new_tokens: a resumed request computes at least the token it continues from; "
+            f"expected an int >= 1, got {new_tokens!r}"
+        )
+    return count
+
+
+_DIGITS_PER_BIT = math.log10(2)
+
+
+def _count_text(count: int) -> str:
+    """``count`` as digits, or its size when it has too many to show (str() refuses past 4300 digits)."""
+    return (
+        str(count)
+        if count.bit_length() <= 64
+        else f"an int of about {math.ceil(count.bit_length() * _DIGITS_PER_BIT)} digits"
+    )
+
+
 def _source_from_renamed(renamed: dict[str, Any], source: Source, where: str, default: Source = "host") -> Source:
     """``source``, or what the deprecated ``from_peer`` / ``from_disk`` booleans say (``source`` left at its
-    ``default``); ValueError for a source that is none of SOURCES, TypeError for another keyword."""
+    ``default``); TypeError for a source that is not a str, a flag that is not a bool or another keyword;
+    ValueError for a source that is none of SOURCES."""
     unknown = set(renamed) - {"from_peer", "from_disk"}
     if unknown:
         raise TypeError(f"{where}: unexpected keyword argument(s) {sorted(unknown)}")
-    flagged = [name for name in ("from_peer", "from_disk") if renamed.get(name)]
+    if not isinstance(source, str):
+        raise TypeError(f"source: expected one of {SOURCES}, got {type(source).__name__} {source!r:.80}")
+    flagged = [name for name in ("from_peer", "from_disk") if name in renamed and boolean(name, renamed[name])]
     if renamed:
         warn_renamed(f"{where}(from_peer=..., from_disk=...)", f'{where}(source="peer" | "disk")', stacklevel=4)
     if len(flagged) == 2:

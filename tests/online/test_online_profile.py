@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -530,6 +531,14 @@ BAD_OBSERVATIONS = [
     ("copy", dict(seconds="1"), TypeError),
     ("copy", dict(seconds=None), TypeError),
     ("copy", dict(direction=3), TypeError),
+    ("copy", dict(method=3), TypeError),
+    ("copy", dict(method=None), TypeError),
+    ("copy", dict(num_blocks=True), TypeError),
+    ("copy", dict(seconds=True), TypeError),
+    ("copy", dict(nbytes=True), TypeError),
+    # a method the base did not measure in a direction it did: it would replace the calibrated ones
+    ("copy", dict(method="cdua"), ValueError),
+    ("copy", dict(method=""), ValueError),
     # forwards
     ("forward", dict(tokens=0), ValueError),
     ("forward", dict(tokens=-1), ValueError),
@@ -542,6 +551,17 @@ BAD_OBSERVATIONS = [
     ("forward", dict(tokens=1.5), TypeError),
     ("forward", dict(tokens="8"), TypeError),
     ("forward", dict(seconds="1"), TypeError),
+    ("forward", dict(seconds=True), TypeError),
+    ("forward", dict(seconds=None), TypeError),
+    ("forward", dict(tokens=True), TypeError),
+    ("forward", dict(tokens=None), TypeError),
+    ("forward", dict(tokens=[]), ValueError),
+    ("forward", dict(tokens=[4, "8"], cached_tokens=[0, 0]), TypeError),
+    ("forward", dict(cached_tokens=0.5), TypeError),
+    ("forward", dict(cached_tokens=True), TypeError),
+    ("forward", dict(cached_tokens=None), TypeError),
+    ("forward", dict(tokens=[4, 8], cached_tokens=0.0), TypeError),  # 0.0 == 0, yet not a count
+    ("forward", dict(tokens=[4, 8], cached_tokens="0"), TypeError),
 ]
 
 
@@ -660,3 +680,63 @@ def test_the_planner_loads_at_the_learned_cost():
     planner = Planner.from_profile(online.profile(), LLAMA)
     assert planner.t_load_nbytes(32 * LLAMA_BLOCK) == pytest.approx(measured, rel=0.10)
     assert planner.t_load(32 * 16) == pytest.approx(measured, rel=0.10)  # 32 blocks of 16 tokens
+
+
+# --------------------------------------------------------------------------- what an observation is taken as
+
+
+def test_a_method_the_base_did_not_measure_is_refused_naming_it_and_the_measured_ones():
+    """Observed methods replace the base's in their direction: a misspelt name would throw the calibration
+    away. Where the base measured the direction only its methods are taken; elsewhere any name is."""
+    base = Profile.load(CPU_PROFILE)
+    assert sorted(base.directions["h2h"]) == ["cpu", "torch"] and "d2h" not in base.directions
+    online = OnlineProfile(LLAMA, base)
+    with pytest.raises(ValueError, match=r"^method: 'cdua' was not calibrated for h2h.*\['cpu', 'torch'\]"):
+        online.observe_copy("h2h", "cdua", BLOCK, 1e-3)
+    assert online.profile().directions["h2h"].keys() == base.directions["h2h"].keys()
+    online.observe_copy("d2h", "cuda", BLOCK, 1e-3)  # a direction the base never measured
+    online.observe_copy("h2h", "torch", BLOCK, 1e-3)
+    assert online.num_observations == {"d2h cuda": 1, "h2h torch": 1, "prefill": 0}
+    OnlineProfile(LLAMA).observe_copy("h2h", "my_method", BLOCK, 1e-3)  # no base: nothing to replace
+
+
+@pytest.mark.parametrize("zero", [0.0, 0, np.float64(0.0)], ids=["float", "int", "numpy"])
+def test_a_measured_zero_seconds_is_accepted_and_counted(zero):
+    """A transfer or forward faster than the clock's resolution measures 0 s: a real observation (kept as
+    MIN_SECONDS, so its logarithm exists), counted, and fitted with the rest."""
+    online = OnlineProfile(LLAMA, Profile.load(CPU_PROFILE))
+    online.observe_copy("h2h", "cpu", BLOCK, zero)
+    online.observe_forward(16, zero)
+    online.observe_forward([4, 8], zero, cached_tokens=[0, 16])
+    assert online.num_observations == {"h2h cpu": 1, "prefill": 2}
+    learned = online.profile()
+    assert learned.hardware["online"]["observations"] == {"h2h cpu": 1, "prefill": 2}
+    assert math.isfinite(learned.predict("h2h", BLOCK, num_blocks=1))
+
+
+def test_observations_are_kept_for_ten_half_lives():
+    """With half_life=16, 80 one-block transfers then 16 of 64 blocks, all of one law and without a base:
+    the one-block transfers (16..95 observations old, within HISTORY_HALF_LIVES half-lives) still tell the
+    fixed cost, so the one-block prediction is the law's. Kept for one half-life only, the 64-block ones
+    alone would leave alpha and beta apart unknown (predicted ~30% low)."""
+    half_life = 16
+    online = OnlineProfile(LLAMA, half_life=half_life)
+    law = copy_law(ALPHA_S, BETA)
+    for num_blocks in [1] * 80 + [64] * 16:
+        online.observe_copy("h2h", "cpu", num_blocks * BLOCK, law(num_blocks * BLOCK), num_blocks=num_blocks)
+    predicted = online.profile().predict("h2h", BLOCK, num_blocks=1, method="cpu")
+    assert predicted == pytest.approx(law(BLOCK), rel=0.05)
+
+
+def test_without_a_base_the_bandwidth_cap_follows_the_fastest_observed_rate():
+    """No calibration: the cap is OBSERVED_RATE_CAP_FACTOR x the fastest rate a transfer showed. 4 KiB and
+    64 MiB transfers at 1 ms + 10 GB/s show 4 MB/s and 8.7 GB/s; a cap from the slowest (65 MB/s) would hold
+    the learned bandwidth far below the link's 10 GB/s."""
+    alpha, beta = 1e-3, 10e9
+    online = OnlineProfile(LLAMA)
+    for _ in range(10):
+        for nbytes in (4 << 10, 64 << 20):
+            online.observe_copy("h2h", "cpu", nbytes, alpha + nbytes / beta)
+    fit = online.profile().directions["h2h"]["cpu"].fit
+    assert fit.beta_bytes_per_s == pytest.approx(beta, rel=0.05)
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.05)

@@ -8,10 +8,12 @@ model formulas, and by brute force over every prefix length or split point.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 import kvcopy
+import kvcopy.planner.planner as planner_mod
 from kvcopy import Planner
 from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
 
@@ -177,7 +179,8 @@ def test_threshold_scans_up_to_the_models_context_length():
     short = kvcopy.ModelSpec.from_hf_config({**MISTRAL_CONFIG, "max_position_embeddings": 1024}, name="short")
     assert short.context_length == 1024
     planner = flops(short, la=1e-4, bw=2.0**27, fps=1e14, pa=1e-3)
-    assert planner.threshold_tokens() == brute_threshold(planner, 1024)
+    # the longest prefix that leaves room for the one new token
+    assert planner.threshold_tokens() == brute_threshold(planner, 1023)
 
 
 def test_threshold_is_one_when_reloading_always_wins():
@@ -577,3 +580,103 @@ def test_from_profile_plans_for_one_rank():
     planner = Planner.from_profile(p, big, tp=4)
     assert planner.spec.tp == 4 and planner.spec.num_kv_heads == 2
     assert planner.t_load(1000) == pytest.approx(7e-6 + big.kv_bytes(1000) / 4 / 9e9)
+
+
+# --------------------------------------------------------------------------- argument errors
+
+
+@pytest.mark.parametrize("prefix", [100.0, True, "100", None])
+def test_a_token_count_of_another_type_is_a_type_error_naming_it(prefix):
+    planner = linear(la=0.0, bw=1e9, r=1e3)
+    with pytest.raises(TypeError, match=r"^prefix_tokens"):
+        planner.decide(prefix)
+    with pytest.raises(TypeError, match=r"^new_tokens"):
+        planner.decide(100, prefix)
+
+
+@pytest.mark.parametrize(
+    "prefix", [LLAMA.context_length, 10**7, 10**30, 10**400], ids=["context", "1e7", "1e30", "1e400"]
+)
+def test_decide_beyond_the_models_context_length_is_a_value_error_naming_the_limit(prefix):
+    """A prefix and its new tokens longer than the model takes (max_position_embeddings) is no request to
+    plan: a ValueError naming the arguments and the model's limit, never "reload" (nor an OverflowError)."""
+    planner = linear(la=0.0, bw=1e9, r=1e3)
+    assert LLAMA.context_length == 131072
+    with pytest.raises(ValueError, match=r"^prefix_tokens \+ new_tokens: expected at most 131072 tokens") as err:
+        planner.decide(prefix)
+    assert "max_position_embeddings" in str(err.value) and "llama-3.1-8b" in str(err.value)
+    # the longest request the model takes is planned
+    assert planner.decide(LLAMA.context_length - 16, 16).action in planner_mod.ACTIONS
+
+
+def test_without_a_context_length_the_planner_takes_its_own_documented_limit():
+    planner = linear(MISTRAL_FULL, la=0.0, bw=1e9, r=1e3)
+    assert MISTRAL_FULL.context_length is None
+    limit = planner_mod.MAX_TOKENS_WITHOUT_CONTEXT_LENGTH
+    assert planner.max_sequence_tokens()[0] == limit
+    decision = planner.decide(limit - 1)
+    assert math.isfinite(decision.t_recompute) and math.isfinite(decision.t_reload)
+    for prefix in (limit, 10**30):
+        with pytest.raises(ValueError, match="gives no context length"):
+            planner.decide(prefix)
+
+
+def test_a_load_beyond_an_int64_of_bytes_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^load_nbytes"):
+        linear(la=0.0, bw=1e9, r=1e3).decide(100, load_nbytes=10**400)
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "error"), [(0, ValueError), (-5, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)]
+)
+def test_threshold_max_tokens_is_checked_and_named(max_tokens, error):
+    """0 is not "the default" and -5 is not a prefix_tokens error: each names max_tokens."""
+    with pytest.raises(error, match=r"^max_tokens"):
+        linear(la=0.0, bw=1e9, r=1e3).threshold_tokens(max_tokens=max_tokens)
+
+
+def test_threshold_max_tokens_beyond_the_context_length_is_a_value_error():
+    planner = linear(la=0.0, bw=1e9, r=1e3)
+    with pytest.raises(ValueError, match=r"^max_tokens: expected at most 131071"):
+        planner.threshold_tokens(max_tokens=LLAMA.context_length)
+    assert planner.threshold_tokens(max_tokens=LLAMA.context_length - 1) is not None
+
+
+@pytest.mark.parametrize("profile", [None, "/tmp/profile.json", Path("/tmp/profile.json"), "llama-3.1-8b"])
+def test_from_profile_of_what_is_not_a_profile_is_a_type_error_naming_it(profile):
+    with pytest.raises(TypeError, match=r"^profile: expected a Profile"):
+        Planner.from_profile(profile, LLAMA)
+
+
+def test_from_profile_argument_types():
+    profile = _profile({"h2h": {"cpu": MethodProfile(_fit(1e-6, 1e10))}})
+    with pytest.raises(TypeError, match=r"^spec: expected a ModelSpec"):
+        Planner.from_profile(profile, "llama-3.1-8b")
+    with pytest.raises(TypeError, match=r"^layerwise: expected a bool"):
+        Planner.from_profile(profile, LLAMA, layerwise="no")
+    with pytest.raises(TypeError, match=r"^layerwise: expected a bool"):
+        linear(la=0.0, bw=1e9, r=1e3, layerwise=1)
+    with pytest.raises(TypeError, match=r"^decode_share"):
+        Planner.from_profile(profile, LLAMA, decode_share="0.5")
+
+
+@pytest.mark.parametrize("flag", ["from_disk", "from_peer"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, 0, None])
+def test_the_deprecated_source_flags_are_booleans(flag, value):
+    """from_disk="no" is truthy: it read as True and fetched from the disk. A flag that is not a bool is a
+    TypeError (before the deprecation warning), in decide and threshold_tokens alike."""
+    planner = linear(la=0.0, bw=1e9, r=1e3, fetch=CostLine(1e-4, 1e9), disk=CostLine(1e-4, 1e9))
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+        planner.decide(100, **{flag: value})
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+        planner.threshold_tokens(max_tokens=64, **{flag: value})
+
+
+@pytest.mark.parametrize(
+    ("source", "error"), [("x", ValueError), ("Disk", ValueError), (1, TypeError), (None, TypeError)]
+)
+def test_a_source_that_is_none_of_the_choices_names_them(source, error):
+    planner = linear(la=0.0, bw=1e9, r=1e3, disk=CostLine(1e-4, 1e9))
+    for call in (lambda: planner.decide(100, source=source), lambda: planner.threshold_tokens(source=source)):
+        with pytest.raises(error, match=r"^source: expected one of \('host', 'peer', 'disk'\)"):
+            call()

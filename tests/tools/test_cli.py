@@ -546,3 +546,24 @@ def test_the_torch_reference_loop_is_not_judged():
         CostLine(alpha_s=5e-4, beta_bytes_per_s=3e9, r2=0.7, max_abs_residual=1.0)
     )
     assert fit_problems(profile) == ["h2h cpu: R^2 0.700, max resid 100%"]
+
+
+@pytest.mark.parametrize(
+    ("content", "fragments"),
+    [
+        ('{"format": 2, "hardware": {}, "directions": {"h2h": {"cpu": {}}}}', ["directions.h2h.cpu.fit"]),
+        ("[]", ["(top level)", "a profile"]),
+        ('{"format": 2, "hardware": [], "directions": {}}', ["hardware", "an object"]),
+        ("{ not json", ["JSON"]),
+    ],
+)
+def test_plan_with_a_malformed_profile_is_one_line_naming_file_and_field(tmp_path, capsys, content, fragments):
+    """Quick: the reader's FileFormatError reaches the user as the CLI's one-line error (status 2), naming the
+    file and the field, never a traceback (an exception escaping main fails this test)."""
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    assert main(["plan", "--model", "llama-3.1-8b", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvcopy plan: --profile: "), err
+    for fragment in (str(path), *fragments):
+        assert fragment in err, err

@@ -141,7 +141,7 @@ def is_poor(path: Path) -> bool:
 
     try:
         return bool(fit_problems(Profile.load(path)))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, OSError):  # not a profile (FileFormatError), or unreadable
         return True
 
 

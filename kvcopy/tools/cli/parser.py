@@ -57,6 +57,7 @@ def load_model(name_or_path: str) -> ModelSpec:
 
 
 def load_profile(path: str | None) -> Profile:
+    from kvcopy._checks import FileFormatError
     from kvcopy.profile import DEFAULT_PROFILE_PATH, Profile
 
     where = Path(path) if path else DEFAULT_PROFILE_PATH
@@ -64,8 +65,10 @@ def load_profile(path: str | None) -> Profile:
         raise CliError(f"--profile: no profile at {where}; run `kvcopy calibrate` first (or pass --profile)")
     try:
         return Profile.load(where)
-    except (ValueError, KeyError, TypeError) as err:
-        raise CliError(f"--profile: cannot read {where}: {err}") from None
+    except FileFormatError as err:  # names the file, the field, what was expected and found
+        raise CliError(f"--profile: not a profile: {err}") from None
+    except OSError as err:  # a folder, no permission
+        raise CliError(f"--profile: cannot read {where}: {err.strerror or err}") from None
 
 
 def check_plot(path: str | None) -> None:
