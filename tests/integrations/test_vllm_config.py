@@ -96,7 +96,12 @@ def test_a_wrong_value_is_a_value_error_naming_its_key(extra, message):
 
 @pytest.mark.parametrize(
     ("typo", "meant"),
-    [("kvcopy_polcy", "kvcopy_policy"), ("kvcopy_decodeshare", "kvcopy_decode_share"), ("KVCOPY_LEARN", None)],
+    [
+        ("kvcopy_polcy", "kvcopy_policy"),
+        ("kvcopy_decodeshare", "kvcopy_decode_share"),
+        ("KVCOPY_LEARN", "kvcopy_learn"),
+        ("kvcopy_turbo_mode", None),
+    ],
 )
 def test_a_kvcopy_key_kvcopy_does_not_read_is_refused_with_the_known_ones(typo, meant):
     with pytest.raises(ValueError) as caught:

@@ -46,19 +46,24 @@ class SpecConfig:
 
 
 def _suggestion(name: str, known: Iterable[str]) -> str:
-    """ " (did you mean 'x'?)" for the known name closest to ``name``, or "" when none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """ " (did you mean 'x'?)" for the known name closest to ``name`` (case aside), or "" when none is close."""
+    by_lower = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
 def _check_key_names(extra: Mapping[Any, Any]) -> None:
     # vLLM's own keys pass through unread; a kvcopy_* key that is not one of kvcopy's would be ignored without
     # a word, so it is an error naming it
+    def suffix(key: str) -> str:  # what follows "kvcopy_": the shared prefix would make every key look close
+        return key.lower()[len(_KVCOPY_PREFIX) :].lstrip("_-")
+
+    ours = {suffix(k): k for k in KEYS if k.startswith(_KVCOPY_PREFIX)}
     for key in extra:
         if isinstance(key, str) and key.lower().startswith(_KVCOPY_PREFIX) and key not in KEYS:
-            raise ValueError(
-                f"{key}: not a kvcopy extra-config key{_suggestion(key, KEYS)}; kvcopy reads {', '.join(KEYS)}"
-            )
+            close = difflib.get_close_matches(suffix(key), list(ours), n=1)
+            hint = f" (did you mean {ours[close[0]]!r}?)" if close else ""
+            raise ValueError(f"{key}: not a kvcopy extra-config key{hint}; kvcopy reads {', '.join(KEYS)}")
 
 
 def _byte_count(extra: Mapping[Any, Any]) -> int:
