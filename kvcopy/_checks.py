@@ -136,3 +136,34 @@ def path_argument(name: str, value: object) -> Path:
     if isinstance(value, str) or (isinstance(value, os.PathLike) and isinstance(os.fspath(value), str)):
         return Path(value)
     raise TypeError(f"{name}: expected a path (str or os.PathLike), got {type(value).__name__} {value!r:.80}")
+
+
+def writable_file_path(name: str, value: object) -> Path:
+    """``value`` as the Path of a file kvcopy will write later (its missing directories made then): TypeError
+    unless it is a path; ValueError naming ``name`` when it is a directory, when a file stands where one of its
+    directories must be, or when it cannot be written there (permissions, a read-only or virtual file system).
+    Writability is tried, not guessed (root passes every permission test): a probe file is made and removed in
+    the nearest directory that exists, or an existing file is opened for appending; nothing is left behind."""
+    import tempfile  # only this check needs it
+
+    path = path_argument(name, value)
+    if path.is_dir():
+        raise ValueError(f"{name}: {path} is a directory; expected the path of a file to write")
+    if path.exists():
+        try:  # O_NONBLOCK: a FIFO without a reader is an error, never a hang; a regular file is not changed
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)))
+        except OSError as err:
+            raise ValueError(f"{name}: cannot write {path} ({err.strerror})") from err
+        return path
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{name}: {path} lies under {ancestor}, which is a file, not a directory")
+    try:
+        descriptor, probe = tempfile.mkstemp(dir=ancestor, prefix=".kvcopy-write-probe-")
+    except OSError as err:
+        raise ValueError(f"{name}: cannot write {path}: cannot create files in {ancestor} ({err.strerror})") from err
+    os.close(descriptor)
+    os.unlink(probe)
+    return path

@@ -11,7 +11,7 @@ import importlib.util
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -19,7 +19,7 @@ import transformers as hf
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from kvcopy import Profile
+from kvcopy import Planner, Profile
 from kvcopy.engine.engine import TransferEngine
 from kvcopy.integrations import transformers as kvt
 from kvcopy.profile import CostLine, MethodProfile, PrefillProfile
@@ -163,3 +163,45 @@ class RecordingEngine(TransferEngine):
             assert torch.equal(device[block].cpu(), expected), f"reloaded block {block} differs from its offload"
             RecordingEngine.reloaded_blocks += 1
         return transfer
+
+
+def engine_law(model: torch.nn.Module, base: Profile) -> Profile:
+    """What a "measured" engine costs, far from helpers.hf's crossover profile ``base``: copies at 2 ms + 2 GB/s
+    (base: 1 ms + 10 GB/s), forwards 5 ms + a quarter of the base's FLOP rate (base: 0 ms)."""
+    link = CostLine(alpha_s=2e-3, beta_bytes_per_s=2e9, r2=1.0, max_abs_residual=0.0)
+    spec = kvt.model_spec(model)
+    return Profile(
+        hardware={"device": "engine law"},
+        directions={"h2h": {"cpu": MethodProfile(fit=link)}},
+        prefill=PrefillProfile(model=spec.name, alpha_s=5e-3, flops_per_s=base.prefill.flops_per_s / 4, r2=1.0),
+    )
+
+
+def time_by_law(monkeypatch, law: Planner) -> None:
+    """Makes kvcopy's measurements of transformers' engine follow ``law`` instead of the wall clock: each forward
+    PathClock times lasts law.t_forward of its requests' (new, cached) tokens, and each finished copy's turnaround
+    is law.t_load_nbytes of its bytes. Everything else (the engine, the copies, the decisions) is real; what
+    kvcopy measures no longer depends on the machine's load."""
+    from kvcopy.engine.transfer import Transfer
+    from kvcopy.integrations.common import path_clock
+
+    now = [0.0]
+    pending = [0.0]
+    start, stop = path_clock.PathClock.start, path_clock.PathClock.stop
+
+    def start_by_law(self: path_clock.PathClock, requests: list[path_clock.ForwardRequest]) -> None:
+        start(self, requests)
+        pending[0] = law.t_forward(tuple(r.new_tokens for r in requests), tuple(r.cached_tokens for r in requests))
+
+    def stop_by_law(self: path_clock.PathClock) -> None:
+        if self._forward is not None:  # a forward ends: the law's seconds have passed since it started
+            now[0] += pending[0]
+        stop(self)
+
+    def turnaround_by_law(transfer: Transfer) -> float | None:
+        return None if transfer._seconds_between(0, 2) is None else law.t_load_nbytes(transfer.nbytes)
+
+    monkeypatch.setattr(path_clock, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(path_clock.PathClock, "start", start_by_law)
+    monkeypatch.setattr(path_clock.PathClock, "stop", stop_by_law)
+    monkeypatch.setattr(Transfer, "turnaround", property(turnaround_by_law))

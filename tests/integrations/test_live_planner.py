@@ -299,6 +299,40 @@ def test_a_refit_that_changes_nothing_material_keeps_the_planner():
     assert planner is base and observations == 0
 
 
+# Two-request decode batches measured this much slower than the base's law: work per request beside the first.
+BATCH_EXTRA_S = 10e-3
+# Decode batches of two requests, at these cached lengths (the probe itself is at 0 and 0).
+DECODE_CACHED = ((100, 300), (700, 50), (0, 900), (450, 450))
+
+
+def test_a_refit_that_moves_only_two_request_batches_replaces_the_planner():
+    """Loads and single-request forwards exactly as calibrated, two-request decode steps 10 ms slower: the only
+    prediction that moves is a batch's, and that alone makes the refit material."""
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
+    base, _ = live.current()
+    law = base_planner()
+    for i in range(REFIT_EVERY):
+        turn = i // 3
+        if i % 3 == 0:
+            blocks = OBSERVED_BLOCKS[turn % len(OBSERVED_BLOCKS)]
+            live.observe_transfer(copy_of(blocks, base_load(blocks * BLOCK)))
+        elif i % 3 == 1:
+            tokens, cached = OBSERVED_TOKENS[turn % len(OBSERVED_TOKENS)]
+            live.observe_forward([tokens], [cached], law.t_prefill(tokens, cached))
+        else:
+            cached = DECODE_CACHED[turn % len(DECODE_CACHED)]
+            live.observe_forward([1, 1], list(cached), law.t_forward((1, 1), cached) + BATCH_EXTRA_S)
+    planner, observations = live.current()
+    assert planner is not base and observations == REFIT_EVERY
+    probe = ((1, 1), (0, 0))
+    assert planner.t_forward(*probe) - base.t_forward(*probe) == pytest.approx(BATCH_EXTRA_S, rel=0.05)
+    # what the other probes see did not move: the batch probe is what replaced the planner
+    for blocks in PROBE_BLOCKS:
+        assert planner.t_load_nbytes(blocks * BLOCK) == pytest.approx(base.t_load_nbytes(blocks * BLOCK), rel=1e-6)
+    for tokens in PROBE_TOKENS:
+        assert planner.t_prefill(tokens) == pytest.approx(base.t_prefill(tokens), rel=1e-6)
+
+
 @pytest.mark.parametrize("forwards_first", [True, False])
 def test_without_a_base_there_is_no_planner_until_loads_and_forwards_were_observed(forwards_first):
     live = OnlinePlanner(LLAMA, None, learn=True)

@@ -4,10 +4,15 @@ The calibration given is the engine's real case: far too fast for what the engin
 crossover profile: copies at 1 ms + 10 GB/s and prefill with no per-forward cost, against forwards of
 transformers' continuous batching that carry milliseconds of Python each). Each test asserts that the path
 it is about ran: forwards and copies observed, decisions made from the learned profile.
+
+Where the point is how well the learning predicts, the engine is timed by a known law (helpers.hf.time_by_law),
+so that no load on the machine can change the outcome; the wall clock is asserted on only for what no load can
+invert (a real forward is slower than the calibration says).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -21,7 +26,7 @@ from kvcopy.integrations.common.online_planner import REFIT_EVERY, predict_paths
 from kvcopy.planner.decision import seconds_text
 from kvcopy.tools import cli
 
-from helpers.hf import MODEL_CASES, ROOMY_BLOCKS, crossover_profile
+from helpers.hf import MODEL_CASES, ROOMY_BLOCKS, crossover_profile, engine_law, time_by_law
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -35,9 +40,22 @@ def errors(decisions: list[kvt.OffloadDecision]) -> dict[tuple[str, int], float]
     return {(d.request_id, d.prefix_tokens): d.prediction_error for d in decisions if d.prediction_error is not None}
 
 
-def test_learning_makes_the_later_predictions_closer_to_what_the_engine_measures():
+# The learned predictions' median error must be at most this share of the calibration's, on the same
+# preemptions: with the engine timed by helpers.hf.engine_law, far slower than the calibration, the learned
+# profile closes most of the gap (measured: 0.21 against 0.81, the same on every run).
+LEARNED_ERROR_SHARE = 0.5
+
+
+def test_learning_makes_the_later_predictions_closer_to_what_the_engine_measures(monkeypatch):
+    """The engine's forwards and copies are timed by a known law (helpers.hf.time_by_law), far from the
+    calibration: what the decisions learn from, and what their paths measure, is that law whatever the
+    machine's load. Learning must bring the later predictions closer to it than the calibration's."""
     model = LLAMA.build()
-    base = crossover_profile(model)
+    # a CPU machine's calibration: host-to-host copies only (the Planner loads by h2d where a profile has it)
+    base = dataclasses.replace(crossover_profile(model), directions={"h2h": crossover_profile(model).directions["h2h"]})
+    spec = kvt.model_spec(model)
+    law = kvcopy.Planner.from_profile(engine_law(model, base), spec)
+    time_by_law(monkeypatch, law)
     runs = {}
     for learn in (False, True):
         # policy "offload": every preempted request takes the same path in both runs, so the runs' decisions
@@ -45,13 +63,26 @@ def test_learning_makes_the_later_predictions_closer_to_what_the_engine_measures
         with kvt.offloading(model, host_gib=0.25, policy="offload", profile=base, learn=learn) as stats:
             LLAMA.generate(model)
         runs[learn] = stats
+    assert all(d.observations == 0 for d in runs[False].decisions)
     learned = [d for d in runs[True].decisions if d.observations > 0]
     assert learned, "no decision was made from a learned profile"
     static = errors(runs[False].decisions)
     later = {key: e for key, e in errors(learned).items() if key in static}
     assert later, "no preemption of the learning run was measured in both runs"
-    assert statistics.median(later.values()) < statistics.median(static[key] for key in later)
-    assert all(d.observations == 0 for d in runs[False].decisions)
+    assert all(later[key] < static[key] for key in later), (later, static)
+    assert statistics.median(later.values()) <= LEARNED_ERROR_SHARE * statistics.median(static[k] for k in later)
+    # and each half of a path, the copy and the forwards, was learned: the learned profile is closer to the law
+    calibrated, learned_planner = (
+        kvcopy.Planner.from_profile(base, spec),
+        kvcopy.Planner.from_profile(runs[True].profile, spec),
+    )
+    for d in learned:
+        for predict in (
+            lambda p, d=d: p.t_load_nbytes(d.reload_nbytes),
+            lambda p, d=d: p.t_prefill(d.new_tokens, d.prefix_tokens),
+        ):
+            gap = abs(predict(calibrated) - predict(law))
+            assert abs(predict(learned_planner) - predict(law)) <= LEARNED_ERROR_SHARE * gap
 
 
 def test_the_first_decisions_are_the_calibrations_and_later_ones_use_only_earlier_observations():
@@ -68,6 +99,10 @@ def test_the_first_decisions_are_the_calibrations_and_later_ones_use_only_earlie
     observed = stats.profile.hardware["online"]["observations"]
     assert counts[-1] <= sum(observed.values())
     assert observed["prefill"] >= REFIT_EVERY and observed["h2h cpu"] > 0
+    # On the wall clock, only what no load can invert: transformers' forwards carry milliseconds of Python, above
+    # the calibration's 1-token forward (microseconds), and a loaded machine only makes them slower.
+    learned = kvcopy.Planner.from_profile(stats.profile, kvt.model_spec(model))
+    assert learned.t_prefill(1) > planner.t_prefill(1)
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)

@@ -8,7 +8,9 @@ preempted several times. Each test asserts that the path it is about ran.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,12 +267,116 @@ def test_exception_in_the_context_restores_transformers():
         (dict(learn="yes"), TypeError, "learn"),
         (dict(save_profile=3), TypeError, "save_profile"),
         (dict(learn=False, save_profile="out.json"), ValueError, "save_profile.*learn=True"),
+        (dict(policy=1), TypeError, "policy: expected one of .*, got int 1"),
+        (dict(policy=None), TypeError, "policy: expected one of"),
+        (dict(method=None), TypeError, "method: expected 'auto' or one of .*, got NoneType"),
+        (dict(learn=1), TypeError, "learn: expected a bool, got int"),
+        (dict(host_gib=1e6), ValueError, "host_gib: expected at most this machine's physical memory"),
+        (dict(host_gib=10**400), ValueError, "host_gib"),
     ],
 )
 def test_bad_arguments_fail_before_anything_is_patched(kwargs, error, match):
     model = LLAMA.build()
     with pytest.raises(error, match=match), kvt.offloading(model, **kwargs):
         pytest.fail("the context must not open")
+    assert continuous_api.OffloadingManager is offloading_manager.OffloadingManager
+
+
+def test_a_host_pool_beyond_physical_memory_is_refused_at_entry(monkeypatch):
+    """Against the memory the machine has (2 GiB here): more is a ValueError naming host_gib before any pool is
+    made; up to it the context opens (the pool is made by the first generation, not here)."""
+    monkeypatch.setattr(kvt, "_physical_memory_bytes", lambda: 2 << 30)
+    monkeypatch.setattr(kvt, "OffloadSession", None)  # a refusal must come before the session (and its pools)
+    model = LLAMA.build()
+    with (
+        pytest.raises(ValueError, match=r"host_gib: .*physical memory \(2.0 GiB\).*got 2.5"),
+        kvt.offloading(model, host_gib=2.5, policy="offload"),
+    ):
+        pytest.fail("the context must not open")
+    monkeypatch.undo()
+    monkeypatch.setattr(kvt, "_physical_memory_bytes", lambda: 2 << 30)
+    with kvt.offloading(model, host_gib=2, policy="offload") as stats:
+        assert stats.host_blocks_in_use == 0
+
+
+def test_the_machines_physical_memory_is_what_the_os_reports():
+    expected = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert kvt._physical_memory_bytes() == expected > 0
+
+
+def read_only_directory(tmp_path: Path) -> Path:
+    """A directory where this process cannot create a file: mode 0o555, or for root (whom modes do not stop)
+    /proc, where no one can."""
+    if os.geteuid() != 0:
+        directory = tmp_path / "read-only"
+        directory.mkdir()
+        directory.chmod(0o555)
+        return directory
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("running as root without /proc: no read-only directory to try")
+    return Path("/proc")
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("directory", "is a directory; expected the path of a file"),
+        ("under a file", "lies under .*, which is a file, not a directory"),
+        ("read-only", "cannot write .*: cannot create files in "),
+    ],
+)
+def test_a_save_profile_that_cannot_be_written_is_refused_at_entry(tmp_path, where, message):
+    """Refused when the context opens, not when it closes after the run (when the learned profile would be
+    lost); nothing is written and nothing patched."""
+    (tmp_path / "a file").write_text("kept")
+    path = {
+        "directory": tmp_path,
+        "under a file": tmp_path / "a file" / "sub" / "learned.json",
+        "read-only": read_only_directory(tmp_path) / "learned.json",
+    }[where]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    model = LLAMA.build()
+    with (
+        pytest.raises(ValueError, match=f"save_profile: .*{message}"),
+        kvt.offloading(model, policy="offload", save_profile=path),
+    ):
+        pytest.fail("the context must not open")
+    assert continuous_api.OffloadingManager is offloading_manager.OffloadingManager
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "a file").read_text() == "kept"
+    assert path == tmp_path or not path.exists()
+
+
+def test_a_save_profile_in_missing_directories_opens_and_writes_them_at_the_end(tmp_path):
+    path = tmp_path / "new" / "dirs" / "learned.json"
+    model = LLAMA.build()
+    with kvt.offloading(model, policy="offload", profile=crossover_profile(model), save_profile=path) as stats:
+        assert list(tmp_path.iterdir()) == []  # the check wrote nothing
+    assert kvcopy.Profile.load(path).to_dict() == stats.profile.to_dict()
+
+
+def test_a_save_that_fails_at_the_end_says_the_profile_is_still_in_stats(tmp_path):
+    path = tmp_path / "learned.json"
+    model = LLAMA.build()
+    with (
+        pytest.raises(OSError, match=r"save_profile: the learned profile could not be written .*stats\.profile"),
+        kvt.offloading(model, policy="offload", profile=crossover_profile(model), save_profile=path) as stats,
+    ):
+        path.mkdir()  # the file system changed after the entry's check
+    assert stats.profile is not None
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"hardware": {}}'])
+def test_a_bad_profile_file_fails_as_profile_load_fails_on_it(tmp_path, content):
+    """offloading(profile=path) surfaces the loader's own error (its type and its message, naming the file),
+    not a vaguer one of its own, before anything is patched."""
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(Exception) as loading:
+        kvcopy.Profile.load(path)
+    model = LLAMA.build()
+    with pytest.raises(type(loading.value)) as opening, kvt.offloading(model, profile=path):
+        pytest.fail("the context must not open")
+    assert type(opening.value) is type(loading.value) and str(opening.value) == str(loading.value)
     assert continuous_api.OffloadingManager is offloading_manager.OffloadingManager
 
 

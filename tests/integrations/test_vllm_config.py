@@ -3,6 +3,7 @@ any transfer, in the role that builds it. Without vLLM the module still imports.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 import kvcopy.integrations.vllm as kv_vllm
 from kvcopy.integrations.vllm import _compat
+from kvcopy.integrations.vllm._config import KEYS, SpecConfig, read_config
 
 from helpers.vllm import make_rig
 
@@ -28,14 +30,123 @@ pytestmark = [pytest.mark.engine, pytest.mark.vllm]
         ({"cpu_bytes_to_use": "lots"}, TypeError, "cpu_bytes_to_use: expected a number of bytes, got str"),
         ({"cpu_bytes_to_use": 100}, ValueError, "hold no chunk"),
         ({"kvcopy_policy": "recompute"}, ValueError, "kvcopy_policy: expected one of \\('auto', 'offload'\\)"),
-        ({"kvcopy_method": "warp"}, ValueError, "kvcopy_method: expected 'auto' or one of"),
-        ({"kvcopy_learn": "maybe"}, TypeError, "kvcopy_learn: expected true or false"),
+        ({"kvcopy_method": "warp"}, ValueError, "kvcopy_method: expected one of \\('auto', "),
+        ({"kvcopy_learn": "maybe"}, ValueError, "kvcopy_learn: expected true or false"),
         ({"kvcopy_decode_share": 1.5}, ValueError, "kvcopy_decode_share: expected a fraction in \\[0, 1\\)"),
+        ({"kvcopy_decode_share": 1.0}, ValueError, "kvcopy_decode_share: expected a fraction in \\[0, 1\\), got 1.0"),
+        ({"kvcopy_polcy": "offload"}, ValueError, "kvcopy_polcy: not a kvcopy extra-config key"),
+        ({"cpu_bytes_to_use": 0.5}, ValueError, "cpu_bytes_to_use: expected a whole number of bytes, got 0.5"),
+        ({"kvcopy_policy": 1}, TypeError, "kvcopy_policy: expected one of .*, got int 1"),
     ],
 )
 def test_a_bad_configuration_fails_when_the_spec_is_built(tmp_path, extra, error, message):
     with pytest.raises(error, match=message):
         make_rig(tmp_path, extra=extra)
+
+
+# read_config alone: every key checked, a wrong type a TypeError and a wrong value a ValueError, each naming its
+# key. BYTES is a valid cpu_bytes_to_use, given with each case.
+BYTES = 1 << 22
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvcopy_policy": 1}, "kvcopy_policy: expected one of \\('auto', 'offload'\\), got int 1"),
+        ({"kvcopy_policy": None}, "kvcopy_policy: expected one of .*, got NoneType None"),
+        ({"kvcopy_method": None}, "kvcopy_method: expected one of \\('auto', .*, got NoneType None"),
+        ({"kvcopy_method": ["cpu"]}, "kvcopy_method: expected one of .*, got list"),
+        ({"kvcopy_learn": 1}, "kvcopy_learn: expected true or false, got int 1"),
+        ({"kvcopy_learn": None}, "kvcopy_learn: expected true or false, got NoneType"),
+        ({"kvcopy_decode_share": "0.5"}, "kvcopy_decode_share: expected a fraction in \\[0, 1\\), got str"),
+        ({"kvcopy_decode_share": True}, "kvcopy_decode_share: expected a fraction in \\[0, 1\\), got bool"),
+        ({"kvcopy_decode_share": None}, "kvcopy_decode_share: expected a fraction"),
+        ({"kvcopy_profile": 5}, "kvcopy_profile: expected a path"),
+        ({"cpu_bytes_to_use": "1G"}, "cpu_bytes_to_use: expected a number of bytes, got str"),
+        ({"cpu_bytes_to_use": True}, "cpu_bytes_to_use: expected a number of bytes, got bool"),
+        ({"cpu_bytes_to_use": None}, "cpu_bytes_to_use: expected a number of bytes, got NoneType"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_a_type_error_naming_its_key(extra, message):
+    with pytest.raises(TypeError, match=message):
+        read_config({"cpu_bytes_to_use": BYTES, **extra})
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvcopy_policy": "Auto"}, "kvcopy_policy: expected one of .*, got 'Auto' \\(did you mean 'auto'\\?\\)"),
+        ({"kvcopy_method": "cpuu"}, "kvcopy_method: expected one of .*, got 'cpuu' \\(did you mean 'cpu'\\?\\)"),
+        ({"kvcopy_learn": "yes"}, "kvcopy_learn: expected true or false, got 'yes'"),
+        ({"kvcopy_decode_share": 1.0}, "kvcopy_decode_share: expected a fraction in \\[0, 1\\), got 1.0"),
+        ({"kvcopy_decode_share": 1}, "kvcopy_decode_share: expected a fraction in \\[0, 1\\), got 1"),
+        ({"kvcopy_decode_share": -1e-9}, "kvcopy_decode_share: .*got -1e-09"),
+        ({"kvcopy_decode_share": math.nan}, "kvcopy_decode_share: .*got nan"),
+        ({"kvcopy_decode_share": 10**400}, "kvcopy_decode_share: expected a fraction in \\[0, 1\\), got 1000"),
+        ({"cpu_bytes_to_use": 0.5}, "cpu_bytes_to_use: expected a whole number of bytes, got 0.5 \\(.*not GiB"),
+        ({"cpu_bytes_to_use": 4096.25}, "cpu_bytes_to_use: expected a whole number of bytes, got 4096.25"),
+        ({"cpu_bytes_to_use": math.inf}, "cpu_bytes_to_use: expected a whole number of bytes, got inf"),
+        ({"cpu_bytes_to_use": -4096.0}, "cpu_bytes_to_use: expected a positive number of bytes, got -4096"),
+    ],
+)
+def test_a_wrong_value_is_a_value_error_naming_its_key(extra, message):
+    with pytest.raises(ValueError, match=message):
+        read_config({"cpu_bytes_to_use": BYTES, **extra})
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("kvcopy_polcy", "kvcopy_policy"),
+        ("kvcopy_decodeshare", "kvcopy_decode_share"),
+        ("KVCOPY_LEARN", "kvcopy_learn"),
+        ("kvcopy_turbo_mode", None),
+    ],
+)
+def test_a_kvcopy_key_kvcopy_does_not_read_is_refused_with_the_known_ones(typo, meant):
+    with pytest.raises(ValueError) as caught:
+        read_config({"cpu_bytes_to_use": BYTES, typo: "auto"})
+    message = str(caught.value)
+    assert message.startswith(f"{typo}: not a kvcopy extra-config key")
+    assert (f"did you mean {meant!r}?" in message) if meant else ("did you mean" not in message)
+    assert all(key in message for key in KEYS)
+
+
+def test_vllms_own_keys_pass_through_unread():
+    config = read_config({"cpu_bytes_to_use": BYTES, "blocks_per_chunk": 2, "eviction_policy": "arc", "spec_name": "x"})
+    assert config == SpecConfig(cpu_bytes_to_use=BYTES)
+
+
+def test_a_missing_byte_count_names_a_close_key_the_user_wrote():
+    with pytest.raises(ValueError, match=r"cpu_bytes_to_use: required .*'cpu_byte_to_use' is there: a typo"):
+        read_config({"cpu_byte_to_use": BYTES})
+
+
+def test_a_byte_count_is_an_int_or_a_whole_float():
+    """vLLM reads the key as int(value), and its kv_offloading_size (GiB) makes it GiB x 2**30, a float: a whole
+    float is that many bytes; a fraction of a byte is refused (above), never rounded down to 0."""
+    assert read_config({"cpu_bytes_to_use": 1.5 * 2**30}).cpu_bytes_to_use == 3 << 29
+    assert read_config({"cpu_bytes_to_use": 1e9}).cpu_bytes_to_use == 10**9
+    assert read_config({"cpu_bytes_to_use": 1}).cpu_bytes_to_use == 1
+
+
+@pytest.mark.parametrize("share", [0, 0.0, 0.5, math.nextafter(1.0, 0.0)])
+def test_the_decode_share_takes_every_fraction_from_0_up_to_but_not_1(share):
+    assert read_config({"cpu_bytes_to_use": BYTES, "kvcopy_decode_share": share}).decode_share == share
+
+
+def test_the_extra_config_must_be_a_mapping():
+    with pytest.raises(TypeError, match="kv_connector_extra_config: expected a mapping"):
+        read_config([("cpu_bytes_to_use", BYTES)])
+
+
+def test_a_whole_float_byte_count_builds_the_same_spec_as_the_int(tmp_path):
+    rig = make_rig(tmp_path, extra={"cpu_bytes_to_use": float(BYTES)})
+    try:
+        assert rig.worker_spec.settings.cpu_bytes_to_use == BYTES
+        assert rig.worker_spec.num_chunks == BYTES // rig.worker_spec._chunk_bytes
+    finally:
+        rig.close()
 
 
 def test_a_missing_profile_path_fails_when_the_spec_is_built(tmp_path):

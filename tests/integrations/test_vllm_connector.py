@@ -129,6 +129,27 @@ def test_a_failed_store_never_reads_as_stored(tmp_path):
         rig.close()
 
 
+def test_a_prompt_whose_store_failed_once_is_loadable_after_a_later_store_succeeds(tmp_path):
+    """The failed store's keys are dropped once, not for ever: the same prompt stored again is a hit."""
+    rig = connector_rig(tmp_path)
+    try:
+        engine = rig.kv_worker.engine
+        copy = engine._copy
+        fail_copies(rig, "offload")
+        rig.add("failing", PROMPT)
+        rig.run()
+        rig.drain()
+        assert rig.scheduler.reset_prefix_cache()
+        engine._copy = copy  # stores work again
+        rig.store_and_reset(PROMPT)  # the same prompt, stored again: its keys are the failed store's
+        assert rig.rerun(TOKENS) == [len(TOKENS) - HIT]  # loaded: the hit was there
+        (decision,) = [d for d in rig.session.stats.decisions if d.request_id == "again"]
+        assert decision.action == "reload" and decision.prefix_tokens == HIT
+        assert rig.session.stats.decisions[0].request_id == "again"  # the failed store never read as stored
+    finally:
+        rig.close()
+
+
 def test_another_spec_is_refused(tmp_path):
     with pytest.raises(ValueError, match="spec_name: KVCopyOffloadingConnector runs KVCopyOffloadingSpec"):
         make_rig(tmp_path, connector="KVCopyOffloadingConnector", extra={"spec_name": "CPUOffloadingSpec"})

@@ -11,6 +11,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
 
+from kvcopy.integrations.common.online_planner import predict_paths
 from kvcopy.integrations.vllm.manager import (
     COUNTERS,
     HITS_LOADED,
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 PROMPT = [(5 * i + 1) % 250 for i in range(160)]
 TOKENS = [*PROMPT, 9, 8, 7]
 HIT = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
+MAX_FORWARD_TOKENS = 512  # make_rig's max_batch_tokens: vLLM's forwards of at most this many tokens
 
 
 def slow_load_profile(tmp_path) -> str:
@@ -106,6 +108,38 @@ def test_policy_offload_loads_every_hit(tmp_path):
         (decision,) = [d for d in rig.session.stats.decisions if d.request_id == "again"]
         assert decision.action == "reload" and decision.reason == "policy 'offload'"
         assert decision.predicted_reload_s > decision.predicted_recompute_s  # predicted all the same
+    finally:
+        rig.close()
+
+
+def test_the_tokens_in_vllms_prefix_cache_before_the_hit_reach_the_planner(tmp_path, monkeypatch):
+    """A request whose first 2 blocks vLLM's own prefix cache holds: the hit starts at its third block, and the
+    judgment prices the hit after those 32 tokens (attention over them is paid on both paths)."""
+    rig = make_rig(tmp_path, extra={"kvcopy_profile": fast_load_profile(tmp_path), "kvcopy_learn": False})
+    try:
+        session = rig.session
+        asked: dict[str, dict] = {}
+        decide = session.decide
+
+        def recording(request_id, **kwargs):
+            asked[request_id] = kwargs
+            return decide(request_id, **kwargs)
+
+        monkeypatch.setattr(session, "decide", recording)
+        rig.store_and_reset(PROMPT)
+        cached_blocks = 2
+        rig.add("warm", PROMPT[: cached_blocks * BLOCK_TOKENS + 5])  # puts the first 2 blocks in vLLM's prefix cache
+        rig.run()
+        assert rig.rerun(TOKENS) == [len(TOKENS) - HIT]  # the rest of the hit was loaded
+        cached = cached_blocks * BLOCK_TOKENS
+        assert asked["again"]["cached_tokens"] == cached == 32
+        assert asked["again"]["prefix_tokens"] == HIT - cached
+        (decision,) = [d for d in session.stats.decisions if d.request_id == "again"]
+        planner, _ = session.live.current()
+        expected = predict_paths(
+            planner, HIT - cached, decision.new_tokens, decision.reload_nbytes, MAX_FORWARD_TOKENS, cached_tokens=cached
+        )
+        assert (decision.predicted_reload_s, decision.predicted_recompute_s) == expected
     finally:
         rig.close()
 

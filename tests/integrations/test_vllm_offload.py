@@ -176,6 +176,38 @@ def test_a_failed_copy_is_reported_failed_and_logged(tmp_path, caplog):
         rig.close()
 
 
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("hold_failures", [False, True])
+def test_a_job_the_engine_refuses_at_submission_is_reported_failed_once(tmp_path, caplog, direction, hold_failures):
+    """The engine raises inside submit_*: vLLM hears of the job once, as failed (or, for
+    KVCopyOffloadingConnector, it is held in ``failures`` once), never as done and never lost."""
+    rig = make_rig(tmp_path, extra={"kvcopy_policy": "offload"})
+    try:
+        worker = rig.kv_worker
+        worker.hold_failures = hold_failures
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("injected submission failure")
+
+        engine_call = "offload" if direction == "store" else "reload"
+        setattr(worker.engine, engine_call, refuse)
+        device, host = GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([0, 1])
+        if direction == "store":
+            assert worker.submit_store(7, device, host) is True  # vLLM's contract: accepted, then reported
+        else:
+            assert worker.submit_load(7, host, device) is True
+        assert 7 in worker.job_ids_in_flight
+        first, second = worker.get_finished(), worker.get_finished()
+        if hold_failures:
+            assert first == [] and worker.failures == [(7, [1, 2])]
+        else:
+            assert [(r.job_id, r.success, r.transfer_size) for r in first] == [(7, False, None)]
+        assert second == [] and worker.job_ids_in_flight == set()
+        assert f"{direction} job 7 failed to start" in caplog.text and "injected submission failure" in caplog.text
+    finally:
+        rig.close()
+
+
 def test_shutdown_waits_for_the_copies_in_flight_and_frees_the_pool(tmp_path):
     rig = make_rig(tmp_path, extra={"kvcopy_policy": "offload"})
     worker = rig.kv_worker

@@ -49,13 +49,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from kvcopy._checks import boolean, path_argument, positive_number, writable_file_path
 from kvcopy.integrations.common.offload_session import POLICIES, OffloadSession, Policy
 from kvcopy.integrations.common.offload_stats import OffloadDecision, OffloadStats
 from kvcopy.integrations.common.online_planner import OnlinePlanner
@@ -83,6 +83,15 @@ def model_spec(model: Any) -> ModelSpec:
     return ModelSpec.from_hf_config(data, name=name, kv_dtype=getattr(model, "dtype", None))
 
 
+def _physical_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (None where the OS does not say): no host pool can be larger."""
+    try:
+        pages, page_bytes = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+    return pages * page_bytes if pages > 0 and page_bytes > 0 else None
+
+
 def _check_arguments(
     model: object, host_gib: object, policy: object, profile: object, method: object, learn: object, save: object
 ) -> None:
@@ -91,22 +100,29 @@ def _check_arguments(
             f"model: expected a transformers model with continuous batching (generate_batch) and a "
             f".config, got {type(model).__name__}"
         )
-    if isinstance(host_gib, bool) or not isinstance(host_gib, (int, float)):
-        raise TypeError(f"host_gib: expected a number of GiB, got {type(host_gib).__name__}")
-    if not (math.isfinite(host_gib) and host_gib > 0):
-        raise ValueError(f"host_gib: expected a positive number of GiB, got {host_gib}")
+    gib = positive_number("host_gib", host_gib)
+    physical = _physical_memory_bytes()
+    if physical is not None and gib * 2**30 > physical:
+        raise ValueError(
+            f"host_gib: expected at most this machine's physical memory ({physical / 2**30:.1f} GiB) for the "
+            f"host pool, got {host_gib!r}"
+        )
+    if not isinstance(policy, str):
+        raise TypeError(f"policy: expected one of {POLICIES}, got {type(policy).__name__} {policy!r}")
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     if not (profile is None or isinstance(profile, (Profile, str, os.PathLike))):
         raise TypeError(f"profile: expected a Profile, a path or None, got {type(profile).__name__}")
+    if not isinstance(method, str):
+        raise TypeError(f"method: expected 'auto' or one of {method_names()}, got {type(method).__name__} {method!r}")
     if method != "auto" and method not in method_names():
         raise ValueError(f"method: expected 'auto' or one of {method_names()}, got {method!r}")
-    if not isinstance(learn, bool):
-        raise TypeError(f"learn: expected a bool, got {type(learn).__name__}")
-    if not (save is None or isinstance(save, (str, os.PathLike))):
-        raise TypeError(f"save_profile: expected a path or None, got {type(save).__name__}")
-    if save is not None and not learn:
-        raise ValueError("save_profile: with learn=False nothing is learned to save; pass learn=True")
+    boolean("learn", learn)
+    if save is not None:
+        path_argument("save_profile", save)
+        if not learn:
+            raise ValueError("save_profile: with learn=False nothing is learned to save; pass learn=True")
+        writable_file_path("save_profile", save)  # now, not when the context closes: the run's learning is at stake
 
 
 def _live_planner(model: Any, policy: Policy, profile: Profile | None, learn: bool) -> OnlinePlanner:
@@ -152,9 +168,13 @@ def offloading(
     when the context closes (also on an exception). Yields the live
     :class:`OffloadStats`.
 
-    Errors, all before anything is patched: TypeError / ValueError for bad
-    arguments, FileNotFoundError for a profile path that does not exist,
-    ImportError (naming the extra) without transformers, RuntimeError for an
+    Errors, all before anything is patched or allocated: TypeError / ValueError
+    for bad arguments, each naming it (a ``host_gib`` above the machine's
+    physical memory, and a ``save_profile`` that cannot be written: a
+    directory, a path under a file, a read-only place, are ValueErrors here,
+    not after the run); a profile path's error as :meth:`Profile.load
+    <kvcopy.Profile.load>` raises it (FileNotFoundError for a missing file);
+    ImportError (naming the extra) without transformers; RuntimeError for an
     unsupported transformers or a context already open (nested, or in
     another thread).
     """
@@ -198,6 +218,12 @@ def offloading(
             if save_profile is not None:
                 learned = session.stats.profile
                 if learned is not None:
-                    learned.save(save_profile)
+                    try:
+                        learned.save(save_profile)
+                    except OSError as err:  # checked at entry, so the file system changed since: say what is kept
+                        raise OSError(
+                            f"save_profile: the learned profile could not be written to {save_profile} ({err}); "
+                            f"it is still stats.profile (save it with stats.profile.save(path))"
+                        ) from err
     finally:
         _ACTIVE.release()

@@ -6,12 +6,15 @@ in both, at start-up, before any transfer.
 
 from __future__ import annotations
 
+import difflib
 import math
+import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+from kvcopy._checks import path_argument
 from kvcopy.methods import METHODS  # the copy methods a TransferEngine accepts, besides "auto"
 
 __all__ = ["KEYS", "POLICIES", "ProfileNotFoundError", "SpecConfig", "read_config"]
@@ -21,6 +24,8 @@ POLICIES: tuple[Policy, ...] = ("auto", "offload")
 # kvcopy's own keys in kv_connector_extra_config; vLLM's (spec_name, blocks_per_chunk, eviction_policy, ...) pass
 # through to vLLM.
 KEYS = ("cpu_bytes_to_use", "kvcopy_policy", "kvcopy_profile", "kvcopy_method", "kvcopy_learn", "kvcopy_decode_share")
+# A key that starts so (in any case) is meant for kvcopy: one that is not in KEYS is a typo, never ignored.
+_KVCOPY_PREFIX = "kvcopy"
 
 
 class ProfileNotFoundError(FileNotFoundError, ValueError):
@@ -40,52 +45,113 @@ class SpecConfig:
     decode_share: float = 0.0
 
 
+def _suggestion(name: str, known: Iterable[str]) -> str:
+    """ " (did you mean 'x'?)" for the known name closest to ``name`` (case aside), or "" when none is close."""
+    by_lower = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def _check_key_names(extra: Mapping[Any, Any]) -> None:
+    # vLLM's own keys pass through unread; a kvcopy_* key that is not one of kvcopy's would be ignored without
+    # a word, so it is an error naming it
+    def suffix(key: str) -> str:  # what follows "kvcopy_": the shared prefix would make every key look close
+        return key.lower()[len(_KVCOPY_PREFIX) :].lstrip("_-")
+
+    ours = {suffix(k): k for k in KEYS if k.startswith(_KVCOPY_PREFIX)}
+    for key in extra:
+        if isinstance(key, str) and key.lower().startswith(_KVCOPY_PREFIX) and key not in KEYS:
+            close = difflib.get_close_matches(suffix(key), list(ours), n=1)
+            hint = f" (did you mean {ours[close[0]]!r}?)" if close else ""
+            raise ValueError(f"{key}: not a kvcopy extra-config key{hint}; kvcopy reads {', '.join(KEYS)}")
+
+
+def _byte_count(extra: Mapping[Any, Any]) -> int:
+    """``cpu_bytes_to_use`` as an int: a count of bytes, as vLLM's own CPU spec reads it (``int(value)``).
+    A float is taken only when it is a whole number (vLLM's ``kv_offloading_size`` GiB x 2**30 is a float):
+    0.5 is refused, never read as 0 bytes."""
+    name = "cpu_bytes_to_use"
+    if name not in extra:
+        close = difflib.get_close_matches(name, [k for k in extra if isinstance(k, str)], n=1)
+        typo = f" ({close[0]!r} is there: a typo?)" if close else ""
+        raise ValueError(f"{name}: required in kv_connector_extra_config (the host bytes to offload to){typo}")
+    size = extra[name]
+    if isinstance(size, bool) or not isinstance(size, numbers.Real):
+        raise TypeError(f"{name}: expected a number of bytes, got {type(size).__name__} {size!r}")
+    if not isinstance(size, numbers.Integral):
+        whole = float(size)  # a Real's float: an overflow is inf, refused below
+        if not (math.isfinite(whole) and whole.is_integer()):
+            raise ValueError(
+                f"{name}: expected a whole number of bytes, got {size!r} (the key counts bytes, not GiB: "
+                f"1 GiB is {2**30})"
+            )
+        size = whole
+    if size <= 0:
+        raise ValueError(f"{name}: expected a positive number of bytes, got {size!r}")
+    return int(size)
+
+
+def _choice(extra: Mapping[Any, Any], name: str, default: str, choices: Sequence[str]) -> str:
+    """The str at ``name`` (``default`` when absent), one of ``choices``."""
+    value = extra.get(name, default)
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {tuple(choices)}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}{_suggestion(value, choices)}")
+    return value
+
+
 def _bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise TypeError(f"{name}: expected true or false, got {value!r}")
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    return value.lower() == "true"
+
+
+def _fraction(name: str, value: Any) -> float:
+    """``value`` as a float in [0, 1): the share of the link decode traffic keeps (all of it would leave
+    loads nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a fraction in [0, 1), got {type(value).__name__} {value!r}")
+    try:
+        share = float(value)
+    except OverflowError:  # an int beyond any float: out of range all the same
+        share = math.inf
+    if not 0 <= share < 1:  # NaN fails too
+        raise ValueError(f"{name}: expected a fraction in [0, 1), got {value!r:.80}")
+    return share
 
 
 def read_config(extra: Mapping[str, Any]) -> SpecConfig:
-    """The spec's configuration from vLLM's ``kv_connector_extra_config``.
+    """The spec's configuration from vLLM's ``kv_connector_extra_config``, every key checked before any is used.
 
-    ``cpu_bytes_to_use`` missing or not above 0, an unknown ``kvcopy_policy`` or ``kvcopy_method``, or a
-    ``kvcopy_decode_share`` outside [0, 1) is a ValueError; a value of the wrong type a TypeError; a
-    ``kvcopy_profile`` that names no file a :class:`ProfileNotFoundError` (a FileNotFoundError and a
-    ValueError).
+    A value of the wrong type is a TypeError naming its key (``kvcopy_policy: 1``, ``kvcopy_method: null``,
+    ``cpu_bytes_to_use: "lots"``); a wrong value a ValueError naming its key: ``cpu_bytes_to_use`` missing,
+    not above 0 or not a whole number of bytes, an unknown ``kvcopy_policy`` or ``kvcopy_method``, a
+    ``kvcopy_decode_share`` outside [0, 1), and a ``kvcopy_*`` key kvcopy does not read (a typo, never
+    ignored). A ``kvcopy_profile`` that names no file is a :class:`ProfileNotFoundError` (a
+    FileNotFoundError and a ValueError).
     """
-    size = extra.get("cpu_bytes_to_use")
-    if size is None:
-        raise ValueError("cpu_bytes_to_use: required in kv_connector_extra_config (the host bytes to offload to)")
-    if isinstance(size, bool) or not isinstance(size, (int, float)):
-        raise TypeError(f"cpu_bytes_to_use: expected a number of bytes, got {type(size).__name__} {size!r}")
-    if not math.isfinite(size) or size <= 0:
-        raise ValueError(f"cpu_bytes_to_use: expected a positive number of bytes, got {size!r}")
-    policy = extra.get("kvcopy_policy", "auto")
-    if policy not in POLICIES:
-        raise ValueError(f"kvcopy_policy: expected one of {POLICIES}, got {policy!r}")
-    method = extra.get("kvcopy_method", "auto")
-    if method != "auto" and method not in METHODS:
-        raise ValueError(f"kvcopy_method: expected 'auto' or one of {sorted(METHODS)}, got {method!r}")
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"kv_connector_extra_config: expected a mapping of keys, got {type(extra).__name__}")
+    _check_key_names(extra)
+    size = _byte_count(extra)
+    policy = _choice(extra, "kvcopy_policy", "auto", POLICIES)
+    method = _choice(extra, "kvcopy_method", "auto", ("auto", *sorted(METHODS)))
     path = extra.get("kvcopy_profile")
     if path is not None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"kvcopy_profile: expected a path, got {type(path).__name__}")
-        path = os.fspath(path)
+        path = os.fspath(path_argument("kvcopy_profile", path))
         if not os.path.isfile(path):
             raise ProfileNotFoundError(f"kvcopy_profile: no profile at {path!r} (write one with `kvcopy calibrate`)")
-    share = extra.get("kvcopy_decode_share", 0.0)
-    if isinstance(share, bool) or not isinstance(share, (int, float)):
-        raise TypeError(f"kvcopy_decode_share: expected a fraction, got {type(share).__name__}")
-    if not 0 <= share < 1:
-        raise ValueError(f"kvcopy_decode_share: expected a fraction in [0, 1), got {share}")
+    share = _fraction("kvcopy_decode_share", extra.get("kvcopy_decode_share", 0.0))
     return SpecConfig(
-        cpu_bytes_to_use=int(size),
-        policy=policy,
+        cpu_bytes_to_use=size,
+        policy=cast(Policy, policy),
         profile_path=path,
         method=method,
         learn=_bool("kvcopy_learn", extra.get("kvcopy_learn", True)),
-        decode_share=float(share),
+        decode_share=share,
     )
