@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -16,10 +17,13 @@ from kvcopy.nixl.registration import DEVICE_LAYOUT, DRAM, VRAM, Registration
 __all__ = ["DESCRIPTOR_FORMAT", "PoolLayout", "decode", "encode"]
 
 # Bumped when the encoding changes: a peer refuses a descriptor of another format. 2: NIXL memory kind and
-# device id of the pool (a PagedKV on a GPU is VRAM).
-DESCRIPTOR_FORMAT = 2
+# device id of the pool (a PagedKV on a GPU is VRAM). 3: a CRC-32 of what follows the header, so that bytes
+# garbled or cut short in transit are refused before NIXL reads its metadata (NIXL 1.5 keeps a half-loaded
+# agent's connection after refusing its metadata, and then refuses that agent's good metadata too).
+DESCRIPTOR_FORMAT = 3
 _MAGIC = b"KVCP"
-_HEADER = struct.Struct("<4sII")  # magic, format, bytes of the JSON layout that follows (then the agent metadata)
+# magic, format, bytes of the JSON layout that follows (then the agent metadata), CRC-32 of all that follows
+_HEADER = struct.Struct("<4sIII")
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ def encode(layout: PoolLayout, agent_metadata: bytes) -> bytes:
         },
         sort_keys=True,
     ).encode()
-    return _HEADER.pack(_MAGIC, DESCRIPTOR_FORMAT, len(text)) + text + agent_metadata
+    body = text + agent_metadata
+    return _HEADER.pack(_MAGIC, DESCRIPTOR_FORMAT, len(text), zlib.crc32(body)) + body
 
 
 def decode(data: bytes) -> tuple[PoolLayout, bytes]:
@@ -90,7 +95,7 @@ def decode(data: bytes) -> tuple[PoolLayout, bytes]:
     data = bytes(data)
     if len(data) < _HEADER.size:
         raise FileFormatError(_NAME, "header", f"a KVPeer descriptor of at least {_HEADER.size} bytes", data)
-    magic, version, length = _HEADER.unpack_from(data)
+    magic, version, length, checksum = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         raise FileFormatError(_NAME, "header", f"a KVPeer descriptor (magic {_MAGIC!r})", magic)
     if version != DESCRIPTOR_FORMAT:
@@ -98,6 +103,13 @@ def decode(data: bytes) -> tuple[PoolLayout, bytes]:
     if len(data) < _HEADER.size + length:
         raise FileFormatError(
             _NAME, "layout", f"{length} bytes of layout, as its header announces (cut short?)", len(data) - _HEADER.size
+        )
+    if zlib.crc32(data[_HEADER.size :]) != checksum:
+        raise FileFormatError(
+            _NAME,
+            "checksum",
+            f"CRC-32 {checksum:#010x} of what follows the header (garbled or cut short in transit?)",
+            f"{zlib.crc32(data[_HEADER.size :]):#010x}",
         )
     text = data[_HEADER.size : _HEADER.size + length]
     try:
@@ -117,7 +129,30 @@ def decode(data: bytes) -> tuple[PoolLayout, bytes]:
     metadata = data[_HEADER.size + length :]
     if not metadata:
         raise FileFormatError(_NAME, "agent metadata", "NIXL agent metadata after the layout (cut short?)", b"")
+    named = _metadata_agent(metadata)
+    if named is not None and named != layout.agent.encode():
+        # checked before NIXL sees it: NIXL would load it as another agent, which then spoils a later load
+        raise FileFormatError(_NAME, "agent metadata", f"NIXL agent metadata of agent {layout.agent!r}", named)
     return layout, metadata
+
+
+# How NIXL's metadata begins (its nixlSerDes): this tag, the agent name's length (8 bytes, little-endian), the
+# name, and a separator. Metadata of another beginning is left to NIXL to read.
+_SERDES_AGENT = b"nixlSerDes|Agent"
+_SERDES_LENGTH = struct.Struct("<Q")
+
+
+def _metadata_agent(metadata: bytes) -> bytes | None:
+    """The agent name NIXL's metadata gives (its bytes, possibly cut short), or None when it does not begin as
+    NIXL's serialization does."""
+    if not metadata.startswith(_SERDES_AGENT):
+        return None
+    at = len(_SERDES_AGENT)
+    if len(metadata) < at + _SERDES_LENGTH.size:
+        return metadata[at:]
+    (length,) = _SERDES_LENGTH.unpack_from(metadata, at)
+    at += _SERDES_LENGTH.size
+    return metadata[at : at + min(length, len(metadata))]
 
 
 # What the errors name as the file: the descriptor comes as bytes, from any transport the caller chose.
