@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvcopy._checks import timeout_argument
 from kvcopy.engine.transfer import wait_until
 
 __all__ = ["NixlTransfer", "RemoteTransferError", "RemoteTransferTimeout"]
@@ -64,10 +65,24 @@ class RemoteTransferTimeout(_InvalidBlocks, TimeoutError):
         self._name_blocks(written)
 
 
+# NIXL's answer for a handle whose remote agent was removed (or loaded anew) while it ran: NIXL no longer knows
+# the transfer, but UCX's operations already in flight go on and may still write its blocks.
+_NIXL_NOT_FOUND = ("nixlNotFoundError", "NIXL_ERR_NOT_FOUND")
+
+
+def _lost_by_nixl(err: Exception) -> bool:
+    return type(err).__name__ == _NIXL_NOT_FOUND[0] or _NIXL_NOT_FOUND[1] in str(err)
+
+
 class NixlTransfer:
     """One NIXL transfer in flight. ``done()`` polls; ``wait(timeout)`` blocks; both raise RemoteTransferError
-    when it failed. ``num_descriptors``: the contiguous ranges it moves (adjacent blocks merged); ``nbytes``:
-    their bytes."""
+    when it failed, and again on every later call (a failed transfer never reads as done). ``num_descriptors``:
+    the contiguous ranges it moves (adjacent blocks merged); ``nbytes``: their bytes.
+
+    Its states: ``PROC`` (in flight), ``DONE``, ``ERR`` (NIXL reported it failed: it moves nothing more) and
+    ``LOST``: NIXL answered that it no longer knows the handle (its remote agent was removed while it ran).
+    A lost transfer fails its waits, but it has not ended: UCX's operations in flight may still write its
+    blocks, so :attr:`ended` stays false and a KVPeer keeps its blocks quarantined."""
 
     def __init__(
         self,
@@ -90,29 +105,40 @@ class NixlTransfer:
 
     @property
     def ended(self) -> bool:
-        """Whether NIXL reported it ended (done or failed) at the last poll; polls never raise here."""
-        return self._poll() != "PROC"
+        """Whether NIXL reported it ended (done or failed) at the last poll, so that its blocks can no longer
+        change; false for one in flight or lost (see the class). Polls never raise here."""
+        return self._poll() in ("DONE", "ERR")
 
     @property
     def failed(self) -> bool:
         """Whether NIXL reported it failed; never raises."""
         return self._poll() == "ERR"
 
+    @property
+    def lost(self) -> bool:
+        """Whether NIXL no longer knows it (its remote agent was removed while it ran): never ended; never
+        raises."""
+        return self._poll() == "LOST"
+
     def done(self) -> bool:
-        if self._poll() == "ERR":
+        state = self._poll()
+        if state == "ERR":
             raise RemoteTransferError(
                 f"{self.direction} failed; {self._written} hold no valid data", self._written
             ) from self._cause
-        return self._state == "DONE"
+        if state == "LOST":
+            raise RemoteTransferError(
+                f"{self.direction}: NIXL lost track of it (its remote agent was removed while it ran); "
+                f"{self._written} hold no valid data, and may still be written by it",
+                self._written,
+            ) from self._cause
+        return state == "DONE"
 
     def wait(self, timeout: float | None = None) -> None:
         """Returns once the transfer is done; RemoteTransferTimeout (a TimeoutError) after ``timeout`` seconds
-        (the transfer may still land later). The deadline holds to within one NIXL poll."""
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
-            if not timeout >= 0:  # also NaN
-                raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout}")
+        (the transfer may still land later). The deadline holds to within one NIXL poll. ``timeout``: None
+        (no deadline) or seconds, a finite number >= 0; a wrong one (TypeError, ValueError) changes nothing."""
+        timeout = timeout_argument("timeout", timeout)
         wait_until(
             self.done,
             timeout,
@@ -123,14 +149,16 @@ class NixlTransfer:
         )
 
     def _poll(self) -> str:
-        """NIXL's state of it, "PROC", "DONE" or "ERR"; the handle released once it ended."""
+        """NIXL's state of it, "PROC", "DONE", "ERR" or "LOST"; the handle released once it ended (a lost
+        one's is kept until the last reference goes: releasing it would not stop its writes)."""
         if self._state == "PROC":
             try:
                 state = self._agent.check_xfer_state(self._handle)
             except Exception as err:  # NIXL's errors are its own classes
-                state, self._cause = "ERR", err
+                state, self._cause = ("LOST" if _lost_by_nixl(err) else "ERR"), err
             if state in ("DONE", "ERR"):
                 self._release()
+            if state in ("DONE", "ERR", "LOST"):
                 self._state = state
         return self._state
 

@@ -43,8 +43,10 @@ class KVPeer:
 
     Every transfer is held until NIXL reports it ended, also one dropped or timed out (its data may still
     land): a transfer that would race it on the same blocks is refused (ValueError naming them), and
-    :meth:`quarantined` lists them. A peer whose transfers failed (it vanished, or the link dropped it) is
-    reconnected by :meth:`connect` with the same descriptor again, or by :meth:`reconnect`.
+    :meth:`quarantined` lists them. A block is let go only once NIXL reports its transfer done or failed:
+    when its bytes can no longer change. A peer whose transfers failed (it vanished, or the link dropped it)
+    is reconnected by :meth:`connect` with the same descriptor again, or by :meth:`reconnect`, once none of
+    its transfers is unfinished (NIXL forgets the transfers of a connection made anew, without stopping them).
 
 
     Parameters:
@@ -109,7 +111,9 @@ class KVPeer:
         """The remote peer's pool, ready for :meth:`read` and :meth:`write`. ValueError when its layout (layout
         kind, planes, plane-block bytes, dtypes) or its CacheKey context differs from this pool's. The same
         descriptor again gives the same pool, unless a transfer to it failed since: then NIXL's connection is
-        made anew and a new RemotePool replaces the old one (as for a restarted peer's new descriptor)."""
+        made anew and a new RemotePool replaces the old one (as for a restarted peer's new descriptor). Making
+        it anew is refused while transfers to that peer are unfinished, and says "unreachable"
+        (ConnectionError, the old pool kept) when NIXL cannot connect again, as :meth:`reconnect` does."""
         layout, metadata = decode(remote_descriptor)
         if layout.shape() != self._layout.shape():
             raise ValueError(
@@ -129,23 +133,45 @@ class KVPeer:
                 f"remote_descriptor: the descriptor of agent {layout.agent!r}, this peer's own name: connect to "
                 "another peer's descriptor (two peers need distinct names)"
             )
+        self._reap()  # first: a transfer that failed since the last call breaks the connection it used
         known = self._remotes.get(layout.agent)
-        self._reap()
-        if known is not None:
-            same = known.layout == layout and self._metadata[layout.agent] == metadata
-            if same and layout.agent not in self._broken:
-                return known  # the same descriptor again: the same pool
-            self._forget(layout.agent)  # the peer came back (a restart), or its connection broke: made anew
-        return self._add(layout, metadata)
+        if known is None:
+            return self._add(layout, metadata, accepted_before=False)
+        same = known.layout == layout and self._metadata[layout.agent] == metadata
+        if same and layout.agent not in self._broken:
+            return known  # the same descriptor again: the same pool
+        # the peer came back (a restart), or its connection broke: made anew
+        return self._renew(layout, metadata, accepted_before=same)
 
     def reconnect(self, remote: RemotePool) -> RemotePool:
         """``remote``'s connection made anew from the descriptor it was connected with: what continues after a
         RemoteTransferError from a peer that is still there (a link that dropped the connection). The new
-        RemotePool replaces ``remote``; blocks of its unfinished transfers stay quarantined until they end."""
+        RemotePool replaces ``remote``.
+
+        Refused (ValueError naming the blocks, nothing changed) while a transfer to that peer is unfinished:
+        making the connection anew makes NIXL forget such a transfer, but not stop it, so its blocks could
+        never be let go. Retry once :meth:`quarantined` no longer lists them (the transfer lands, or fails,
+        when the link returns). ConnectionError when NIXL cannot reach the peer: ``remote`` stays this peer's
+        pool, so ``reconnect(remote)`` may be tried again."""
         self._check_current(remote)
-        metadata = self._metadata[remote.agent]
-        self._forget(remote.agent)
-        return self._add(remote.layout, metadata)
+        self._reap()
+        return self._renew(remote.layout, self._metadata[remote.agent], accepted_before=True)
+
+    def _renew(self, layout: PoolLayout, metadata: bytes, *, accepted_before: bool) -> RemotePool:
+        """The connection to ``layout.agent`` made anew from ``metadata``: NIXL's agent removed and added."""
+        agent = layout.agent
+        in_flight = self._quarantine.in_flight(agent)
+        if in_flight:
+            raise ValueError(
+                f"remote: the connection to agent {agent!r} cannot be made anew while transfers to it are "
+                f"unfinished (blocks {in_flight}, by side): NIXL would forget them without stopping them, and "
+                "their data may still land. Wait for them, or retry once KVPeer.quarantined() no longer lists "
+                "them"
+            )
+        with contextlib.suppress(Exception):  # a vanished peer is already gone
+            self._agent.remove_remote_agent(agent)
+        self._broken.add(agent)  # until added again: NIXL no longer knows it
+        return self._add(layout, metadata, accepted_before=accepted_before)
 
     def quarantined(self) -> dict[str, list[int]]:
         """The blocks that unfinished transfers (waited for or not, timed out or not) may still write, by side:
@@ -157,15 +183,32 @@ class KVPeer:
         """Lets the ended transfers go; the agents of those that failed are broken until connected anew."""
         self._broken.update(self._quarantine.reap())
 
-    def _add(self, layout: PoolLayout, metadata: bytes) -> RemotePool:
+    def _add(self, layout: PoolLayout, metadata: bytes, *, accepted_before: bool) -> RemotePool:
+        """NIXL's agent for ``metadata`` added and its new RemotePool; ``accepted_before``: NIXL took this
+        metadata once already, so a refusal now is an unreachable peer, not garbled bytes. On a failure the
+        old pool (if any) stays, for a retry."""
         try:
-            agent = self._agent.add_remote_agent(metadata)
+            added = self._agent.add_remote_agent(metadata)
         except Exception as err:  # NIXL's errors are its own classes: none escapes kvcopy's API
+            cause = f"{type(err).__name__}: {err}"
+            if accepted_before:
+                raise ConnectionError(
+                    f"remote: agent {layout.agent!r} is unreachable: NIXL could not connect to it again ({cause}). "
+                    "Its pool is kept: reconnect (or connect with its descriptor) once it is reachable"
+                ) from None
             raise ValueError(
-                f"remote_descriptor: NIXL refused the agent metadata of {layout.agent!r} "
-                f"({type(err).__name__}: {err}): cut short or garbled in transit?"
+                f"remote_descriptor: NIXL refused the agent metadata of {layout.agent!r} ({cause}): cut short or "
+                "garbled in transit, or the peer unreachable"
             ) from None
-        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        name = added.decode(errors="replace") if isinstance(added, bytes) else str(added)
+        if name != layout.agent:  # the metadata names another agent than the layout: bytes garbled in transit
+            if name not in self._remotes and name != self.name:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+            raise ValueError(
+                f"remote_descriptor: its agent metadata is of agent {name!r}, its layout of {layout.agent!r}: "
+                "garbled in transit?"
+            )
         remote = RemotePool(name, layout, layout.plane_table(), self.name)
         self._remotes[remote.agent], self._metadata[remote.agent] = remote, metadata
         self._broken.discard(remote.agent)
@@ -202,27 +245,35 @@ class KVPeer:
         local_ranges = [(d if reading else s, n, here.device_id) for s, d, n in ranges]
         remote_ranges = [(s if reading else d, n, there.device_id) for s, d, n in ranges]
         written = WrittenBlocks("local", local_t) if reading else WrittenBlocks(remote.agent, remote_t)
-        handle = self._agent.initialize_xfer(
-            op,
-            self._agent.get_xfer_descs(local_ranges, here.memory),
-            self._agent.get_xfer_descs(remote_ranges, there.memory),
-            remote.agent,
-        )
+        try:  # NIXL's errors are its own classes; after NIXL dropped the agent, initialize_xfer raises one
+            handle = self._agent.initialize_xfer(
+                op,
+                self._agent.get_xfer_descs(local_ranges, here.memory),
+                self._agent.get_xfer_descs(remote_ranges, there.memory),
+                remote.agent,
+            )
+        except Exception as err:
+            self._broken.add(remote.agent)
+            raise self._failed_to_start(op, written, err) from err
         transfer = RemoteTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for _, _, n in ranges), written)
         try:
             state = self._agent.transfer(handle)
         except Exception as err:  # NIXL's errors are its own classes
             transfer._release()
             self._broken.add(remote.agent)
-            raise RemoteTransferError(
-                f"{op.lower()} failed to start; {written} hold no valid data (connect again, or reconnect, once "
-                "the peer is reachable)",
-                written,
-            ) from err
+            raise self._failed_to_start(op, written, err) from err
         self._quarantine.hold(transfer, op, remote.agent, local_t, remote_t)
         if state == "ERR":
             transfer.done()  # raises RemoteTransferError
         return transfer
+
+    @staticmethod
+    def _failed_to_start(op: str, written: WrittenBlocks, err: Exception) -> RemoteTransferError:
+        return RemoteTransferError(
+            f"{op.lower()} failed to start ({type(err).__name__}: {err}); {written} hold no valid data (connect "
+            "again, or reconnect, once the peer is reachable)",
+            written,
+        )
 
     def _check_current(self, remote: RemotePool) -> None:
         self._check_open()

@@ -5,6 +5,10 @@ data may land seconds later, over blocks a caller has reused. So a peer keeps ev
 NIXL says it is done or failed, and refuses a new transfer that would race one still running:
 - this pool's blocks: a read writes them, a write reads them; a clash is a read beside either;
 - a remote pool's blocks: a write writes them, a read reads them; a clash is a write beside either.
+
+A block is let go only when its bytes can no longer change: when NIXL reports its transfer done or failed.
+Never because NIXL stopped knowing the handle (its agent removed while it ran: the transfer is "lost", and
+UCX's reads already in flight still land), nor because its handle was released.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class Quarantine:
         self._held.append(_Held(transfer, op, agent, local_ids, remote_ids))
 
     def reap(self) -> set[str]:
-        """Polls the held transfers and lets the ended ones go; the agents of those that failed."""
+        """Polls the held transfers and lets go of those NIXL reported done or failed (a lost one is kept);
+        the agents of those that failed."""
         failed, kept = set(), []
         for held in self._held:
             if not held.transfer.ended:
@@ -48,6 +53,11 @@ class Quarantine:
                 failed.add(held.agent)
         self._held = kept
         return failed
+
+    def in_flight(self, agent: str) -> dict[str, list[int]]:
+        """The blocks of the held transfers to ``agent`` that NIXL still knows (not lost), by side (as
+        :meth:`blocks`): what removing that agent from NIXL would lose track of. Empty when none."""
+        return self._written([held for held in self._held if held.agent == agent and not held.transfer.lost])
 
     def check(self, op: str, agent: str, local_ids: torch.Tensor, remote_ids: torch.Tensor) -> None:
         """ValueError, naming the blocks, when a transfer ``op`` of these ids would race a held one."""
@@ -68,9 +78,13 @@ class Quarantine:
 
     def blocks(self) -> dict[str, list[int]]:
         """The blocks the held transfers write, by side: "local" (reads), or a remote agent's name (writes)."""
+        return self._written(self._held)
+
+    @staticmethod
+    def _written(held: list[_Held]) -> dict[str, list[int]]:
         written: dict[str, set[int]] = {}
-        for held in self._held:
-            side, ids = ("local", held.local_ids) if held.op == "READ" else (held.agent, held.remote_ids)
+        for one in held:
+            side, ids = ("local", one.local_ids) if one.op == "READ" else (one.agent, one.remote_ids)
             written.setdefault(side, set()).update(ids.tolist())
         return {side: sorted(ids) for side, ids in written.items()}
 

@@ -14,7 +14,8 @@ side, block ids)). Commands:
   ``chunks`` network reads into the pool, each reloaded into a paged cache while the next one reads;
   answers seconds;
 - ``digests(ids)``: the SHA-256 of each block's bytes (a page-first block is one contiguous run);
-  ``quarantined()``: KVPeer.quarantined; ``fill(seed)``, ``exit()``.
+  ``quarantined()``: KVPeer.quarantined; ``fill(seed)``; ``fill_blocks(ids, seed)``: those blocks only,
+  answering their digests; ``exit()``.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ class Served:
         rows = storage_bytes(self.pool).view(self.pool.num_blocks, -1)
         return [hashlib.sha256(rows[i].numpy().tobytes()).hexdigest() for i in ids]
 
+    def fill_blocks(self, ids: list[int], seed: int) -> list[str]:
+        rows = storage_bytes(self.pool).view(self.pool.num_blocks, -1)
+        generator = torch.Generator().manual_seed(seed)
+        for i in ids:
+            rows[i].copy_(torch.randint(0, 256, (rows.shape[1],), dtype=torch.uint8, generator=generator))
+        return self.digests(ids)
+
     def fill(self, seed: int) -> None:
         data = storage_bytes(self.pool)
         generator = torch.Generator().manual_seed(seed)
@@ -118,6 +126,7 @@ def main() -> None:
         "digests": served.digests,
         "quarantined": lambda: served.peer.quarantined(),
         "fill": served.fill,
+        "fill_blocks": served.fill_blocks,
     }
     while True:
         try:

@@ -7,6 +7,7 @@ Skipped, saying why, where the sandbox cannot make namespaces (not root, no ipro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import sys
@@ -262,3 +263,60 @@ def test_a_peer_killed_mid_read_fails_the_read_and_its_restart_is_one_connect(li
     _until_nothing_quarantined(a)
     a.ask("read", "netns-holder", list(range(8)), local[:8], HANG_TIMEOUT_S)
     assert a.ask("digests", local[:8]) == restarted.ask("digests", list(range(8)))
+
+
+# After the quarantine let a block go: how long its reuse is watched for a late write of the old read (at
+# 1 Gbit/s the whole read takes about 1.1 s; a write it still had in flight would land well within this).
+LATE_WRITE_WATCH_S = 3.0
+
+
+@pytest.fixture
+def reader(link):
+    """A reader of its own in namespace a (not the calibrated ``peers``: this test needs no calibration)."""
+    peer = NsPeer(link, 0, "netns-reader")
+    try:
+        peer.ask("pool", "llama-8b", 2 * FAULT_BLOCKS, 9)
+        yield peer
+    finally:
+        peer.close()
+
+
+def _reuse(a: NsPeer, blocks: list[int], seed: int) -> dict[int, str]:
+    """The user writing new bytes into ``blocks`` (those the quarantine let go): their digests, by block."""
+    return dict(zip(blocks, a.ask("fill_blocks", blocks, seed), strict=True)) if blocks else {}
+
+
+def test_a_reconnect_never_frees_blocks_a_dropped_read_still_writes(link, reader, holder):
+    """The issue's run: a read dropped while the link is down, a reconnect at once and again right after the
+    link is back, and the user reusing only what quarantined() releases. Whatever the old read still writes,
+    no reused block changes after its reuse (before the fix, the reconnect let every block go at once, and
+    most were overwritten once the link was back)."""
+    a = reader
+    held = holder((a, None), 8)
+    local = list(range(FAULT_BLOCKS))
+    number = a.ask("start", "netns-holder", "read", list(range(FAULT_BLOCKS)), local)
+    time.sleep(0.2)  # the read under way
+    link.set_up(False)
+    reused: dict[int, str] = {}
+    try:
+        error, _ = _failed_wait(a, number, FAULT_TIMEOUT_S)
+        assert error.kind == "RemoteTransferTimeout"
+        a.ask("drop", number)
+        with pytest.raises(PeerError, match="cannot be made anew while transfers to it are unfinished") as refused:
+            a.ask("reconnect", "netns-holder")  # at once, the link down: refused, nothing forgotten
+        assert refused.value.kind == "ValueError"
+        assert a.ask("quarantined") == {"local": local}
+    finally:
+        link.set_up(True)
+    with contextlib.suppress(PeerError):  # right after the link is back: refused while the read still runs
+        a.ask("reconnect", "netns-holder")
+    free = sorted(set(local) - set(a.ask("quarantined").get("local", [])))
+    reused |= _reuse(a, free, 10)
+    _until_nothing_quarantined(a)  # NIXL reported the old read ended: every block is the user's again
+    reused |= _reuse(a, sorted(set(local) - set(reused)), 11)
+    time.sleep(LATE_WRITE_WATCH_S)  # past where the old read could still have landed
+    assert a.ask("digests", sorted(reused)) == [reused[i] for i in sorted(reused)]
+    assert sorted(reused) == local
+    a.ask("reconnect", "netns-holder")  # with nothing in flight, the connection is made anew and works
+    a.ask("read", "netns-holder", [3, 4], [100, 101], HANG_TIMEOUT_S)
+    assert a.ask("digests", [100, 101]) == held.ask("digests", [3, 4])

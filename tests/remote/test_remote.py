@@ -219,7 +219,7 @@ def test_mismatched_layouts_and_contexts_are_refused():
             pytest.raises(ValueError, match="CacheKey context"),
         ):
             peer.connect(other.descriptor)  # a keyed pool is not read by a peer without the key
-    with pytest.raises(ValueError, match="not a KVPeer descriptor"):
+    with pytest.raises(kvcopy.FileFormatError, match="remote_descriptor: header: expected a KVPeer descriptor"):
         KVPeer(make_pool("bf16", 8, "page_first", seed=14), "local-junk").connect(b"not a descriptor at all")
 
 
