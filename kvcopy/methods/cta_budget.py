@@ -46,6 +46,7 @@ def check_num_ctas(num_ctas: object, name: str = "num_ctas") -> int | None:
         raise TypeError(
             f"{name}: expected a number of CTAs (int) or None, got {type(num_ctas).__name__} {num_ctas!r:.40}"
         )
-    if not 1 <= num_ctas <= MAX_NUM_CTAS:
+    number = int(num_ctas)
+    if not 1 <= number <= MAX_NUM_CTAS:
         raise ValueError(f"{name}: expected 1 to {MAX_NUM_CTAS} CTAs, or None for the default, got {num_ctas!r:.40}")
-    return int(num_ctas)
+    return number
