@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "Described",
     "FileFormatError",
     "boolean",
     "file_field",
@@ -25,6 +26,11 @@ __all__ = [
 ]
 
 
+class Described(str):
+    """What was found, said in words ("a directory", "nothing: the field is missing") rather than a value read
+    from the file: FileFormatError shows it as it is, not quoted."""
+
+
 class FileFormatError(ValueError):
     """A file kvcopy reads (a profile, a disk store's header or log, a peer's descriptor) is not what kvcopy
     wrote: it names the file, the field, what was expected and what was found. Nothing was changed by the
@@ -32,8 +38,8 @@ class FileFormatError(ValueError):
 
     def __init__(self, file: str | os.PathLike[str], field: str, expected: str, found: object) -> None:
         self.file, self.field, self.expected, self.found = os.fspath(file), field, expected, found
-        shown = repr(found)
-        if len(shown) > 80:
+        shown = str(found) if isinstance(found, Described) else repr(found)
+        if len(shown) > 80 and not isinstance(found, Described):
             shown = shown[:77] + "..."
         super().__init__(f"{self.file}: {field}: expected {expected}, found {shown}")
 
@@ -47,7 +53,7 @@ def file_field(
     if not isinstance(doc, Mapping):
         raise FileFormatError(file, at.rstrip(".") or "(top level)", "an object", doc)
     if key not in doc:
-        raise FileFormatError(file, where, expected, "nothing (the field is missing)")
+        raise FileFormatError(file, where, expected, Described("nothing: the field is missing"))
     value = doc[key]
     numeric = kind in (int, float) or (isinstance(kind, tuple) and set(kind) <= {int, float})
     if not isinstance(value, kind) or (numeric and isinstance(value, bool)):

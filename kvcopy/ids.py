@@ -103,9 +103,15 @@ def _compiled_input(ids: BlockIds, name: str, num_blocks: int) -> torch.Tensor:
     """``ids`` as the compiled checks read them (a contiguous 1-D int64 tensor): as they are when they already
     are one (:func:`as_ids`'s output, the one cheap test on the hot path), else through :func:`as_ids`, so
     that no other dtype or stride ever reaches the compiled code, whoever calls."""
-    if isinstance(ids, torch.Tensor) and type(ids) is torch.Tensor and ids.dtype is torch.int64:
-        if ids.layout is torch.strided and ids.dim() == 1 and ids.is_contiguous():
-            return ids
+    if (
+        isinstance(ids, torch.Tensor)
+        and type(ids) is torch.Tensor
+        and ids.dtype is torch.int64
+        and ids.layout is torch.strided
+        and ids.dim() == 1
+        and ids.is_contiguous()
+    ):
+        return ids
     return as_ids(ids, name, num_blocks)
 
 

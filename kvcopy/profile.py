@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvcopy._checks import FileFormatError, path_argument
+from kvcopy._checks import Described, FileFormatError, path_argument
 from kvcopy._version import warn_renamed
 
 __all__ = [
@@ -306,7 +306,9 @@ class Profile:
         or any field missing, unknown, of the wrong type or out of range (see :meth:`from_dict`)."""
         path = path_argument("path", path)
         if path.is_dir():
-            raise FileFormatError(path, "(the file)", "a profile JSON file (kvcopy calibrate --out)", "a directory")
+            raise FileFormatError(
+                path, "(the file)", "a profile JSON file (kvcopy calibrate --out)", Described("a directory")
+            )
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -317,9 +319,11 @@ class Profile:
             data = json.loads(raw)
         except json.JSONDecodeError as err:
             found = f"{err.msg} at line {err.lineno} column {err.colno}"
-            raise FileFormatError(path, "(the file)", "a profile in JSON", found) from None
+            raise FileFormatError(path, "(the file)", "a profile in JSON", Described(found)) from None
         except (ValueError, RecursionError) as err:  # not UTF-8; an int of too many digits; nested too deep
-            raise FileFormatError(path, "(the file)", "a profile in JSON", f"{type(err).__name__}: {err}") from None
+            raise FileFormatError(
+                path, "(the file)", "a profile in JSON", Described(f"{type(err).__name__}: {err}")
+            ) from None
         return cls.from_dict(data, file=path)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvcopy._checks import FileFormatError, file_field
+from kvcopy._checks import Described, FileFormatError, file_field
 from kvcopy.layout import PLANE_BLOCK_BYTES, PagedKV
 from kvcopy.model.dtypes import torch_name
 from kvcopy.storage.commit_log import CommitLog
@@ -133,11 +133,15 @@ def read_header(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"path: no disk store at {path} (no {HEADER})") from None
     if len(raw) > MAX_HEADER_BYTES:
-        raise FileFormatError(name, "(the file)", f"a header of at most {MAX_HEADER_BYTES} bytes", "a longer file")
+        raise FileFormatError(
+            name, "(the file)", f"a header of at most {MAX_HEADER_BYTES} bytes", Described("a longer file")
+        )
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, a number of too many digits, too deep
-        raise FileFormatError(name, "(the file)", "a JSON object", f"no JSON ({type(err).__name__}: {err})") from None
+        raise FileFormatError(
+            name, "(the file)", "a JSON object", Described(f"no JSON ({type(err).__name__}: {err})")
+        ) from None
     fields = {"file": name}
     file_field(header, "format", int, f"the format this kvcopy reads ({FORMAT})", **fields)
     if header["format"] != FORMAT:

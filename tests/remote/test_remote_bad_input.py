@@ -151,5 +151,5 @@ def test_a_pool_of_another_peer_says_what_differs_not_its_layout(peers):
 
 
 def test_a_directory_as_the_profile_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match=rf"profile: {tmp_path} is a directory"):
+    with pytest.raises(kvcopy.FileFormatError, match=rf"^{tmp_path}: \(the file\): .* found a directory$"):
         kvcopy.Profile.load(tmp_path)
