@@ -375,7 +375,7 @@ class _ProfileReader:
                 self.fail(at, f"only the fields {', '.join(allowed)}", name)
         for name in required:
             if name not in value:
-                self.fail(_join(at, name), "a value", "nothing (the field is missing)")
+                self.fail(_join(at, name), "a value", Described("nothing: the field is missing"))
         return value
 
     def mapping(self, value: object, at: str) -> Mapping[str, Any]:
@@ -462,7 +462,9 @@ class _ProfileReader:
         version = data.get("format")
         if isinstance(version, bool) or not isinstance(version, int) or version not in _READABLE_FORMATS:
             self.fail(
-                "format", f"{PROFILE_FORMAT} (or 1)", "nothing (the field is missing)" if version is None else version
+                "format",
+                f"{PROFILE_FORMAT} (or 1)",
+                Described("nothing: the field is missing") if version is None else version,
             )
         fits_key = "directions" if version >= 2 else "links"
         doc = self.fields(data, "", (*_TOP_FIELDS, fits_key), required=("format", "hardware", fits_key))

@@ -55,7 +55,7 @@ def _cases(good: bytes) -> dict[str, tuple[bytes, str]]:
         "cut inside the layout": (good[: HEADER.size + len(layout) // 2], "layout: expected .* bytes of layout"),
         "garbled layout": (bytes(garbled), r"checksum: expected CRC-32 .* \(garbled or cut short in transit"),
         "garbled layout, signed": (_join_text(bytes(garbled[HEADER.size :])), "layout: expected valid JSON"),
-        "a field missing": (_join(no_planes, metadata), "planes: expected .*, found .nothing .the field is missing"),
+        "a field missing": (_join(no_planes, metadata), "planes: expected .*, found nothing: the field is missing"),
         "a field of the wrong form": (_join({**fields, "num_blocks": "many"}, metadata), "num_blocks: expected a"),
         "no agent metadata": (header + layout, "checksum: expected CRC-32"),
         "no agent metadata, signed": (_join(fields, b""), "agent metadata: expected NIXL agent metadata"),

@@ -69,9 +69,11 @@ def test_ids_not_on_the_host_are_refused_before_the_planner_reads_them(tmp_path,
             store.get(meta, pool, [1])
         with pytest.raises(ValueError, match=r"^pool_ids: expected ids on the host \(cpu\), got ids on meta$"):
             store.put(hashes(1, start=5), pool, meta)
-        with pytest.raises(ValueError, match=r"^src_ids: expected ids on the host \(cpu\), got ids on meta$"):
+        with pytest.raises(
+            ValueError, match=r"^src_ids: expected ids on the host \(the planner reads them there\), got ids on meta$"
+        ):
             plan_table_ranges(store._table, meta, store._table, meta)
-        with pytest.raises(ValueError, match=r"^src_table: expected a plane table on the host \(cpu\)"):
+        with pytest.raises(ValueError, match=r"^src_table: expected a plane table on the host, got one on meta"):
             plan_table_ranges(store._table.to("meta"), torch.tensor([0]), store._table, torch.tensor([0]))
         assert store_files(tmp_path / "store") == before
 
@@ -109,25 +111,6 @@ def test_pool_ids_of_another_form_are_refused_or_taken_as_kvcopy_ids_takes_them(
         assert all(other.block_bytes(7 - 2 * i).equal(pool.block_bytes(2 * i)) for i in range(4))
         with pytest.raises(IndexError, match=r"slots: expected ids in \[0, 8\), got 8"):
             store.get([8], other, [0])
-
-
-def test_plan_table_ranges_refuses_tables_and_ids_it_cannot_read():
-    table = layout().plane_table
-    ids = torch.tensor([0, 1])
-    with pytest.raises(TypeError, match="src_table: expected an int64 plane table"):
-        plan_table_ranges(table.to(torch.int32), ids, table, ids)
-    with pytest.raises(ValueError, match=r"dst_table: expected a contiguous \[planes, 3\] plane table"):
-        plan_table_ranges(table, ids, table[:, :2], ids)
-    with pytest.raises(ValueError, match="dst_table: expected as many planes as src_table"):
-        plan_table_ranges(table, ids, table[:2].contiguous(), ids)
-    with pytest.raises(ValueError, match=r"dst_ids: expected as many ids as src_ids \(2\), got 1"):
-        plan_table_ranges(table, ids, table, ids[:1])
-    with pytest.raises(TypeError, match="src_ids: expected a 1-D int64 tensor"):
-        plan_table_ranges(table, [0, 1], table, ids)
-    # int32 and strided ids plan as the int64 ids they hold
-    assert plan_table_ranges(table, torch.tensor([0, 5, 1], dtype=torch.int32)[::2], table, ids) == (
-        plan_table_ranges(table, torch.tensor([0, 1]), table, ids)
-    )
 
 
 # --------------------------------------------------------------------------- waits
@@ -335,7 +318,7 @@ def test_a_header_that_is_not_an_object_or_lacks_a_field_is_named(tmp_path):
     _open_refused(path, pool, r"header.json: \(top level\): expected an object, found \[")
     for field in ("format", "num_blocks", "context_hash", "planes", "nbytes_per_block"):
         (path / "header.json").write_text(json.dumps({k: v for k, v in header.items() if k != field}))
-        _open_refused(path, pool, rf"header.json: {field}: expected .*, found 'nothing \(the field is missing\)'")
+        _open_refused(path, pool, rf"header.json: {field}: expected .*, found nothing: the field is missing")
     (path / "header.json").write_text(json.dumps({**header, "num_blocks": "4"}))
     _open_refused(path, pool, "header.json: num_blocks: expected a positive int, found '4'")
     (path / "header.json").write_text(json.dumps({**header, "num_blocks": 10**30}))
