@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvcopy
 
@@ -19,7 +20,7 @@ README_MAX_LINES, FIRST_CODE_WITHIN = 250, 60
 
 # How many ```python blocks each file holds: a new block needs its own test below.
 PYTHON_BLOCKS = {
-    "README.md": 1,
+    "README.md": 2,
     "docs/engines.md": 3,
     "docs/guide.md": 2,
     "docs/remote.md": 1,
@@ -79,6 +80,14 @@ def test_the_readme_example_runs(monkeypatch, capsys):
     assert decision.action == "reload"  # what its comment says of the CPU VM's profile
     assert capsys.readouterr().out.strip() == decision.explanation
     assert decision.explanation.startswith("reload: 4.30 s vs recompute 95.87 s")
+
+
+def test_the_errors_example_runs(monkeypatch):
+    code = _block("README.md", 1, "## Errors")
+    namespace = _run("README.md", code, monkeypatch)
+    a, b = namespace["a"], namespace["b"]
+    assert a is not b and a.planes[0].data_ptr() == b.planes[0].data_ptr()  # refused by memory, not identity
+    assert namespace["planes"][0][1].equal(torch.arange(8, 16, dtype=torch.float32))  # block 1 never lost
 
 
 # docs/guide.md

@@ -67,7 +67,10 @@ def calibrate(args: argparse.Namespace) -> int:
         if args.remote is not None:
             add_remote_link(profile, descriptor, quick=args.quick, progress=not args.no_progress)
         if args.disk is not None:
-            add_disk_fits(profile, args.disk, quick=args.quick, progress=not args.no_progress)
+            try:
+                add_disk_fits(profile, args.disk, quick=args.quick, progress=not args.no_progress)
+            except ValueError as err:  # times that did not grow with the bytes, twice: a disk too busy to fit
+                raise CliError(f"--disk: {err}") from None
         return profile
 
     profile = measure()
