@@ -26,6 +26,7 @@ reopens through the other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -112,7 +113,11 @@ class DiskKVStore:
         # each pool's NIXL registration, memory kind and device id, by id
         self._pools: dict[int, tuple[HostKVPool | PagedKV, object, str, int]] = {}
         self._busy: dict[int, int] = {}  # slots an unfinished put writes or get reads: never reused or evicted
-        self._closed = False
+        # the puts and gets NIXL may still be moving: close() ends each before it frees what their IO uses
+        # (held here too, so that a transfer its caller dropped is not released by its finalizer mid-IO)
+        self._in_flight: set[DiskTransfer] = set()
+        self._closed = False  # no more match, put or get
+        self._freed = False  # the registrations, the index and the data file released
 
     # ------------------------------------------------------------------ making and opening
 
@@ -256,7 +261,12 @@ class DiskKVStore:
         )
         written = WrittenBlocks("local", ids if op == "READ" else slot_ids)
         transfer = NixlTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for *_, n in ranges), written)
-        release = self._hold(slots)
+        free_slots = self._hold(slots)
+        ending: list[DiskTransfer] = []  # the DiskTransfer below, once made
+
+        def release() -> None:  # once, when it ends: its slots free, and no longer in flight
+            free_slots()
+            self._in_flight.difference_update(ending)
 
         def explain(error: Exception) -> Exception | None:
             return self._failure_cause(error, op.lower(), written)
@@ -270,7 +280,10 @@ class DiskKVStore:
         except BaseException:
             release()
             raise
-        return DiskTransfer(transfer, finish, release, explain)
+        disk = DiskTransfer(transfer, finish, release, explain)
+        ending.append(disk)
+        self._in_flight.add(disk)
+        return disk
 
     def _failure_cause(self, error: Exception, what: str, written: WrittenBlocks) -> Exception | None:
         """A failed NIXL transfer's error, with its cause where the store can tell it (NIXL's says only that
@@ -412,16 +425,31 @@ class DiskKVStore:
             raise ValueError(f"DiskKVStore {self.path}: closed")
 
     def close(self) -> None:
-        """Closes its files and NIXL registrations; then match, put and get raise a "closed" ValueError. A
-        second close does nothing."""
-        if self._closed:
+        """Ends every put and get still in flight, then closes its files and NIXL registrations; then match, put
+        and get raise a "closed" ValueError. A second close does nothing.
+
+        Their IO still reads or writes the registered memory and the data file, so none is freed under it (a
+        ``with`` block left by an exception while a put is in flight, say): close waits until NIXL reports each
+        ended, then ends it as its own ``wait`` would (a put's blocks committed, a get's checked); whatever
+        error one ends with is kept for its own ``wait`` and ``done``, not raised here. Interrupted while it
+        waits (KeyboardInterrupt), it frees nothing, and a later close carries on."""
+        if self._freed:
             return
         self._closed = True
+        self._end_in_flight()
+        self._freed = True
         for _, registered, _, _ in self._pools.values():
             self._agent.deregister_memory(registered)
         self._agent.deregister_memory(self._file)
         self._index.close()
         os.close(self._fd)
+
+    def _end_in_flight(self) -> None:
+        """Waits for every transfer in flight to end in NIXL, and ends it (see :meth:`close`)."""
+        for transfer in list(self._in_flight):
+            with contextlib.suppress(Exception):  # its own error, kept in it: raised by its wait and done
+                transfer.wait()
+            self._in_flight.discard(transfer)  # (ended now, well or badly)
 
     def __enter__(self) -> DiskKVStore:
         return self
