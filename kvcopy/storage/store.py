@@ -32,7 +32,6 @@ import shutil
 import uuid
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 import xxhash
 
@@ -51,6 +50,7 @@ from kvcopy.storage.files import (
     INDEX,
     create_files,
     file_agent,
+    file_table,
     layout_difference,
     layout_of,
     max_blocks,
@@ -90,26 +90,22 @@ class DiskKVStore:
         self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
         self._block_nbytes = int(header["nbytes_per_block"])
         self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks, create=False)
-        try:
-            self._fd, self.direct = open_data(path, self._block_nbytes)
-        except BaseException:
-            self._index.close()
-            raise
+        plane_bytes = [int(n) for n, _ in self._layout["planes"]]
+        self._fd = -1
         try:
             name = f"kvcopy-disk-{uuid.uuid4().hex[:12]}"
             self._agent, self.backend, self.queue = file_agent(name, backend, gpu=gpu)
+            # GDS moves a GPU cache's blocks one plane-block per request: O_DIRECT only if each is aligned
+            per_plane = plane_bytes if self.backend == "gds" else None
+            self._fd, self.direct = open_data(path, self._block_nbytes, per_plane)
             size = self.num_blocks * self._block_nbytes
             self._file = self._agent.register_memory([(0, size, self._fd, "")], "FILE")
         except BaseException:  # no NIXL backend here: nothing stays open
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
             self._index.close()
             raise
-        # the file as a plane table: one page-first plane per pool plane, at its offset inside a block
-        offsets = np.cumsum([0] + [n for n, _ in self._layout["planes"]])[:-1]
-        self._table = torch.tensor(
-            [[int(o), self._block_nbytes, int(n)] for o, (n, _) in zip(offsets, self._layout["planes"], strict=True)],
-            dtype=torch.int64,
-        )
+        self._table = file_table(plane_bytes)  # the file as a plane table, for kvcopy's range planner
         # each pool's NIXL registration, memory kind and device id, by id
         self._pools: dict[int, tuple[HostKVPool | PagedKV, object, str, int]] = {}
         self._busy: dict[int, int] = {}  # slots an unfinished put writes or get reads: never reused or evicted
