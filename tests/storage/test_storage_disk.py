@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
@@ -482,3 +483,46 @@ def test_close_waits_for_a_dropped_get_and_keeps_its_error_for_its_wait(tmp_path
     assert other.block_bytes(3).equal(pool.block_bytes(0))
     with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]"):
         kept.wait()
+
+
+class _FreshAllocations(TorchDispatchMode):
+    """Records the bytes of every tensor an operation returns in storage none of its arguments had: what a
+    function allocates (views and ``out=`` results are its arguments' storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.nbytes.append(t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 40])
+def test_paged_checksums_hold_one_chunk_and_match_the_host_pools(kind, chunk_blocks):
+    """The checksums of 20 blocks gathered ``chunk_blocks`` at a time are the page-first host blocks' (as a
+    host pool's put takes them), and what the function allocates is one chunk (at most all 20 blocks), not a
+    copy of every block moved (the ids' own int64 copy aside)."""
+    paged = layout(kind)
+    for seed, plane in enumerate(paged.planes):
+        generator = torch.Generator().manual_seed(10 + seed)
+        raw = torch.randint(0, 256, (plane.numel() * plane.element_size(),), dtype=torch.uint8, generator=generator)
+        plane.view(-1).view(torch.uint8).copy_(raw)
+    pool = kvcopy.HostKVPool(paged, paged.num_blocks, pin_memory=False)
+    kvcopy.copy_blocks(paged, torch.arange(paged.num_blocks), pool, torch.arange(paged.num_blocks))
+    ids = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(5))[:20]
+    with _FreshAllocations() as allocations:
+        checksums = paged_checksums(paged, ids, chunk_bytes=chunk_blocks * paged.nbytes_per_block)
+    assert checksums == [xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()]
+    chunk = min(chunk_blocks, len(ids)) * paged.nbytes_per_block
+    assert sum(allocations.nbytes) <= chunk + ids.numel() * 8

@@ -8,11 +8,12 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 import kvcopy
-from kvcopy.storage.gpu_blocks import paged_block_bytes
+from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums
 from kvcopy.storage.store import CorruptBlockError, DiskKVStore
 
 from helpers import gpu, requires_gpu
@@ -97,3 +98,13 @@ def test_a_posix_store_refuses_a_gpus_blocks(tmp_path):
         with pytest.raises(ValueError, match="GPUDirect Storage"):
             store.put(hashes(1), cache, [0])
         assert store.match(hashes(1)) == []
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 5, 64])
+def test_a_gpu_caches_checksums_in_chunks_are_its_page_first_blocks(chunk_blocks):
+    """Chunked through the staging buffer and the two pinned host buffers (one chunk, several, all at once)."""
+    cache = gpu_cache("fp8", 11)
+    ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(12))[:17]
+    rows = paged_block_bytes(cache, ids)
+    expected = [xxhash.xxh3_64_intdigest(row.numpy()) for row in rows]
+    assert paged_checksums(cache, ids, chunk_bytes=chunk_blocks * cache.nbytes_per_block) == expected
