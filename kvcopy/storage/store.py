@@ -35,14 +35,15 @@ from collections.abc import Callable, Sequence
 import torch
 import xxhash
 
-from kvcopy._checks import boolean, path_argument, positive_int, sequence_argument
+from kvcopy._checks import boolean, path_argument, positive_int, sequence_argument, timeout_argument
 from kvcopy.cachekey.key import context_hash_of
+from kvcopy.engine.transfer import wait_until
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds, prepare_host_ids
 from kvcopy.layout import PagedKV
 from kvcopy.nixl.registration import registration_of
-from kvcopy.nixl.transfer import NixlTransfer, RemoteTransferError, WrittenBlocks
-from kvcopy.ranges import plan_table_ranges
+from kvcopy.nixl.transfer import NixlTransfer, RemoteTransferError, RemoteTransferTimeout, WrittenBlocks
+from kvcopy.ops import copy_blocks
 from kvcopy.storage.commit_log import Batch, CommitLog, Entry, block_hash_of
 from kvcopy.storage.files import (
     BACKENDS,
@@ -58,6 +59,7 @@ from kvcopy.storage.files import (
     read_header,
 )
 from kvcopy.storage.gpu_blocks import paged_checksums
+from kvcopy.storage.staging import GDS_REQUESTS, Round, Staging, plan_rounds, staging_blocks
 from kvcopy.storage.transfer import DiskTransfer
 
 __all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
@@ -112,6 +114,11 @@ class DiskKVStore:
         # the puts and gets NIXL may still be moving: close() ends each before it frees what their IO uses
         # (held here too, so that a transfer its caller dropped is not released by its finalizer mid-IO)
         self._in_flight: set[DiskTransfer] = set()
+        # NIXL requests in flight (within GDS_REQUESTS), the transfers whose rounds they are, oldest first, and
+        # the GPU staging buffers, by device (kvcopy.storage.staging)
+        self._posted = 0
+        self._rounds_in_flight: list[_Rounds] = []
+        self._staging: dict[torch.device, Staging] = {}
         self._closed = False  # no more match, put or get
         self._freed = False  # the registrations, the index and the data file released
 
@@ -218,10 +225,13 @@ class DiskKVStore:
         ids = prepare_host_ids(pool_ids, "pool_ids", paged.num_blocks, unique=True)
         if ids.numel() != count:
             raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
-        if id(pool) not in self._pools:
-            reg = registration_of(pool)
-            registered = self._agent.register_memory(list(reg.regions), reg.memory)
-            self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
+        if id(pool) not in self._pools:  # a host pool registered with NIXL; a GPU cache never (its staging is)
+            if isinstance(pool, PagedKV):
+                self._pools[id(pool)] = (pool, None, "", 0)
+            else:
+                reg = registration_of(pool)
+                registered = self._agent.register_memory(list(reg.regions), reg.memory)
+                self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
         return pool, ids
 
     def _hold(self, slots: list[int]) -> Callable[[], None]:
@@ -239,24 +249,23 @@ class DiskKVStore:
     def _transfer(
         self, op: str, pool: HostKVPool | PagedKV, ids: torch.Tensor, slots: list[int], finish: Callable[[], None]
     ) -> DiskTransfer:
+        """Posts the first round of the put (``op`` "WRITE") or get ("READ") of pool blocks ``ids`` to or from
+        store ``slots`` (kvcopy.storage.staging: a GPU cache's through its staging buffer); the rest are posted
+        as the returned transfer is polled."""
         slot_ids = torch.tensor(slots, dtype=torch.int64)
-        table = self._paged(pool).plane_table
-        src, src_ids, dst, dst_ids = (
-            (table, ids, self._table, slot_ids) if op == "WRITE" else (self._table, slot_ids, table, ids)
+        paged = self._paged(pool)
+        staging = self._staging_for(paged) if isinstance(pool, PagedKV) else None
+        rounds = plan_rounds(
+            paged.plane_table,
+            ids,
+            self._table,
+            slot_ids,
+            staging_table=None if staging is None else staging.paged.plane_table,
+            per_round=0 if staging is None else staging.blocks,
         )
-        ranges = plan_table_ranges(src, src_ids, dst, dst_ids)
-        if not ranges:  # nothing to move (NIXL refuses an empty transfer)
+        if not rounds:  # nothing to move (NIXL refuses an empty transfer)
             return DiskTransfer(None, finish, lambda: None)
-        _, _, kind, device_id = self._pools[id(pool)]
-        if isinstance(pool, PagedKV):  # GDS's DMA follows no stream: the work queued on the current one ends first
-            torch.cuda.current_stream(pool.device).synchronize()
-        memory = [(d if op == "READ" else s, n, device_id) for s, d, n in ranges]
-        file = [(s if op == "READ" else d, n, self._fd) for s, d, n in ranges]
-        handle = self._agent.initialize_xfer(
-            op, self._agent.get_xfer_descs(memory, kind), self._agent.get_xfer_descs(file, "FILE"), self._agent.name
-        )
         written = WrittenBlocks("local", ids if op == "READ" else slot_ids)
-        transfer = NixlTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for *_, n in ranges), written)
         free_slots = self._hold(slots)
         ending: list[DiskTransfer] = []  # the DiskTransfer below, once made
 
@@ -268,18 +277,67 @@ class DiskKVStore:
             return self._failure_cause(error, op.lower(), written)
 
         try:
-            if self._agent.transfer(handle) == "ERR":
-                transfer.done()  # raises
+            moving = _Rounds(self, op, pool, rounds, staging, written)  # its first round posted
         except Exception as err:
             release()
             raise (explain(err) or err) from err
         except BaseException:
             release()
             raise
-        disk = DiskTransfer(transfer, finish, release, explain)
+        disk = DiskTransfer(moving, finish, release, explain)
         ending.append(disk)
         self._in_flight.add(disk)
         return disk
+
+    def _staging_for(self, paged: PagedKV) -> Staging:
+        """The staging buffer of ``paged``'s device (made and registered on first use; one per device)."""
+        if paged.device not in self._staging:
+            self._staging[paged.device] = Staging(paged, staging_blocks(self._block_nbytes), self._agent)
+        return self._staging[paged.device]
+
+    def _post(self, moving: _Rounds, round_: Round) -> NixlTransfer:
+        """Posts ``round_`` of ``moving`` once it fits: the store's requests in flight within GDS_REQUESTS and,
+        for a staged round, its staging buffer free, each by waiting for the oldest other round in flight to
+        end. A staged put's blocks are gathered into the buffer first."""
+        staging = moving.staging
+        while self._posted + len(round_.ranges) > GDS_REQUESTS or (
+            staging is not None and staging.user not in (None, moving)
+        ):
+            other = next(m for m in self._rounds_in_flight if m is not moving)
+            other.settle()  # its round in flight ends; it posts its next one when polled
+        if staging is not None:
+            staging.user = moving
+        self._posted += len(round_.ranges)
+        self._rounds_in_flight.append(moving)
+        try:
+            if staging is not None and moving.op == "WRITE":
+                rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
+                copy_blocks(moving.paged, round_.ids, staging.paged, rows)
+                _wait_for_stream(staging.paged.device)  # GDS's DMA follows no stream: the gather ends first
+            kind, device_id = (
+                (staging.memory, staging.device_id) if staging is not None else self._pools[id(moving.pool)][2:]
+            )
+            memory = [(m, n, device_id) for m, _, n in round_.ranges]
+            file = [(f, n, self._fd) for _, f, n in round_.ranges]
+            agent = self._agent
+            handle = agent.initialize_xfer(
+                moving.op, agent.get_xfer_descs(memory, kind), agent.get_xfer_descs(file, "FILE"), agent.name
+            )
+            nbytes = sum(n for *_, n in round_.ranges)
+            transfer = NixlTransfer(agent, handle, moving.op.lower(), len(round_.ranges), nbytes, moving.written)
+            if agent.transfer(handle) == "ERR":
+                transfer.done()  # raises
+        except BaseException:
+            self._round_ended(moving, round_)
+            raise
+        return transfer
+
+    def _round_ended(self, moving: _Rounds, round_: Round) -> None:
+        """``round_`` of ``moving`` ended in NIXL (well or not): its requests and staging buffer free."""
+        self._posted -= len(round_.ranges)
+        self._rounds_in_flight.remove(moving)
+        if moving.staging is not None and moving.staging.user is moving:
+            moving.staging.user = None
 
     def _failure_cause(self, error: Exception, what: str, written: WrittenBlocks) -> Exception | None:
         """A failed NIXL transfer's error, with its cause where the store can tell it (NIXL's says only that
@@ -435,7 +493,10 @@ class DiskKVStore:
         self._end_in_flight()
         self._freed = True
         for _, registered, _, _ in self._pools.values():
-            self._agent.deregister_memory(registered)
+            if registered is not None:
+                self._agent.deregister_memory(registered)
+        for staging in self._staging.values():
+            self._agent.deregister_memory(staging.registered)
         self._agent.deregister_memory(self._file)
         self._index.close()
         os.close(self._fd)
@@ -452,3 +513,112 @@ class DiskKVStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _wait_for_stream(device: torch.device) -> None:
+    """On a GPU, waits for the work queued on the current stream (kvcopy's copies to and from a staging
+    buffer run there, and GDS's DMA follows no stream); on the host kvcopy's copies are done when they return."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class _Rounds:
+    """A put's or get's rounds (kvcopy.storage.staging.Round), one NIXL transfer each, posted one after another
+    as it is polled: what a DiskTransfer waits on, as it would on one NixlTransfer (``done``, ``wait``,
+    ``num_descriptors``, ``nbytes``), and ``abandon``. A staged get's round is scattered from the staging buffer
+    into the pool once NIXL reports it landed. An error ends it: no further round is posted."""
+
+    def __init__(
+        self,
+        store: DiskKVStore,
+        op: str,
+        pool: HostKVPool | PagedKV,
+        rounds: list[Round],
+        staging: Staging | None,
+        written: WrittenBlocks,
+    ) -> None:
+        self.op, self.pool, self.staging, self.written = op, pool, staging, written
+        self.paged = DiskKVStore._paged(pool)
+        self._store = store
+        self.num_descriptors = sum(len(r.ranges) for r in rounds)
+        self.nbytes = sum(n for r in rounds for *_, n in r.ranges)
+        self._pending = list(rounds)
+        self._current: tuple[Round, NixlTransfer] | None = None
+        self._error: BaseException | None = None  # a round's, found by settle (for another's round)
+        self._post_next()
+
+    def _post_next(self) -> None:
+        round_ = self._pending.pop(0)
+        self._current = (round_, self._store._post(self, round_))
+
+    def _land(self) -> None:
+        """The round in flight ended well: a staged get's blocks scattered into the pool, then its requests and
+        staging buffer free."""
+        assert self._current is not None
+        round_, _ = self._current
+        self._current = None
+        try:
+            if self.staging is not None and self.op == "READ":
+                rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
+                copy_blocks(self.staging.paged, rows, self.paged, round_.ids)
+                _wait_for_stream(self.paged.device)  # the next round reads into the buffer: the scatter ends first
+        finally:
+            self._store._round_ended(self, round_)
+
+    def _fail(self) -> None:
+        """The round in flight failed (or is abandoned): its requests and staging buffer free, nothing more."""
+        self._pending.clear()
+        if self._current is not None:
+            round_, _ = self._current
+            self._current = None
+            self._store._round_ended(self, round_)
+
+    def settle(self) -> None:
+        """Waits for the round in flight to end, for another transfer's round to be posted; posts nothing (the
+        next round is posted when this one is polled). Its error, if any, is raised by the next poll."""
+        if self._current is None:
+            return
+        try:
+            self._current[1].wait()
+        except Exception as err:  # NIXL reported it failed
+            self._error = err
+            self._fail()
+            return
+        self._land()
+
+    def done(self) -> bool:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._current is None:  # (its last round may have landed while another waited: see settle)
+                if not self._pending:
+                    return True
+                self._post_next()
+                continue
+            try:
+                finished = self._current[1].done()
+            except BaseException:
+                self._fail()
+                raise
+            if not finished:
+                return False
+            self._land()
+
+    def wait(self, timeout: float | None = None) -> None:
+        seconds = timeout_argument("timeout", timeout)
+        wait_until(
+            self.done,
+            seconds,
+            lambda: RemoteTransferTimeout(
+                f"{self.op.lower()}: not done after {seconds} s; {self.written} hold no valid data until it is",
+                self.written,
+            ),
+        )
+
+    def abandon(self) -> None:
+        """Waits for NIXL to end the round in flight, and posts no more (its error, if any, is dropped)."""
+        self._pending.clear()
+        if self._current is not None:
+            with contextlib.suppress(Exception):
+                self._current[1].wait()
+            self._fail()
