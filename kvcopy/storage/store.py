@@ -1,9 +1,10 @@
 """DiskKVStore: KV blocks on a local disk through NIXL's file backends, persistent and never torn.
 
 One store block is one page-first block of the pool it is laid out like. A
-put writes a pool's blocks into free (or least recently used) slots in one
-NIXL transfer, its runs of adjacent slots and pool ids merged into one
-descriptor each by kvcopy's range planner; once the data is synced its
+put writes a pool's blocks into free (or least recently used) slots in NIXL
+transfers of at most 512 requests (kvcopy.storage.staging), its runs of adjacent
+slots and pool ids merged into one descriptor each by kvcopy's range planner;
+once the data is synced its
 entries are committed to the index (kvcopy.storage.commit_log), so a block
 whose put did not complete is never matched. A get reads slots back into
 pool blocks in one transfer and checks each block's XXH3-64 checksum against
@@ -16,9 +17,10 @@ XXH3, and not CRC-32 or compiled threaded hashing: docs/decisions.md).
 Backends (``backend=``): ``"posix"``, NIXL's POSIX backend, moves host pools'
 blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
 also moves a GPU cache's blocks (a PagedKV on a CUDA device) to and from the
-file directly, their checksums taken from a gathered copy on the host
-(kvcopy.storage.gpu_blocks); its DMA follows no CUDA stream, so a put or get
-of a GPU's blocks first waits for the work queued on the current stream;
+file without the host, through a bounded page-first staging buffer on the GPU
+(kvcopy.storage.staging), their checksums taken in bounded chunks on the host
+(kvcopy.storage.gpu_blocks); its DMA follows no CUDA stream, so each round of a
+GPU's blocks first waits for the work queued on the current stream;
 ``"auto"`` picks GDS for a store laid out like a GPU cache where it starts,
 else POSIX. The files are the same either way: a store written through one
 reopens through the other.
