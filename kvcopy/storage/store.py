@@ -297,41 +297,38 @@ class DiskKVStore:
             self._staging[paged.device] = Staging(paged, staging_blocks(self._block_nbytes), self._agent)
         return self._staging[paged.device]
 
-    def _post(self, moving: _Rounds, round_: Round) -> NixlTransfer:
-        """Posts ``round_`` of ``moving`` once it fits: the store's requests in flight within GDS_REQUESTS and,
-        for a staged round, its staging buffer free, each by waiting for the oldest other round in flight to
-        end. A staged put's blocks are gathered into the buffer first."""
+    def _reserve(self, moving: _Rounds, round_: Round) -> None:
+        """Takes room for ``round_`` of ``moving`` once it fits: the store's requests in flight within
+        GDS_REQUESTS and, for a staged round, its staging buffer free, each by waiting for the oldest other
+        round in flight to end."""
         staging = moving.staging
         while self._posted + len(round_.ranges) > GDS_REQUESTS or (
             staging is not None and staging.user not in (None, moving)
         ):
             other = next(m for m in self._rounds_in_flight if m is not moving)
-            other.settle()  # its round in flight ends; it posts its next one when polled
+            other.settle()  # its round in flight ends; it starts its next one when polled
         if staging is not None:
             staging.user = moving
         self._posted += len(round_.ranges)
         self._rounds_in_flight.append(moving)
-        try:
-            if staging is not None and moving.op == "WRITE":
-                rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
-                copy_blocks(moving.paged, round_.ids, staging.paged, rows)
-                _wait_for_stream(staging.paged.device)  # GDS's DMA follows no stream: the gather ends first
-            kind, device_id = (
-                (staging.memory, staging.device_id) if staging is not None else self._pools[id(moving.pool)][2:]
-            )
-            memory = [(m, n, device_id) for m, _, n in round_.ranges]
-            file = [(f, n, self._fd) for _, f, n in round_.ranges]
-            agent = self._agent
-            handle = agent.initialize_xfer(
-                moving.op, agent.get_xfer_descs(memory, kind), agent.get_xfer_descs(file, "FILE"), agent.name
-            )
-            nbytes = sum(n for *_, n in round_.ranges)
-            transfer = NixlTransfer(agent, handle, moving.op.lower(), len(round_.ranges), nbytes, moving.written)
-            if agent.transfer(handle) == "ERR":
-                transfer.done()  # raises
-        except BaseException:
-            self._round_ended(moving, round_)
-            raise
+
+    def _post(self, moving: _Rounds, round_: Round) -> NixlTransfer:
+        """Posts ``round_`` of ``moving`` (reserved) to NIXL: one transfer of its requests."""
+        staging = moving.staging
+        if staging is not None:
+            kind, device_id = staging.memory, staging.device_id
+        else:
+            _, _, kind, device_id = self._pools[id(moving.pool)]
+        memory = [(m, n, device_id) for m, _, n in round_.ranges]
+        file = [(f, n, self._fd) for _, f, n in round_.ranges]
+        agent = self._agent
+        handle = agent.initialize_xfer(
+            moving.op, agent.get_xfer_descs(memory, kind), agent.get_xfer_descs(file, "FILE"), agent.name
+        )
+        nbytes = sum(n for *_, n in round_.ranges)
+        transfer = NixlTransfer(agent, handle, moving.op.lower(), len(round_.ranges), nbytes, moving.written)
+        if agent.transfer(handle) == "ERR":
+            transfer.done()  # raises
         return transfer
 
     def _round_ended(self, moving: _Rounds, round_: Round) -> None:
@@ -415,6 +412,8 @@ class DiskKVStore:
         except BaseException:  # (a GPU's gather failed, say): nothing is committed, the slots come free again
             transfer._abandon()
             raise
+        with contextlib.suppress(Exception):  # a GPU's first round, gathered by now, goes to NIXL (an error is
+            transfer.done()  # kept in the transfer, raised by its wait and done)
         return transfer
 
     @staticmethod
@@ -517,18 +516,35 @@ class DiskKVStore:
         self.close()
 
 
-def _wait_for_stream(device: torch.device) -> None:
-    """On a GPU, waits for the work queued on the current stream (kvcopy's copies to and from a staging
-    buffer run there, and GDS's DMA follows no stream); on the host kvcopy's copies are done when they return."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+def _stream_event(device: torch.device) -> torch.cuda.Event | None:
+    """On a GPU, an event recorded on the current stream, after the kvcopy copy just queued there (to or from a
+    staging buffer): GDS's DMA follows no stream, so a round waits for it, by polling, never by blocking the
+    host. None on the host, where kvcopy's copies are done when they return."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _passed(event: torch.cuda.Event | None, block: bool) -> bool:
+    """Whether the stream has passed ``event`` (None: nothing to wait for); ``block``: wait until it has."""
+    if event is None:
+        return True
+    if block:
+        event.synchronize()
+        return True
+    return bool(event.query())
 
 
 class _Rounds:
-    """A put's or get's rounds (kvcopy.storage.staging.Round), one NIXL transfer each, posted one after another
-    as it is polled: what a DiskTransfer waits on, as it would on one NixlTransfer (``done``, ``wait``,
-    ``num_descriptors``, ``nbytes``), and ``abandon``. A staged get's round is scattered from the staging buffer
-    into the pool once NIXL reports it landed. An error ends it: no further round is posted."""
+    """A put's or get's rounds (kvcopy.storage.staging.Round), one NIXL transfer each, one after another as it
+    is polled: what a DiskTransfer waits on, as it would on one NixlTransfer (``done``, ``wait``,
+    ``num_descriptors``, ``nbytes``), and ``abandon``. A round in flight is in one stage: "gather" (a staged
+    put's blocks copied into the staging buffer on the current stream; posted to NIXL once the stream passed
+    the copy), "nixl" (NIXL moves it), "scatter" (a staged get's blocks copied out of the buffer on the
+    current stream; it ends once the stream passed the copy). Polls never block the host; ``settle`` and
+    ``wait`` do. An error ends it: no further round is started."""
 
     def __init__(
         self,
@@ -545,66 +561,87 @@ class _Rounds:
         self.num_descriptors = sum(len(r.ranges) for r in rounds)
         self.nbytes = sum(n for r in rounds for *_, n in r.ranges)
         self._pending = list(rounds)
-        self._current: tuple[Round, NixlTransfer] | None = None
+        self._current: Round | None = None
+        self._stage = ""
+        self._event: torch.cuda.Event | None = None
+        self._nixl: NixlTransfer | None = None
         self._error: BaseException | None = None  # a round's, found by settle (for another's round)
-        self._post_next()
+        self._start_next()
 
-    def _post_next(self) -> None:
+    def _start_next(self) -> None:
+        """Reserves the next round, and starts it: a staged put's gather queued, anything else posted."""
         round_ = self._pending.pop(0)
-        self._current = (round_, self._store._post(self, round_))
-
-    def _land(self) -> None:
-        """The round in flight ended well: a staged get's blocks scattered into the pool, then its requests and
-        staging buffer free."""
-        assert self._current is not None
-        round_, _ = self._current
-        self._current = None
+        self._store._reserve(self, round_)
+        self._current, self._stage, self._event, self._nixl = round_, "gather", None, None
         try:
+            if self.staging is not None and self.op == "WRITE":
+                rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
+                copy_blocks(self.paged, round_.ids, self.staging.paged, rows)
+                self._event = _stream_event(self.paged.device)
+            self._step(block=False)
+        except BaseException:
+            self._fail()
+            raise
+
+    def _step(self, block: bool) -> bool:
+        """Advances the round in flight as far as it goes without waiting (``block``: to its end); True once it
+        ended well (its requests and staging buffer free). Its errors propagate."""
+        assert self._current is not None
+        round_ = self._current
+        if self._stage == "gather":
+            if not _passed(self._event, block):
+                return False
+            self._nixl, self._stage = self._store._post(self, round_), "nixl"
+        if self._stage == "nixl":
+            assert self._nixl is not None
+            if block:
+                self._nixl.wait()
+            elif not self._nixl.done():
+                return False
+            self._event, self._stage = None, "scatter"
             if self.staging is not None and self.op == "READ":
                 rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
                 copy_blocks(self.staging.paged, rows, self.paged, round_.ids)
-                _wait_for_stream(self.paged.device)  # the next round reads into the buffer: the scatter ends first
-        finally:
-            self._store._round_ended(self, round_)
+                self._event = _stream_event(self.paged.device)
+        if not _passed(self._event, block):  # the scatter: the next round reads into the buffer after it
+            return False
+        self._current = None
+        self._store._round_ended(self, round_)
+        return True
 
     def _fail(self) -> None:
         """The round in flight failed (or is abandoned): its requests and staging buffer free, nothing more."""
         self._pending.clear()
         if self._current is not None:
-            round_, _ = self._current
-            self._current = None
+            round_, self._current = self._current, None
             self._store._round_ended(self, round_)
 
     def settle(self) -> None:
-        """Waits for the round in flight to end, for another transfer's round to be posted; posts nothing (the
-        next round is posted when this one is polled). Its error, if any, is raised by the next poll."""
+        """Waits for the round in flight to end, for another transfer's round to start; starts nothing (the
+        next round starts when this transfer is polled). Its error, if any, is raised by the next poll."""
         if self._current is None:
             return
         try:
-            self._current[1].wait()
-        except Exception as err:  # NIXL reported it failed
+            self._step(block=True)
+        except Exception as err:  # NIXL reported it failed, or a copy did
             self._error = err
             self._fail()
-            return
-        self._land()
 
     def done(self) -> bool:
         while True:
             if self._error is not None:
                 raise self._error
-            if self._current is None:  # (its last round may have landed while another waited: see settle)
+            if self._current is None:  # (its round may have ended while another waited: see settle)
                 if not self._pending:
                     return True
-                self._post_next()
+                self._start_next()
                 continue
             try:
-                finished = self._current[1].done()
+                if not self._step(block=False):
+                    return False
             except BaseException:
                 self._fail()
                 raise
-            if not finished:
-                return False
-            self._land()
 
     def wait(self, timeout: float | None = None) -> None:
         seconds = timeout_argument("timeout", timeout)
@@ -618,9 +655,12 @@ class _Rounds:
         )
 
     def abandon(self) -> None:
-        """Waits for NIXL to end the round in flight, and posts no more (its error, if any, is dropped)."""
+        """Waits for NIXL to end the round it moves, and starts no more (its error, if any, is dropped)."""
         self._pending.clear()
         if self._current is not None:
             with contextlib.suppress(Exception):
-                self._current[1].wait()
-            self._fail()
+                if self._stage == "nixl" and self._nixl is not None:
+                    self._nixl.wait()
+                elif self._event is not None:  # a copy to or from the staging buffer still queued
+                    self._event.synchronize()
+        self._fail()

@@ -202,3 +202,49 @@ def test_a_staged_put_and_get_round_trip_bitwise_in_rounds(tmp_path, monkeypatch
         get.wait()
         assert max(posted) <= ROUND_REQUESTS and store._posted == 0 and store._rounds_in_flight == []
     assert torch.equal(paged_block_bytes(target, back), paged_block_bytes(source, ids))
+
+
+class _SlowEvent:
+    """A stand-in for a CUDA event on the current stream: not passed for its first ``polls`` queries."""
+
+    def __init__(self, log: list[str], polls: int) -> None:
+        self._log, self._left = log, polls
+
+    def query(self) -> bool:
+        self._left -= 1
+        self._log.append("query")
+        return self._left < 0
+
+    def synchronize(self) -> None:
+        self._log.append("synchronize")
+        self._left = -1
+
+
+def test_a_staged_round_waits_for_its_copy_by_polling_never_blocking_the_host(tmp_path, monkeypatch):
+    """A GPU's round is posted to NIXL only once the stream passed its gather (a put), and ends only once the
+    stream passed its scatter (a get), both found by polling the event: ``done`` never blocks the host on the
+    stream (here the events are stand-ins, on the CPU, each not passed for its first 3 polls)."""
+    log: list[str] = []
+    monkeypatch.setattr(store_module, "_stream_event", lambda device: _SlowEvent(log, 3))
+    source, target = gpu_like_cache(8, 7), gpu_like_cache(8, 8)
+    with DiskKVStore.create(tmp_path / "store", source, 8, cache_key=key(), backend="posix") as store:
+        real = store._agent.initialize_xfer
+
+        def posting(*args):
+            log.append("posted")
+            return real(*args)
+
+        monkeypatch.setattr(store._agent, "initialize_xfer", posting)
+        ids = torch.tensor([5, 1, 6])
+        put = store._transfer("WRITE", source, ids, [0, 1, 2], lambda: None)
+        while not put.done():
+            pass
+        assert log == ["query"] * 4 + ["posted"] and "synchronize" not in log
+        log.clear()
+        get = store._transfer("READ", target, torch.tensor([0, 2, 4]), [0, 1, 2], lambda: None)
+        assert log == ["posted"]  # a get's round reads into the buffer at once
+        polls = 0
+        while not get.done():
+            polls += 1
+        assert log.count("query") == 4 and "synchronize" not in log and polls >= 3
+    assert torch.equal(paged_block_bytes(target, torch.tensor([0, 2, 4])), paged_block_bytes(source, ids))
