@@ -111,7 +111,7 @@ class DiskKVStore:
             raise
         self._table = file_table(plane_bytes)  # the file as a plane table, for kvcopy's range planner
         # each pool's NIXL registration, memory kind and device id, by id
-        self._pools: dict[int, tuple[HostKVPool | PagedKV, object, str, int]] = {}
+        self._pools: dict[int, tuple[HostKVPool, object, str, int]] = {}
         self._busy: dict[int, int] = {}  # slots an unfinished put writes or get reads: never reused or evicted
         # the puts and gets NIXL may still be moving: close() ends each before it frees what their IO uses
         # (held here too, so that a transfer its caller dropped is not released by its finalizer mid-IO)
@@ -215,7 +215,7 @@ class DiskKVStore:
                 "(open it with backend='gds' or 'auto' on a GPU that has it, or go through a host pool)"
             )
         paged = self._paged(pool)
-        if id(pool) not in self._pools:  # checked and registered once: a pool's layout never changes
+        if id(pool) not in self._pools:  # a host pool checked and registered once: its layout never changes
             if isinstance(pool, HostKVPool) and pool.layout != "page_first":
                 raise ValueError(
                     f"pool: the store keeps page_first blocks, this pool is laid out {pool.layout} (make it with "
@@ -227,13 +227,13 @@ class DiskKVStore:
         ids = prepare_host_ids(pool_ids, "pool_ids", paged.num_blocks, unique=True)
         if ids.numel() != count:
             raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
-        if id(pool) not in self._pools:  # a host pool registered with NIXL; a GPU cache never (its staging is)
-            if isinstance(pool, PagedKV):
-                self._pools[id(pool)] = (pool, None, "", 0)
-            else:
-                reg = registration_of(pool)
-                registered = self._agent.register_memory(list(reg.regions), reg.memory)
-                self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
+        # A host pool is registered with NIXL once (and kept, so its id is never another's); a GPU cache never:
+        # its blocks move through the store's staging buffer, so a new PagedKV over the same tensors (one per
+        # call, say) neither registers them again nor is kept alive by the store.
+        if isinstance(pool, HostKVPool) and id(pool) not in self._pools:
+            reg = registration_of(pool)
+            registered = self._agent.register_memory(list(reg.regions), reg.memory)
+            self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
         return pool, ids
 
     def _hold(self, slots: list[int]) -> Callable[[], None]:
@@ -494,8 +494,7 @@ class DiskKVStore:
         self._end_in_flight()
         self._freed = True
         for _, registered, _, _ in self._pools.values():
-            if registered is not None:
-                self._agent.deregister_memory(registered)
+            self._agent.deregister_memory(registered)
         for staging in self._staging.values():
             self._agent.deregister_memory(staging.registered)
         self._agent.deregister_memory(self._file)

@@ -177,7 +177,7 @@ def test_a_staged_put_and_get_round_trip_bitwise_in_rounds(tmp_path, monkeypatch
     """The store's own staged path (a GPU cache's, here a 64-plane cache on the CPU through NIXL's POSIX
     backend, DRAM staging), with a staging buffer of 3 blocks: a put of 20 blocks is 7 rounds, never more than
     one round's requests per NIXL transfer; a get of them, interleaved with a second put that needs the buffer,
-    reads every byte back; nothing is left in flight."""
+    reads every byte back; nothing is left in flight, and only the staging buffer was registered with NIXL."""
     monkeypatch.setattr(staging_module, "STAGING_BYTES", 3 * PLANES * 64)
     source, target = gpu_like_cache(32, 3), gpu_like_cache(32, 4)
     posted: list[int] = []
@@ -188,7 +188,15 @@ def test_a_staged_put_and_get_round_trip_bitwise_in_rounds(tmp_path, monkeypatch
             posted.append(store._posted)
             return real(op, memory, file, name)
 
+        registered: list[int] = []
+        real_register = store._agent.register_memory
+
+        def registering(regions, memory):
+            registered.append(sum(n for _, n, *_ in regions))
+            return real_register(regions, memory)
+
         monkeypatch.setattr(store._agent, "initialize_xfer", counting)
+        monkeypatch.setattr(store._agent, "register_memory", registering)
         ids = torch.randperm(32, generator=torch.Generator().manual_seed(5))[:20]
         slots = list(range(5, 25))
         put = store._transfer("WRITE", source, ids, slots, lambda: None)
@@ -201,6 +209,7 @@ def test_a_staged_put_and_get_round_trip_bitwise_in_rounds(tmp_path, monkeypatch
         other.wait()
         get.wait()
         assert max(posted) <= ROUND_REQUESTS and store._posted == 0 and store._rounds_in_flight == []
+        assert registered == [3 * source.nbytes_per_block]  # the staging buffer once, never the cache
     assert torch.equal(paged_block_bytes(target, back), paged_block_bytes(source, ids))
 
 
