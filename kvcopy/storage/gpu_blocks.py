@@ -48,7 +48,7 @@ def _hash_chunk(paged: PagedKV, count: int, host: torch.Tensor) -> list[int]:
     """The XXH3-64 of each of the ``count`` blocks ``host`` holds plane-major (:func:`_gather`), over its
     plane-blocks in plane order: the hash of its page-first bytes, streamed plane by plane."""
     sizes = paged.plane_block_nbytes
-    data = host.numpy()
+    data = host.numpy().data  # a memoryview: its slices are what xxhash reads
     hashers = [xxhash.xxh3_64() for _ in range(count)]
     offset = 0
     for nbytes in sizes:
