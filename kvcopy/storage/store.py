@@ -234,6 +234,8 @@ class DiskKVStore:
             reg = registration_of(pool)
             registered = self._agent.register_memory(list(reg.regions), reg.memory)
             self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
+        if isinstance(pool, PagedKV):
+            self._staging_for(pool)  # made here, before a put evicts anything: out of GPU memory changes nothing
         return pool, ids
 
     def _hold(self, slots: list[int]) -> Callable[[], None]:
