@@ -3,8 +3,8 @@
 A store is a directory: ``header.json`` (format, block layout, CacheKey
 context, block count), ``blocks.data`` (``num_blocks`` page-first blocks,
 reserved up front with fallocate) and ``index.log`` (kvcopy.storage.commit_log).
-The data file is opened with O_DIRECT where the block size allows, so that what
-is measured is the disk and not the page cache; NIXL moves the bytes: its POSIX
+The data file is opened with O_DIRECT where every request a store posts is aligned
+(:func:`direct_io_fits`), so that what is measured is the disk and not the page cache; NIXL moves the bytes: its POSIX
 backend (io_uring, else Linux AIO, else POSIX AIO: the first this kernel
 accepts) or its GDS backend (GPUDirect Storage, GPU memory to and from the file).
 """
@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,9 @@ __all__ = [
     "FORMAT",
     "POSIX_QUEUES",
     "create_files",
+    "direct_io_fits",
     "file_agent",
+    "file_table",
     "filesystem_of",
     "fill_with_zeros",
     "layout_difference",
@@ -190,10 +192,39 @@ def filesystem_of(path: str) -> str:
     return " ".join(out[2:4]) if len(out) >= 4 else "unknown"
 
 
-def open_data(path: str, nbytes_per_block: int) -> tuple[int, bool]:
-    """The data file's descriptor, with O_DIRECT when the block size is aligned and the filesystem takes it."""
+def file_table(plane_bytes: Sequence[int]) -> torch.Tensor:
+    """The data file as a plane table (kvcopy.layout's columns, addresses as file offsets): one page-first plane
+    per pool plane, at its offset inside a block, for kvcopy's range planner."""
+    nbytes_per_block = sum(plane_bytes)
+    offsets = [sum(plane_bytes[:i]) for i in range(len(plane_bytes))]
+    rows = [[offset, nbytes_per_block, n] for offset, n in zip(offsets, plane_bytes, strict=True)]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def direct_io_fits(nbytes_per_block: int, plane_bytes: Sequence[int] | None = None) -> bool:
+    """Whether every request a store posts has a file offset and a size aligned to DIRECT_ALIGNMENT, as O_DIRECT
+    needs: two unaligned writes that share a disk block (in one NIXL batch) can each rewrite it whole and lose
+    the other's bytes, and the kernel refuses some. A host pool's requests are runs of whole blocks: the block
+    size decides. A GPU cache's (GDS) are one per plane-block, each plane a tensor of its own (runs of several
+    when planes are adjacent in memory): with ``plane_bytes`` (its planes' block bytes, in block order), every
+    plane's offset inside a block and its size must be aligned too. fp8 data with small scale planes, or MLA's
+    18,432-byte plane-blocks at 16 tokens, make blocks that are aligned of planes that are not."""
+    if nbytes_per_block % DIRECT_ALIGNMENT:
+        return False
+    offset = 0
+    for nbytes in plane_bytes or ():
+        if offset % DIRECT_ALIGNMENT or nbytes % DIRECT_ALIGNMENT:
+            return False
+        offset += nbytes
+    return True
+
+
+def open_data(path: str, nbytes_per_block: int, plane_bytes: Sequence[int] | None = None) -> tuple[int, bool]:
+    """The data file's descriptor, with O_DIRECT when every request is aligned (:func:`direct_io_fits`; give
+    ``plane_bytes`` where requests may be per plane: a store that moves a GPU cache through GDS) and the
+    filesystem takes it."""
     name = os.path.join(path, DATA)
-    if nbytes_per_block % DIRECT_ALIGNMENT == 0 and hasattr(os, "O_DIRECT"):
+    if direct_io_fits(nbytes_per_block, plane_bytes) and hasattr(os, "O_DIRECT"):
         with contextlib.suppress(OSError):  # tmpfs and some others refuse O_DIRECT
             return os.open(name, os.O_RDWR | os.O_DIRECT), True
     return os.open(name, os.O_RDWR), False

@@ -1,9 +1,10 @@
 """DiskKVStore: KV blocks on a local disk through NIXL's file backends, persistent and never torn.
 
 One store block is one page-first block of the pool it is laid out like. A
-put writes a pool's blocks into free (or least recently used) slots in one
-NIXL transfer, its runs of adjacent slots and pool ids merged into one
-descriptor each by kvcopy's range planner; once the data is synced its
+put writes a pool's blocks into free (or least recently used) slots in NIXL
+transfers of at most 512 requests (kvcopy.storage.staging), its runs of adjacent
+slots and pool ids merged into one descriptor each by kvcopy's range planner;
+once the data is synced its
 entries are committed to the index (kvcopy.storage.commit_log), so a block
 whose put did not complete is never matched. A get reads slots back into
 pool blocks in one transfer and checks each block's XXH3-64 checksum against
@@ -16,9 +17,10 @@ XXH3, and not CRC-32 or compiled threaded hashing: docs/decisions.md).
 Backends (``backend=``): ``"posix"``, NIXL's POSIX backend, moves host pools'
 blocks; ``"gds"``, NIXL's GDS backend (GPUDirect Storage through cuFile),
 also moves a GPU cache's blocks (a PagedKV on a CUDA device) to and from the
-file directly, their checksums taken from a gathered copy on the host
-(kvcopy.storage.gpu_blocks); its DMA follows no CUDA stream, so a put or get
-of a GPU's blocks first waits for the work queued on the current stream;
+file without the host, through a bounded page-first staging buffer on the GPU
+(kvcopy.storage.staging), their checksums taken in bounded chunks on the host
+(kvcopy.storage.gpu_blocks); its DMA follows no CUDA stream, so each round of a
+GPU's blocks first waits for the work queued on the current stream;
 ``"auto"`` picks GDS for a store laid out like a GPU cache where it starts,
 else POSIX. The files are the same either way: a store written through one
 reopens through the other.
@@ -26,23 +28,24 @@ reopens through the other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 import xxhash
 
-from kvcopy._checks import boolean, path_argument, positive_int, sequence_argument
+from kvcopy._checks import boolean, path_argument, positive_int, sequence_argument, timeout_argument
 from kvcopy.cachekey.key import context_hash_of
+from kvcopy.engine.transfer import wait_until
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds, prepare_host_ids
 from kvcopy.layout import PagedKV
 from kvcopy.nixl.registration import registration_of
-from kvcopy.nixl.transfer import NixlTransfer, RemoteTransferError, WrittenBlocks
-from kvcopy.ranges import plan_table_ranges
+from kvcopy.nixl.transfer import NixlTransfer, RemoteTransferError, RemoteTransferTimeout, WrittenBlocks
+from kvcopy.ops import copy_blocks
 from kvcopy.storage.commit_log import Batch, CommitLog, Entry, block_hash_of
 from kvcopy.storage.files import (
     BACKENDS,
@@ -50,6 +53,7 @@ from kvcopy.storage.files import (
     INDEX,
     create_files,
     file_agent,
+    file_table,
     layout_difference,
     layout_of,
     max_blocks,
@@ -57,6 +61,7 @@ from kvcopy.storage.files import (
     read_header,
 )
 from kvcopy.storage.gpu_blocks import paged_checksums
+from kvcopy.storage.staging import GDS_REQUESTS, Round, Staging, plan_rounds, staging_blocks
 from kvcopy.storage.transfer import DiskTransfer
 
 __all__ = ["BACKENDS", "CorruptBlockError", "DiskKVStore", "DiskTransfer"]
@@ -89,30 +94,35 @@ class DiskKVStore:
         self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
         self._block_nbytes = int(header["nbytes_per_block"])
         self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks, create=False)
-        try:
-            self._fd, self.direct = open_data(path, self._block_nbytes)
-        except BaseException:
-            self._index.close()
-            raise
+        plane_bytes = [int(n) for n, _ in self._layout["planes"]]
+        self._fd = -1
         try:
             name = f"kvcopy-disk-{uuid.uuid4().hex[:12]}"
             self._agent, self.backend, self.queue = file_agent(name, backend, gpu=gpu)
+            # GDS moves a GPU cache's blocks one plane-block per request: O_DIRECT only if each is aligned
+            per_plane = plane_bytes if self.backend == "gds" else None
+            self._fd, self.direct = open_data(path, self._block_nbytes, per_plane)
             size = self.num_blocks * self._block_nbytes
             self._file = self._agent.register_memory([(0, size, self._fd, "")], "FILE")
         except BaseException:  # no NIXL backend here: nothing stays open
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
             self._index.close()
             raise
-        # the file as a plane table: one page-first plane per pool plane, at its offset inside a block
-        offsets = np.cumsum([0] + [n for n, _ in self._layout["planes"]])[:-1]
-        self._table = torch.tensor(
-            [[int(o), self._block_nbytes, int(n)] for o, (n, _) in zip(offsets, self._layout["planes"], strict=True)],
-            dtype=torch.int64,
-        )
+        self._table = file_table(plane_bytes)  # the file as a plane table, for kvcopy's range planner
         # each pool's NIXL registration, memory kind and device id, by id
-        self._pools: dict[int, tuple[HostKVPool | PagedKV, object, str, int]] = {}
+        self._pools: dict[int, tuple[HostKVPool, object, str, int]] = {}
         self._busy: dict[int, int] = {}  # slots an unfinished put writes or get reads: never reused or evicted
-        self._closed = False
+        # the puts and gets NIXL may still be moving: close() ends each before it frees what their IO uses
+        # (held here too, so that a transfer its caller dropped is not released by its finalizer mid-IO)
+        self._in_flight: set[DiskTransfer] = set()
+        # NIXL requests in flight (within GDS_REQUESTS), the transfers whose rounds they are, oldest first, and
+        # the GPU staging buffers, by device (kvcopy.storage.staging)
+        self._posted = 0
+        self._rounds_in_flight: list[_Rounds] = []
+        self._staging: dict[torch.device, Staging] = {}
+        self._closed = False  # no more match, put or get
+        self._freed = False  # the registrations, the index and the data file released
 
     # ------------------------------------------------------------------ making and opening
 
@@ -205,7 +215,7 @@ class DiskKVStore:
                 "(open it with backend='gds' or 'auto' on a GPU that has it, or go through a host pool)"
             )
         paged = self._paged(pool)
-        if id(pool) not in self._pools:  # checked and registered once: a pool's layout never changes
+        if id(pool) not in self._pools:  # a host pool checked and registered once: its layout never changes
             if isinstance(pool, HostKVPool) and pool.layout != "page_first":
                 raise ValueError(
                     f"pool: the store keeps page_first blocks, this pool is laid out {pool.layout} (make it with "
@@ -217,10 +227,15 @@ class DiskKVStore:
         ids = prepare_host_ids(pool_ids, "pool_ids", paged.num_blocks, unique=True)
         if ids.numel() != count:
             raise ValueError(f"pool_ids: expected {count} ids, got {ids.numel()}")
-        if id(pool) not in self._pools:
+        # A host pool is registered with NIXL once (and kept, so its id is never another's); a GPU cache never:
+        # its blocks move through the store's staging buffer, so a new PagedKV over the same tensors (one per
+        # call, say) neither registers them again nor is kept alive by the store.
+        if isinstance(pool, HostKVPool) and id(pool) not in self._pools:
             reg = registration_of(pool)
             registered = self._agent.register_memory(list(reg.regions), reg.memory)
             self._pools[id(pool)] = (pool, registered, reg.memory, reg.device_id)
+        if isinstance(pool, PagedKV):
+            self._staging_for(pool)  # made here, before a put evicts anything: out of GPU memory changes nothing
         return pool, ids
 
     def _hold(self, slots: list[int]) -> Callable[[], None]:
@@ -238,39 +253,92 @@ class DiskKVStore:
     def _transfer(
         self, op: str, pool: HostKVPool | PagedKV, ids: torch.Tensor, slots: list[int], finish: Callable[[], None]
     ) -> DiskTransfer:
+        """Posts the first round of the put (``op`` "WRITE") or get ("READ") of pool blocks ``ids`` to or from
+        store ``slots`` (kvcopy.storage.staging: a GPU cache's through its staging buffer); the rest are posted
+        as the returned transfer is polled."""
         slot_ids = torch.tensor(slots, dtype=torch.int64)
-        table = self._paged(pool).plane_table
-        src, src_ids, dst, dst_ids = (
-            (table, ids, self._table, slot_ids) if op == "WRITE" else (self._table, slot_ids, table, ids)
+        paged = self._paged(pool)
+        staging = self._staging_for(paged) if isinstance(pool, PagedKV) else None
+        rounds = plan_rounds(
+            paged.plane_table,
+            ids,
+            self._table,
+            slot_ids,
+            staging_table=None if staging is None else staging.paged.plane_table,
+            per_round=0 if staging is None else staging.blocks,
         )
-        ranges = plan_table_ranges(src, src_ids, dst, dst_ids)
-        if not ranges:  # nothing to move (NIXL refuses an empty transfer)
+        if not rounds:  # nothing to move (NIXL refuses an empty transfer)
             return DiskTransfer(None, finish, lambda: None)
-        _, _, kind, device_id = self._pools[id(pool)]
-        if isinstance(pool, PagedKV):  # GDS's DMA follows no stream: the work queued on the current one ends first
-            torch.cuda.current_stream(pool.device).synchronize()
-        memory = [(d if op == "READ" else s, n, device_id) for s, d, n in ranges]
-        file = [(s if op == "READ" else d, n, self._fd) for s, d, n in ranges]
-        handle = self._agent.initialize_xfer(
-            op, self._agent.get_xfer_descs(memory, kind), self._agent.get_xfer_descs(file, "FILE"), self._agent.name
-        )
         written = WrittenBlocks("local", ids if op == "READ" else slot_ids)
-        transfer = NixlTransfer(self._agent, handle, op.lower(), len(ranges), sum(n for *_, n in ranges), written)
-        release = self._hold(slots)
+        free_slots = self._hold(slots)
+        ending: list[DiskTransfer] = []  # the DiskTransfer below, once made
+
+        def release() -> None:  # once, when it ends: its slots free, and no longer in flight
+            free_slots()
+            self._in_flight.difference_update(ending)
 
         def explain(error: Exception) -> Exception | None:
             return self._failure_cause(error, op.lower(), written)
 
         try:
-            if self._agent.transfer(handle) == "ERR":
-                transfer.done()  # raises
+            moving = _Rounds(self, op, pool, rounds, staging, written)  # its first round posted
         except Exception as err:
             release()
             raise (explain(err) or err) from err
         except BaseException:
             release()
             raise
-        return DiskTransfer(transfer, finish, release, explain)
+        disk = DiskTransfer(moving, finish, release, explain)
+        ending.append(disk)
+        self._in_flight.add(disk)
+        return disk
+
+    def _staging_for(self, paged: PagedKV) -> Staging:
+        """The staging buffer of ``paged``'s device (made and registered on first use; one per device)."""
+        if paged.device not in self._staging:
+            self._staging[paged.device] = Staging(paged, staging_blocks(self._block_nbytes), self._agent)
+        return self._staging[paged.device]
+
+    def _reserve(self, moving: _Rounds, round_: Round) -> None:
+        """Takes room for ``round_`` of ``moving`` once it fits: the store's requests in flight within
+        GDS_REQUESTS and, for a staged round, its staging buffer free, each by waiting for the oldest other
+        round in flight to end."""
+        staging = moving.staging
+        while self._posted + len(round_.ranges) > GDS_REQUESTS or (
+            staging is not None and staging.user not in (None, moving)
+        ):
+            other = next(m for m in self._rounds_in_flight if m is not moving)
+            other.settle()  # its round in flight ends; it starts its next one when polled
+        if staging is not None:
+            staging.user = moving
+        self._posted += len(round_.ranges)
+        self._rounds_in_flight.append(moving)
+
+    def _post(self, moving: _Rounds, round_: Round) -> NixlTransfer:
+        """Posts ``round_`` of ``moving`` (reserved) to NIXL: one transfer of its requests."""
+        staging = moving.staging
+        if staging is not None:
+            kind, device_id = staging.memory, staging.device_id
+        else:
+            _, _, kind, device_id = self._pools[id(moving.pool)]
+        memory = [(m, n, device_id) for m, _, n in round_.ranges]
+        file = [(f, n, self._fd) for _, f, n in round_.ranges]
+        agent = self._agent
+        handle = agent.initialize_xfer(
+            moving.op, agent.get_xfer_descs(memory, kind), agent.get_xfer_descs(file, "FILE"), agent.name
+        )
+        nbytes = sum(n for *_, n in round_.ranges)
+        transfer = NixlTransfer(agent, handle, moving.op.lower(), len(round_.ranges), nbytes, moving.written)
+        if agent.transfer(handle) == "ERR":
+            transfer.done()  # raises
+        return transfer
+
+    def _round_ended(self, moving: _Rounds, round_: Round) -> None:
+        """``round_`` of ``moving`` ended in NIXL (well or not): its requests and staging buffer free."""
+        self._posted -= len(round_.ranges)
+        self._rounds_in_flight.remove(moving)
+        if moving.staging is not None and moving.staging.user is moving:
+            moving.staging.user = None
 
     def _failure_cause(self, error: Exception, what: str, written: WrittenBlocks) -> Exception | None:
         """A failed NIXL transfer's error, with its cause where the store can tell it (NIXL's says only that
@@ -346,6 +414,8 @@ class DiskKVStore:
         except BaseException:  # (a GPU's gather failed, say): nothing is committed, the slots come free again
             transfer._abandon()
             raise
+        with contextlib.suppress(Exception):  # a GPU's first round, gathered by now, goes to NIXL (an error is
+            transfer.done()  # kept in the transfer, raised by its wait and done)
         return transfer
 
     @staticmethod
@@ -412,19 +482,186 @@ class DiskKVStore:
             raise ValueError(f"DiskKVStore {self.path}: closed")
 
     def close(self) -> None:
-        """Closes its files and NIXL registrations; then match, put and get raise a "closed" ValueError. A
-        second close does nothing."""
-        if self._closed:
+        """Ends every put and get still in flight, then closes its files and NIXL registrations; then match, put
+        and get raise a "closed" ValueError. A second close does nothing.
+
+        Their IO still reads or writes the registered memory and the data file, so none is freed under it (a
+        ``with`` block left by an exception while a put is in flight, say): close waits until NIXL reports each
+        ended, then ends it as its own ``wait`` would (a put's blocks committed, a get's checked); whatever
+        error one ends with is kept for its own ``wait`` and ``done``, not raised here. Interrupted while it
+        waits (KeyboardInterrupt), it frees nothing, and a later close carries on."""
+        if self._freed:
             return
         self._closed = True
+        self._end_in_flight()
+        self._freed = True
         for _, registered, _, _ in self._pools.values():
             self._agent.deregister_memory(registered)
+        for staging in self._staging.values():
+            self._agent.deregister_memory(staging.registered)
         self._agent.deregister_memory(self._file)
         self._index.close()
         os.close(self._fd)
+
+    def _end_in_flight(self) -> None:
+        """Waits for every transfer in flight to end in NIXL, and ends it (see :meth:`close`)."""
+        for transfer in list(self._in_flight):
+            with contextlib.suppress(Exception):  # its own error, kept in it: raised by its wait and done
+                transfer.wait()
+            self._in_flight.discard(transfer)  # (ended now, well or badly)
 
     def __enter__(self) -> DiskKVStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _stream_event(device: torch.device) -> torch.cuda.Event | None:
+    """On a GPU, an event recorded on the current stream, after the kvcopy copy just queued there (to or from a
+    staging buffer): GDS's DMA follows no stream, so a round waits for it, by polling, never by blocking the
+    host. None on the host, where kvcopy's copies are done when they return."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _passed(event: torch.cuda.Event | None, block: bool) -> bool:
+    """Whether the stream has passed ``event`` (None: nothing to wait for); ``block``: wait until it has."""
+    if event is None:
+        return True
+    if block:
+        event.synchronize()
+        return True
+    return bool(event.query())
+
+
+class _Rounds:
+    """A put's or get's rounds (kvcopy.storage.staging.Round), one NIXL transfer each, one after another as it
+    is polled: what a DiskTransfer waits on, as it would on one NixlTransfer (``done``, ``wait``,
+    ``num_descriptors``, ``nbytes``), and ``abandon``. A round in flight is in one stage: "gather" (a staged
+    put's blocks copied into the staging buffer on the current stream; posted to NIXL once the stream passed
+    the copy), "nixl" (NIXL moves it), "scatter" (a staged get's blocks copied out of the buffer on the
+    current stream; it ends once the stream passed the copy). Polls never block the host; ``settle`` and
+    ``wait`` do. An error ends it: no further round is started."""
+
+    def __init__(
+        self,
+        store: DiskKVStore,
+        op: str,
+        pool: HostKVPool | PagedKV,
+        rounds: list[Round],
+        staging: Staging | None,
+        written: WrittenBlocks,
+    ) -> None:
+        self.op, self.pool, self.staging, self.written = op, pool, staging, written
+        self.paged = DiskKVStore._paged(pool)
+        self._store = store
+        self.num_descriptors = sum(len(r.ranges) for r in rounds)
+        self.nbytes = sum(n for r in rounds for *_, n in r.ranges)
+        self._pending = list(rounds)
+        self._current: Round | None = None
+        self._stage = ""
+        self._event: torch.cuda.Event | None = None
+        self._nixl: NixlTransfer | None = None
+        self._error: BaseException | None = None  # a round's, found by settle (for another's round)
+        self._start_next()
+
+    def _start_next(self) -> None:
+        """Reserves the next round, and starts it: a staged put's gather queued, anything else posted."""
+        round_ = self._pending.pop(0)
+        self._store._reserve(self, round_)
+        self._current, self._stage, self._event, self._nixl = round_, "gather", None, None
+        try:
+            if self.staging is not None and self.op == "WRITE":
+                rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
+                copy_blocks(self.paged, round_.ids, self.staging.paged, rows)
+                self._event = _stream_event(self.paged.device)
+            self._step(block=False)
+        except BaseException:
+            self._fail()
+            raise
+
+    def _step(self, block: bool) -> bool:
+        """Advances the round in flight as far as it goes without waiting (``block``: to its end); True once it
+        ended well (its requests and staging buffer free). Its errors propagate."""
+        assert self._current is not None
+        round_ = self._current
+        if self._stage == "gather":
+            if not _passed(self._event, block):
+                return False
+            self._nixl, self._stage = self._store._post(self, round_), "nixl"
+        if self._stage == "nixl":
+            assert self._nixl is not None
+            if block:
+                self._nixl.wait()
+            elif not self._nixl.done():
+                return False
+            self._event, self._stage = None, "scatter"
+            if self.staging is not None and self.op == "READ":
+                rows = torch.arange(round_.ids.numel(), dtype=torch.int64)
+                copy_blocks(self.staging.paged, rows, self.paged, round_.ids)
+                self._event = _stream_event(self.paged.device)
+        if not _passed(self._event, block):  # the scatter: the next round reads into the buffer after it
+            return False
+        self._current = None
+        self._store._round_ended(self, round_)
+        return True
+
+    def _fail(self) -> None:
+        """The round in flight failed (or is abandoned): its requests and staging buffer free, nothing more."""
+        self._pending.clear()
+        if self._current is not None:
+            round_, self._current = self._current, None
+            self._store._round_ended(self, round_)
+
+    def settle(self) -> None:
+        """Waits for the round in flight to end, for another transfer's round to start; starts nothing (the
+        next round starts when this transfer is polled). Its error, if any, is raised by the next poll."""
+        if self._current is None:
+            return
+        try:
+            self._step(block=True)
+        except Exception as err:  # NIXL reported it failed, or a copy did
+            self._error = err
+            self._fail()
+
+    def done(self) -> bool:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._current is None:  # (its round may have ended while another waited: see settle)
+                if not self._pending:
+                    return True
+                self._start_next()
+                continue
+            try:
+                if not self._step(block=False):
+                    return False
+            except BaseException:
+                self._fail()
+                raise
+
+    def wait(self, timeout: float | None = None) -> None:
+        seconds = timeout_argument("timeout", timeout)
+        wait_until(
+            self.done,
+            seconds,
+            lambda: RemoteTransferTimeout(
+                f"{self.op.lower()}: not done after {seconds} s; {self.written} hold no valid data until it is",
+                self.written,
+            ),
+        )
+
+    def abandon(self) -> None:
+        """Waits for NIXL to end the round it moves, and starts no more (its error, if any, is dropped)."""
+        self._pending.clear()
+        if self._current is not None:
+            with contextlib.suppress(Exception):
+                if self._stage == "nixl" and self._nixl is not None:
+                    self._nixl.wait()
+                elif self._event is not None:  # a copy to or from the staging buffer still queued
+                    self._event.synchronize()
+        self._fail()

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 from kvcopy._checks import timeout_argument
-from kvcopy.nixl.transfer import NixlTransfer
 
 __all__ = ["DiskTransfer"]
+
+
+class Moving(Protocol):
+    """What a DiskTransfer waits on: a store's rounds of NIXL transfers (kvcopy.storage.store), or one."""
+
+    num_descriptors: int
+    nbytes: int
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> None: ...
 
 
 class DiskTransfer:
@@ -31,7 +42,7 @@ class DiskTransfer:
 
     def __init__(
         self,
-        transfer: NixlTransfer | None,
+        transfer: Moving | None,
         finish: Callable[[], None],
         release: Callable[[], None],
         explain: Callable[[Exception], Exception | None] | None = None,
@@ -72,8 +83,9 @@ class DiskTransfer:
         """Waits for NIXL to end the transfer, then frees its slots with nothing committed or verified (for
         a call that failed after posting it: its DMA still reads or writes those slots until it ends)."""
         if self._transfer is not None:
+            abandon = getattr(self._transfer, "abandon", None)  # a store's rounds: the one in flight, no more
             with contextlib.suppress(Exception):
-                self._transfer.wait()
+                (abandon or self._transfer.wait)()
         self._end(RuntimeError("abandoned: the call that posted it failed"))
 
     def _raise_if_failed(self) -> None:

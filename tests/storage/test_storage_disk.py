@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
@@ -406,3 +407,122 @@ def test_a_closed_store_says_so_and_closes_once(tmp_path):
     opened = os.listdir("/proc/self/fd")
     store.close()  # nothing: no file closed twice (its descriptor numbers may be another file's by now)
     assert os.listdir("/proc/self/fd") == opened
+
+
+def _slow_nixl(store: DiskKVStore, monkeypatch, events: list[str], in_flight_polls: int) -> None:
+    """NIXL made to report every transfer of ``store`` in flight for its first ``in_flight_polls`` polls, and
+    what the store frees recorded in ``events`` (NIXL's answers, "deregistered", "fd closed")."""
+    real_state, real_deregister, real_close = store._agent.check_xfer_state, store._agent.deregister_memory, os.close
+
+    def slow_state(handle):
+        state = real_state(handle)
+        reported = "PROC" if events.count("PROC") < in_flight_polls else state
+        events.append(reported)
+        return reported
+
+    def recorded_deregister(registered):
+        events.append("deregistered")
+        real_deregister(registered)
+
+    def recorded_close(fd):
+        if fd == store._fd:
+            events.append("fd closed")
+        real_close(fd)
+
+    monkeypatch.setattr(store._agent, "check_xfer_state", slow_state)
+    monkeypatch.setattr(store._agent, "deregister_memory", recorded_deregister)
+    monkeypatch.setattr(os, "close", recorded_close)
+
+
+def test_close_frees_nothing_a_put_in_flight_still_uses_and_commits_it(tmp_path, monkeypatch):
+    """A ``with`` block left by an exception while a put is in flight: close waits until NIXL reports the write
+    ended before it deregisters the memory or closes the data file, and the put, whose bytes are on disk, is
+    committed: it reads back right from a reopened store."""
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    events: list[str] = []
+    in_flight_polls = 20
+    store = DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key())
+    with pytest.raises(RuntimeError, match="the caller failed"), store:
+        _slow_nixl(store, monkeypatch, events, in_flight_polls)
+        transfer = store.put(hashes(2), pool, [5, 6])
+        raise RuntimeError("the caller failed")
+    monkeypatch.undo()
+    first_freed = min(events.index("deregistered"), events.index("fd closed"))
+    before = events[:first_freed]
+    assert before.count("PROC") >= in_flight_polls and before[-1] == "DONE"
+    assert "PROC" not in events[first_freed:]  # nothing polled (nothing in flight) once anything was freed
+    transfer.wait()  # ended well by close: its own wait says so
+    with DiskKVStore.open(tmp_path / "store", pool, cache_key=key()) as store:
+        slots = store.match(hashes(2))
+        assert len(slots) == 2
+        store.get(slots, other, [0, 1]).wait()
+    assert other.block_bytes(0).equal(pool.block_bytes(5)) and other.block_bytes(1).equal(pool.block_bytes(6))
+
+
+def test_close_waits_for_a_dropped_get_and_keeps_its_error_for_its_wait(tmp_path, monkeypatch):
+    """A get in flight (its transfer dropped by its caller, or kept) ends before close frees anything; a get
+    whose block does not match ends with its CorruptBlockError, raised by its own wait, not by close."""
+    pool, other = filled_pool(layout(), 1), filled_pool(layout(), 2)
+    store = DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key())
+    store.put(hashes(2), pool, [0, 1]).wait()
+    slots = store.match(hashes(2))
+    with open(tmp_path / "store" / "blocks.data", "r+b") as f:  # slot of hash 1 corrupted
+        f.seek(slots[1] * pool.nbytes_per_block)
+        byte = f.read(1)[0]
+        f.seek(slots[1] * pool.nbytes_per_block)
+        f.write(bytes([byte ^ 0x01]))
+    store.drop_page_cache()
+    events: list[str] = []
+    _slow_nixl(store, monkeypatch, events, 10)
+    store.get(slots[:1], other, [3])  # dropped by its caller
+    kept = store.get(slots[1:], other, [4])
+    store.close()  # raises nothing
+    monkeypatch.undo()
+    first_freed = min(events.index("deregistered"), events.index("fd closed"))
+    assert events[:first_freed].count("DONE") == 2 and "PROC" not in events[first_freed:]
+    assert other.block_bytes(3).equal(pool.block_bytes(0))
+    with pytest.raises(CorruptBlockError, match=rf"slots \[{slots[1]}\]"):
+        kept.wait()
+
+
+class _FreshAllocations(TorchDispatchMode):
+    """Records the bytes of every tensor an operation returns in storage none of its arguments had: what a
+    function allocates (views and ``out=`` results are its arguments' storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.nbytes.append(t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 40])
+def test_paged_checksums_hold_one_chunk_and_match_the_host_pools(kind, chunk_blocks):
+    """The checksums of 20 blocks gathered ``chunk_blocks`` at a time are the page-first host blocks' (as a
+    host pool's put takes them), and what the function allocates is one chunk (at most all 20 blocks), not a
+    copy of every block moved (the ids' own int64 copy aside)."""
+    paged = layout(kind)
+    for seed, plane in enumerate(paged.planes):
+        generator = torch.Generator().manual_seed(10 + seed)
+        raw = torch.randint(0, 256, (plane.numel() * plane.element_size(),), dtype=torch.uint8, generator=generator)
+        plane.view(-1).view(torch.uint8).copy_(raw)
+    pool = kvcopy.HostKVPool(paged, paged.num_blocks, pin_memory=False)
+    kvcopy.copy_blocks(paged, torch.arange(paged.num_blocks), pool, torch.arange(paged.num_blocks))
+    ids = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(5))[:20]
+    with _FreshAllocations() as allocations:
+        checksums = paged_checksums(paged, ids, chunk_bytes=chunk_blocks * paged.nbytes_per_block)
+    assert checksums == [xxhash.xxh3_64_intdigest(pool.block_bytes(i).numpy()) for i in ids.tolist()]
+    chunk = min(chunk_blocks, len(ids)) * paged.nbytes_per_block
+    assert sum(allocations.nbytes) <= chunk + ids.numel() * 8

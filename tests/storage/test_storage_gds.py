@@ -8,11 +8,12 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 import kvcopy
-from kvcopy.storage.gpu_blocks import paged_block_bytes
+from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums
 from kvcopy.storage.store import CorruptBlockError, DiskKVStore
 
 from helpers import gpu, requires_gpu
@@ -97,3 +98,41 @@ def test_a_posix_store_refuses_a_gpus_blocks(tmp_path):
         with pytest.raises(ValueError, match="GPUDirect Storage"):
             store.put(hashes(1), cache, [0])
         assert store.match(hashes(1)) == []
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 5, 64])
+def test_a_gpu_caches_checksums_in_chunks_are_its_page_first_blocks(chunk_blocks):
+    """Chunked through the staging buffer and the two pinned host buffers (one chunk, several, all at once)."""
+    cache = gpu_cache("fp8", 11)
+    ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(12))[:17]
+    rows = paged_block_bytes(cache, ids)
+    expected = [xxhash.xxh3_64_intdigest(row.numpy()) for row in rows]
+    assert paged_checksums(cache, ids, chunk_bytes=chunk_blocks * cache.nbytes_per_block) == expected
+
+
+def test_a_put_past_nixls_gds_batch_pool_goes_through_in_rounds(tmp_path):
+    """96 blocks of a 64-plane cache: 6,144 plane-blocks, three times NIXL's GDS pool of 16 x 128 requests had
+    each been one request. Through the staging buffer they are one request per run of slots, in rounds, and
+    read back bitwise, in two gets at once."""
+    blocks, planes = 96, 64
+    generator = torch.Generator().manual_seed(13)
+    tensors = [
+        torch.randint(0, 256, (blocks, 16, 2, 64), dtype=torch.uint8, generator=generator) for _ in range(planes)
+    ]
+    cache = kvcopy.PagedKV.from_planes([t.view(torch.bfloat16).cuda() for t in tensors], planes_per_layer=2)
+    target = kvcopy.PagedKV.from_planes([torch.zeros_like(p) for p in cache.planes], planes_per_layer=2)
+    try:
+        store = DiskKVStore.create(tmp_path / "store", cache, blocks, cache_key=key(), backend="gds")
+    except RuntimeError as err:  # a GPU without GPUDirect Storage (cuFile, its driver): NIXL says why
+        pytest.skip(f"needs GPUDirect Storage: {err}")
+    with store:
+        put = store.put(hashes(blocks), cache, list(range(blocks)))
+        put.wait()
+        assert put.num_descriptors <= blocks
+        slots = store.match(hashes(blocks))
+        first = store.get(slots[:48], target, list(range(48)))
+        second = store.get(slots[48:], target, list(range(48, blocks)))
+        first.wait()
+        second.wait()
+    everything = torch.arange(blocks)
+    assert torch.equal(paged_block_bytes(target, everything), paged_block_bytes(cache, everything))
