@@ -55,11 +55,12 @@ deadline=${KVCOPY_CHECK_DEADLINE:-540}   # seconds for the whole check: a lent G
 source benchmarks/check_steps.sh
 
 # The sources, without this checkout's build outputs (the extension and setup.py's record of what it
-# built: a stale record would claim CUDA kernels that the staged build did not make).
+# built: a stale record would claim CUDA kernels that the staged build did not make), with LICENSE, which
+# pyproject.toml's license-files names (setuptools warns without it, and will refuse).
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvcopy-device-check.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 tar --exclude='*.so' --exclude='__pycache__' --exclude='kvcopy/_build_config.json' -cf - \
-  setup.py pyproject.toml README.md kvcopy csrc tests benchmarks | tar -xf - -C "$stage"
+  setup.py pyproject.toml README.md LICENSE kvcopy csrc tests benchmarks | tar -xf - -C "$stage"
 if [ -d "$wheelhouse" ]; then
   "$python" benchmarks/unpack_wheelhouse.py "$wheelhouse" "$stage/deps" >"$out/wheelhouse.log" 2>&1 ||
     fail "unpacking $wheelhouse failed; see $out/wheelhouse.log"
