@@ -5,9 +5,10 @@
 #   bash benchmarks/device_check.sh --dry-run [OUT_DIR]  walk every step the CPU can, at smoke-test sizes
 #
 # The GPU machine (python3.12, torch with CUDA, nvcc, no network) may lack
-# pytest, numpy, matplotlib or setuptools: carry a wheelhouse made by
+# pytest, numpy, xxhash, transformers or setuptools: carry a wheelhouse made by
 # benchmarks/fetch_wheelhouse.sh (run(..., carry=["wheelhouse"])) and the
-# distributions missing there are unpacked into the stage (ninja's binary onto
+# distributions missing there are unpacked into the stage (not matplotlib: the
+# plots are made where it is installed), ninja's binary onto
 # PATH: without it torch builds one file at a time). Everything runs
 # from a staged copy of the sources, built in place there, so the checkout's
 # own build (and a test suite that imported it) is never overwritten.
