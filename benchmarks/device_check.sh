@@ -7,9 +7,9 @@
 # The GPU machine (python3.12, torch with CUDA, nvcc, no network) may lack
 # pytest, numpy, xxhash, transformers or setuptools: carry a wheelhouse made by
 # benchmarks/fetch_wheelhouse.sh (run(..., carry=["wheelhouse"])) and the
-# distributions missing there are unpacked into the stage (not matplotlib: the
-# plots are made where it is installed), ninja's binary onto
-# PATH: without it torch builds one file at a time). Everything runs
+# distributions missing there are unpacked into the stage, ninja's binary onto
+# PATH (without it torch builds one file at a time); matplotlib is not carried:
+# the plots are made where it is installed. Everything runs
 # from a staged copy of the sources, built in place there, so the checkout's
 # own build (and a test suite that imported it) is never overwritten.
 # A preflight fails in seconds when the machine cannot do the check (nvcc's
