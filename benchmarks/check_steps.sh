@@ -6,6 +6,7 @@
 MIN_STEP_S=15                            # a step with less than this left is skipped, not started
 DRY_RUN_SLOWDOWN=5                       # --dry-run caps are this many times the GPU run's
 PYTEST_GRACE_S=20                        # after SIGINT, pytest gets this long to print its summary
+IMPORT_CAP_S=60                          # importing transformers takes seconds; a cold disk, more
 
 fail() {
   echo "device_check: $*" >&2
@@ -57,4 +58,22 @@ pytest_step() {  # pytest_step NAME CAP_S PYTEST_ARGS...: a soft step with a JUn
   local name=$1 cap=$2
   shift 2
   soft_step "$name" "$cap" "$python" -m pytest -q -p no:cacheprovider --junitxml "$out/$name.xml" "$@"
+}
+not_checked() {  # not_checked WHAT WHY: say in summary.txt (and on stderr) that a path was not checked, and why
+  echo "$1: not checked ($2)" >>"$out/summary.txt"
+  echo "device_check: $1: not checked ($2)" >&2
+}
+import_step() {  # import_step NAME MODULE: true when MODULE imports, as step NAME (its log says from where)
+  # False when MODULE is not here. A module that is here but does not import (a wheel for another Python, a
+  # missing dependency) is a failed step, not an absent one: its tests would skip and hide it.
+  local name=$1 module=$2
+  "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)' "$module" \
+    2>/dev/null || return 1
+  if ! run_step "$name" "$IMPORT_CAP_S" "$python" -c \
+    'import importlib, sys; m = importlib.import_module(sys.argv[1]); print(m.__name__, getattr(m, "__version__", "?"), "from", m.__file__)' \
+    "$module"; then
+    failed+=("$name")
+    return 1
+  fi
+  case " ${skipped[*]} " in *" $name "*) return 1 ;; esac  # not run for the deadline: not known to import
 }

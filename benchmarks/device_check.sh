@@ -5,9 +5,11 @@
 #   bash benchmarks/device_check.sh --dry-run [OUT_DIR]  walk every step the CPU can, at smoke-test sizes
 #
 # The GPU machine (python3.12, torch with CUDA, nvcc, no network) may lack
-# pytest, numpy, matplotlib or setuptools: carry a wheelhouse made by
+# pytest, numpy, xxhash, transformers or setuptools: carry a wheelhouse made by
 # benchmarks/fetch_wheelhouse.sh (run(..., carry=["wheelhouse"])) and the
-# distributions missing there are unpacked into the stage. Everything runs
+# distributions missing there are unpacked into the stage, ninja's binary onto
+# PATH (without it torch builds one file at a time); matplotlib is not carried:
+# the plots are made where it is installed. Everything runs
 # from a staged copy of the sources, built in place there, so the checkout's
 # own build (and a test suite that imported it) is never overwritten.
 # A preflight fails in seconds when the machine cannot do the check (nvcc's
@@ -16,7 +18,11 @@
 # each step ends, so whatever ran survives a kill. A failed setup or build step
 # stops the check at once with its last lines; a failed test, calibration or
 # benchmark step is reported the same way but the later steps still run (a lent
-# GPU is scarce), and the check exits 1 at the end.
+# GPU is scarce), and the check exits 1 at the end. A path the check cannot
+# reach on this machine gets a line "WHAT: not checked (WHY)" in summary.txt
+# (NIXL, hence GDS and GPU memory between peers; vLLM; transformers), and an
+# optional package that is here but does not import is a failed step, never a
+# silent skip.
 #
 # Time: one deadline for the whole check (KVCOPY_CHECK_DEADLINE, default 540 s)
 # from which every step's limit is taken: a step gets its own cap or what is
@@ -49,21 +55,29 @@ deadline=${KVCOPY_CHECK_DEADLINE:-540}   # seconds for the whole check: a lent G
 # shellcheck source=benchmarks/check_steps.sh
 source benchmarks/check_steps.sh
 
-# The sources, without this checkout's build outputs.
+# The sources, without this checkout's build outputs (the extension and setup.py's record of what it
+# built: a stale record would claim CUDA kernels that the staged build did not make), with LICENSE, which
+# pyproject.toml's license-files names (setuptools warns without it, and will refuse).
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvcopy-device-check.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
-tar --exclude='*.so' --exclude='__pycache__' --exclude='kvcopy/_build_config.py' -cf - \
-  setup.py pyproject.toml README.md kvcopy csrc tests benchmarks | tar -xf - -C "$stage"
+tar --exclude='*.so' --exclude='__pycache__' --exclude='kvcopy/_build_config.json' -cf - \
+  setup.py pyproject.toml README.md LICENSE kvcopy csrc tests benchmarks | tar -xf - -C "$stage"
 if [ -d "$wheelhouse" ]; then
   "$python" benchmarks/unpack_wheelhouse.py "$wheelhouse" "$stage/deps" >"$out/wheelhouse.log" 2>&1 ||
     fail "unpacking $wheelhouse failed; see $out/wheelhouse.log"
 fi
 export PYTHONPATH="$stage:$stage/deps${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$stage/deps/bin:$PATH"  # the wheelhouse's ninja, where this machine has none
+if ninja=$(command -v ninja); then
+  echo "device_check: ninja: $ninja"
+else
+  echo "device_check: no ninja on PATH: the build compiles one file at a time and may run past its cap" >&2
+fi
 export KVCOPY_PROFILE=none   # no profile from this machine's cache steers "auto"
 
 missing=$("$python" - <<'PY'
 import importlib.util
-need = ["torch", "numpy", "setuptools", "pytest", "hypothesis"]
+need = ["torch", "numpy", "setuptools", "pytest", "hypothesis", "xxhash"]  # xxhash: kvcopy.storage
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 PY
 ) || fail "could not run $python to look for the packages the check needs"
@@ -123,9 +137,14 @@ assert not has_gpu or info["cuda_kernels"], f"a GPU is here but the CUDA kernels
 print(kvcopy.__file__, "cuda_kernels:", info["cuda_kernels"], "archs:", info["cuda_archs"])
 PY
 step info 60 "$python" -m kvcopy info --json
-has_transformers=$("$python" -c 'import importlib.util as u; print(int(u.find_spec("transformers") is not None))') ||
-  has_transformers=0
-[ "$has_transformers" = 1 ] || echo "device_check: transformers is not here: the engine tests and bench_engine are skipped" >&2
+# Present means imports: a transformers that is found but does not import is a failed step (its tests would
+# skip the whole file and bench_engine would fail), not a quiet skip.
+has_transformers=0
+if import_step transformers_import transformers; then
+  has_transformers=1
+elif [[ " ${failed[*]} " != *" transformers_import "* ]]; then
+  not_checked "transformers engine paths (transformers_gpu_tests, bench_engine)" "no transformers on this machine"
+fi
 # The default GPU bench set, trimmed to fit the check's minutes: 4 sizes, 5 counts, 5 repeats.
 gpu_bench=(--repeats 5 --counts 1,16,256,1024,2048 --block-tokens 1,4,16,64)
 if [ "$dry_run" = 1 ]; then
@@ -165,16 +184,21 @@ if [ "$has_transformers" = 1 ]; then
   shortened 120 && engine+=(--requests 16 --max-prompt 512)
   soft_step bench_engine 120 "$python" benchmarks/bench_engine.py "${engine[@]}" --csv "$out/bench_engine.csv"
 fi
-# GPU memory over NIXL between two agents and two processes, where NIXL is installed (kvcopy[nixl]).
-if "$python" -c 'import nixl_cu13' 2>/dev/null; then
-  [ "$dry_run" = 0 ] && pytest_step remote_gpu_tests 60 -m gpu tests/remote/test_remote.py
-  # The disk store through GPUDirect Storage (skipped, saying why, where cuFile will not start).
-  [ "$dry_run" = 0 ] && pytest_step storage_gds_tests 45 -m gpu tests/storage/test_storage_gds.py
-  [ "$dry_run" = 0 ] && soft_step bench_remote_gpu 60 "$python" benchmarks/bench_remote.py --memory gpu \
-    --csv "$out/bench_remote_gpu.csv"
+# GPU memory over NIXL between two agents and two processes, and the disk store through GPUDirect Storage,
+# where NIXL is installed (kvcopy[nixl]). Its wheel does not fit in what a run to a lent GPU may carry.
+if ! "$python" -c 'import nixl_cu13' 2>/dev/null; then
+  not_checked "GDS and remote GPU paths" "no NIXL on this machine"
+elif [ "$dry_run" = 1 ]; then
+  not_checked "GDS and remote GPU paths" "dry run"
 else
-  echo "device_check: NIXL is not here: the GPU-memory remote test and bench_remote --memory gpu are skipped" >&2
+  pytest_step remote_gpu_tests 60 -m gpu tests/remote/test_remote.py
+  # GDS tests skip, saying why, where cuFile will not start: see storage_gds_tests.log.
+  pytest_step storage_gds_tests 45 -m gpu tests/storage/test_storage_gds.py
+  soft_step bench_remote_gpu 60 "$python" benchmarks/bench_remote.py --memory gpu --csv "$out/bench_remote_gpu.csv"
 fi
+# vLLM's wheel cannot travel to a lent GPU either: tests/integrations/test_vllm_gpu.py skips without it.
+"$python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' 2>/dev/null ||
+  not_checked "vLLM on a GPU (test_vllm_gpu.py)" "no vLLM on this machine"
 [ "$dry_run" = 0 ] && pytest_step gpu_compile_tests 120 -m gpu -k torch_compile tests/core/test_copy_gpu.py \
   tests/engine/test_engine_gpu.py
 [ ${#skipped[@]} = 0 ] || echo "device_check: skipped for the deadline: ${skipped[*]}" >&2

@@ -302,8 +302,15 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         assert (out / f"{step}.log").is_file(), step
     summary = (out / "summary.txt").read_text().splitlines()  # a line as each step ends: what survives a kill
     assert summary[0] == "preflight ok" and summary[-1].startswith("done in ")
-    assert [line.split()[0] for line in summary[1:-1]] == steps
-    assert all(" ok in " in line for line in summary[1:-1]), summary
+    step_lines = [line for line in summary[1:-1] if ": not checked (" not in line]
+    assert [line.split()[0] for line in step_lines] == steps
+    assert all(" ok in " in line for line in step_lines), summary
+    # What the check cannot reach is said, never left to a skipped test: a dry run checks no GPU path.
+    has_nixl = importlib.util.find_spec("nixl_cu13") is not None
+    nixl_reason = "dry run" if has_nixl else "no NIXL on this machine"
+    assert f"GDS and remote GPU paths: not checked ({nixl_reason})" in summary
+    assert "transformers_import" in steps  # present means it imports (this Python has transformers)
+    assert "did not match any files" not in (out / "build.log").read_text()  # LICENSE is staged (license-files)
     for name in ("profile.json", "bench.csv", "bench_overlap.csv", "bench_engine.csv", "date.txt"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     rows = read_csv(out / "bench.csv")
@@ -333,6 +340,32 @@ def test_steps_get_their_cap_or_what_is_left_of_the_deadline() -> None:
     assert _budget("dry_run=1; budget 10 && echo $limit") == "50"  # dry runs get DRY_RUN_SLOWDOWN x the cap
     assert _budget("started=$((SECONDS - 80)); shortened 30 && echo short") == "short"
     assert _budget("shortened 30 || echo whole") == "whole"
+
+
+def test_import_step_fails_a_module_that_is_here_but_does_not_import(tmp_path: Path) -> None:
+    """A package found but broken (a wheel for another Python, a missing dependency) is a failed step; its tests
+    would otherwise skip the whole file (importorskip) and the summary would say ok."""
+    (tmp_path / "kvcopy_broken_test").mkdir()
+    (tmp_path / "kvcopy_broken_test" / "__init__.py").write_text("raise ImportError('no module named regex')\n")
+    (tmp_path / "kvcopy_good_test.py").write_text("__version__ = '1.5'\n")
+    script = (
+        f"python={sys.executable}; stage=$out; export PYTHONPATH={tmp_path}; "
+        "import_step broken_import kvcopy_broken_test && echo broken-present; "
+        "import_step absent_import kvcopy_absent_test && echo absent-present; "
+        "import_step good_import kvcopy_good_test && echo good-present; "
+        "echo failed: ${failed[*]}; cat $out/summary.txt"
+    )
+    lines = _budget(script).splitlines()
+    assert "broken-present" not in lines and "absent-present" not in lines and "good-present" in lines
+    assert "failed: broken_import" in lines  # found but not importable: a failure; absent: not one
+    assert any(line.startswith("broken_import failed (exit 1)") for line in lines), lines
+    assert any(line.startswith("good_import ok in ") for line in lines), lines
+    assert not any(line.startswith("absent_import") for line in lines), lines
+
+
+def test_not_checked_says_so_in_the_summary() -> None:
+    out = _budget('not_checked "GDS and remote GPU paths" "no NIXL on this machine"; cat $out/summary.txt')
+    assert out == "GDS and remote GPU paths: not checked (no NIXL on this machine)"
 
 
 def test_a_skipped_step_is_reported_and_not_run() -> None:
@@ -438,10 +471,80 @@ def test_unpack_wheelhouse_skips_other_pythons_and_moves_data_folders(tmp_path: 
     assert not (target / "kvcopy_data_test-1.0.data").exists() and not (target / "kvcopy_other_python").exists()
 
 
-def test_unpack_wheelhouse_shadows_installed_distributions_older_than_the_minimum(tmp_path: Path, monkeypatch) -> None:
+def _unpack_wheelhouse_module():
     spec = importlib.util.spec_from_file_location("unpack_wheelhouse", ROOT / "benchmarks" / "unpack_wheelhouse.py")
-    unpack_wheelhouse = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(unpack_wheelhouse)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The wheels fetch_wheelhouse.sh gets for the GPU machine's CPython 3.12, and whether 3.12 can use them
+# (PEP 425: cpXY-abi3 is built on CPython X.Y's stable ABI and runs on every later CPython 3).
+WHEEL_FITS_CPYTHON_312 = {
+    "safetensors-0.8.0-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": True,
+    "tokenizers-0.23.3-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": True,
+    "hf_xet-1.6.0-cp37-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": True,
+    "kvcopy_later-1.0-cp312-abi3-manylinux2014_x86_64.whl": True,
+    "kvcopy_newer-1.0-cp313-abi3-manylinux2014_x86_64.whl": False,  # needs 3.13's stable ABI
+    "numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl": True,
+    "numpy-2.5.5-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl": False,  # another CPython's ABI
+    "kvcopy_no_abi-1.0-cp311-none-manylinux2014_x86_64.whl": False,
+    "ninja-1.13.2-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl": True,
+    "sortedcontainers-2.4.0-py2.py3-none-any.whl": True,
+    "kvcopy_build-1.0-1build-cp310-abi3-linux_x86_64.whl": True,  # with a build tag
+}
+
+
+@pytest.mark.parametrize("name", sorted(WHEEL_FITS_CPYTHON_312))
+def test_unpack_wheelhouse_takes_stable_abi_wheels_up_to_the_running_python(name: str) -> None:
+    assert _unpack_wheelhouse_module().usable(Path(name), (3, 12)) is WHEEL_FITS_CPYTHON_312[name]
+
+
+def test_unpack_wheelhouse_unpacks_abi3_wheels_and_scripts_onto_bin(tmp_path: Path) -> None:
+    """tokenizers and safetensors are abi3 wheels (transformers does not import without them); ninja's binary
+    is a wheel script, which the build finds on PATH, executable."""
+    house, target = tmp_path / "wheelhouse", tmp_path / "deps"
+    house.mkdir()
+    abi3 = "kvcopy_abi3_test-1.0-cp38-abi3-manylinux2014_x86_64.whl"  # cp38: older than any Python kvcopy runs on
+    _wheel(house / abi3, {"kvcopy_abi3_test/__init__.py": "VALUE = 3\n"})
+    tool = "kvcopy_tool_test-1.0-py3-none-manylinux2014_x86_64.whl"
+    _wheel(house / tool, {"kvcopy_tool_test-1.0.data/scripts/kvcopy-tool-test": "#!/bin/sh\necho tool ran\n"})
+    result = _run("benchmarks/unpack_wheelhouse.py", str(house), str(target))
+    assert result.returncode == 0, _describe(result)
+    assert sorted(result.stdout.splitlines()) == [f"unpacked {abi3}", f"unpacked {tool}"]
+    check = _run("-c", "import kvcopy_abi3_test as m; print(m.VALUE)", env={**os.environ, "PYTHONPATH": str(target)})
+    assert check.stdout.split() == ["3"], _describe(check)
+    ran = subprocess.run(
+        ["kvcopy-tool-test"],
+        env={**os.environ, "PATH": f"{target / 'bin'}{os.pathsep}{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=HANG_TIMEOUT_S,
+    )
+    assert ran.stdout == "tool ran\n" and not (target / "kvcopy_tool_test-1.0.data").exists()
+
+
+@pytest.mark.parametrize(
+    ("installed", "shadowed"), [("5.17.0", True), ("5.23.0", False), ("5.23.2", False), ("5.24.0", True)]
+)
+def test_unpack_wheelhouse_shadows_a_transformers_outside_kvcopys_range(
+    tmp_path: Path, monkeypatch, installed: str, shadowed: bool
+) -> None:
+    """The GPU machine's image has transformers 5.17; kvcopy's adapter runs on 5.23 only (compat.py)."""
+    from kvcopy.integrations.transformers import compat
+
+    unpack_wheelhouse = _unpack_wheelhouse_module()
+    wheel = tmp_path / "transformers-5.23.0-py3-none-any.whl"
+    wheel.touch()
+    monkeypatch.setattr(unpack_wheelhouse.importlib.metadata, "version", lambda name: installed)
+    in_range = compat._version_tuple(compat.SUPPORTED_MIN) <= compat._version_tuple(installed)
+    in_range = in_range and compat._version_tuple(installed) < compat._version_tuple(compat.SUPPORTED_BELOW)
+    assert in_range is not shadowed  # the reference: the range kvcopy checks at run time
+    assert unpack_wheelhouse.missing_wheels(tmp_path) == ([wheel] if shadowed else [])
+
+
+def test_unpack_wheelhouse_shadows_installed_distributions_older_than_the_minimum(tmp_path: Path, monkeypatch) -> None:
+    unpack_wheelhouse = _unpack_wheelhouse_module()
     (tmp_path / "pytest-999.0-py3-none-any.whl").touch()  # pytest is installed here, older than 999
     assert unpack_wheelhouse.missing_wheels(tmp_path) == []
     monkeypatch.setattr(unpack_wheelhouse, "MIN_VERSIONS", {"pytest": (999,)})
