@@ -27,6 +27,12 @@ constexpr int64_t kSmallTable = 8;
 constexpr int64_t kMediumTable = 64;
 static_assert(kMaxPlanesPerLaunch == 256, "the largest table capacity is kMaxPlanesPerLaunch");
 
+// The launch, spelled through a macro so that csrc/kernels/host_shim/ can run this same source on the CPU
+// (every CTA and thread in turn); under nvcc it is the plain triple-chevron launch.
+#ifndef KVCOPY_LAUNCH
+#define KVCOPY_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
+#endif
+
 template <int64_t kCapacity>
 struct CopyBlocksSmArgs {
   const int64_t* src_ids;  // [num_ids]
@@ -162,7 +168,7 @@ cudaError_t launch_planes(const PlaneCopy* planes, int64_t num_planes, const int
   int grid = 0;
   cudaError_t err = grid_for_work<kCapacity>(num_ids * num_planes * args.chunks_per_block, num_ctas, &grid);
   if (err != cudaSuccess) return err;
-  copy_blocks_sm_kernel<kCapacity><<<grid, kThreadsPerCta, 0, stream>>>(args);
+  KVCOPY_LAUNCH(copy_blocks_sm_kernel<kCapacity>, grid, kThreadsPerCta, stream)(args);
   return cudaGetLastError();
 }
 
