@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "online": {"base", "model", "calibration"},
     "nixl": {"base", "host", "engine"},
     "remote": {"base", "host", "core", "model", "cachekey", "nixl"},
-    "storage": {"base", "host", "core", "model", "cachekey", "nixl"},
+    "storage": {"base", "host", "core", "engine", "model", "cachekey", "nixl"},
     "calibration": {"base", "host", "core", "model", "nixl", "remote", "storage"},
     "tools": {
         "base",
