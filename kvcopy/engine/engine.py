@@ -53,12 +53,67 @@ from kvcopy.engine.transfer import CudaSignal, ThreadSignal, Transfer
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds
 from kvcopy.layout import PagedKV
+from kvcopy.methods import registry
+from kvcopy.methods.choice import available_methods, choose_method
 from kvcopy.methods.cta_budget import check_num_ctas
 from kvcopy.methods.registry import CopyMethod
 from kvcopy.methods.staging import ids_on
-from kvcopy.profile import Profile, direction_of
+from kvcopy.profile import Profile, default_profile, direction_of
 
-__all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine"]
+__all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine", "engine_method"]
+
+# The method a CUDA engine never runs: its cross-device ``.to(device)`` makes the submitting thread wait for
+# every kernel the caller had queued (the forward) before the call returns, where the engine promises to return
+# at once. On CPU the copy runs on the engine's worker thread anyway, so it is allowed there.
+BLOCKING_METHOD = "torch"
+
+
+def engine_method(
+    method: str,
+    src: PagedKV,
+    dst: PagedKV,
+    *,
+    cuda: bool,
+    host_ids: bool,
+    capturing: bool = False,
+    num_blocks: int = 1,
+    profile: Profile | None = None,
+) -> CopyMethod:
+    """The method a TransferEngine runs for this pair (``cuda``: the engine's cache is on a GPU).
+
+    As kvcopy.dispatch.resolve, except that a CUDA engine never runs the host-blocking "torch" method: asked
+    for, it is a ValueError; "auto" chooses among the other methods, and is a ValueError when none can run."""
+    options = {"host_ids": host_ids, "capturing": capturing, "num_blocks": num_blocks, "profile": profile}
+    if not cuda:
+        return dispatch.resolve(method, src, dst, **options)
+    asynchronous = [name for name in available_methods(src, dst) if name != BLOCKING_METHOD]
+    if method == BLOCKING_METHOD:
+        raise ValueError(
+            f"method: {BLOCKING_METHOD!r} cannot run in a CUDA TransferEngine: its copy to the device blocks the "
+            f"submitting thread until the caller's queued work (the forward) is done; use 'auto' or one of "
+            f"{asynchronous}"
+        )
+    chosen = dispatch.resolve(method, src, dst, **options)
+    if chosen.name != BLOCKING_METHOD:
+        return chosen
+    # "auto" fell back to torch (nothing else ranked, or a profile measured it fastest): choose without it
+    name = choose_method(
+        src,
+        dst,
+        asynchronous,
+        host_ids=host_ids,
+        capturing=capturing,
+        num_blocks=num_blocks,
+        profile=profile if profile is not None else default_profile(),
+    )
+    found = registry.get(name) if name != BLOCKING_METHOD else None
+    if found is None:
+        raise ValueError(
+            f"method: 'auto' found no copy method for a CUDA TransferEngine but {BLOCKING_METHOD!r}, which blocks "
+            f"the submitting thread (methods that can run here: {available_methods(src, dst)}); build kvcopy's "
+            "CUDA extension or install Triton"
+        )
+    return found
 
 
 class _Labels(TypedDict):
@@ -79,7 +134,8 @@ class TransferEngine:
 
     - ``kv``: the engine's cache (a PagedKV).
     - ``host``: the host pool its blocks go to (a HostKVPool laid out like ``kv``).
-    - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks).
+    - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks). A CUDA engine
+      never runs "torch", which would block the submitting thread (:func:`engine_method`).
     - ``profile``: the calibrated Profile "auto" consults (default: kvcopy's default profile, see
       kvcopy.profile.default_profile).
     - ``debug`` (or ``KVCOPY_DEBUG=1``): raise TransferConflictError when the caller's own ``copy_blocks`` on
@@ -134,9 +190,9 @@ class TransferEngine:
         self._lock = threading.Lock()  # guards _order: transfers may come from many threads
         self._closed = False
         self._cuda = kv.device.type == "cuda"
-        # Resolve once, so that bad methods fail here and not on the first transfer.
+        # Resolve once, so that bad methods (and "torch" on CUDA) fail here and not on the first transfer.
         for src, dst in ((kv, host.paged), (host.paged, kv)):
-            dispatch.resolve(method, src, dst, host_ids=True)
+            engine_method(method, src, dst, cuda=self._cuda, host_ids=True, profile=profile)
         for i in range(kv.num_layers):  # layer views (and their plane tables) made now, off the hot path
             kv.layer(i), host.paged.layer(i)
         if self.debug:
@@ -268,10 +324,11 @@ class TransferEngine:
             raise RuntimeError(f"{direction}: this TransferEngine is closed")
         src_t, dst_t, host_ids = dispatch.prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        method = dispatch.resolve(
+        method = engine_method(
             self._method,
             src,
             dst,
+            cuda=self._cuda,
             host_ids=host_ids,
             capturing=capturing,
             num_blocks=src_t.numel(),
