@@ -1,14 +1,16 @@
 """TransferEngine: asynchronous offload and reload with ordering that cannot corrupt.
 
-On CUDA the engine owns two low-priority copy streams on the cache's device,
-one per direction. Each transfer records an event on the caller's current
-stream and makes its copy stream wait on it, so the copy reads (offload) or
+On CUDA the engine owns a least-priority copy stream per direction on the
+cache's device, and sends expedited reloads (a step waits for them) to a
+third, of the greatest priority (kvcopy.engine.streams says which is which).
+Each transfer records an event on the caller's current stream and makes its
+copy stream wait on it, so the copy reads (offload) or
 writes (reload) device blocks only after all work the caller had already
 queued: the producer of an offloaded block has finished, and the readers of a
 reloaded block's old contents are done. Completion comes back as events in a
 :class:`~kvcopy.engine.transfer.Transfer`; nothing here synchronises the host.
 
-On CPU the same API runs on one worker thread per direction (FIFO, like a
+On CPU the same API runs on one worker thread per such queue (FIFO, like a
 stream). Work the caller did before the call has finished by then, so the
 ordering guarantees hold as they are.
 
@@ -48,17 +50,82 @@ from kvcopy._version import warn_renamed
 from kvcopy.conflicts import TransferConflictError, watch
 from kvcopy.engine.block_order import BlockOrder, Blocks
 from kvcopy.engine.cpu_worker import cpu_copy_job
-from kvcopy.engine.streams import COPY_STREAM_PRIORITY, EventPool, destroy_streams, new_copy_stream
+from kvcopy.engine.streams import (
+    COPY_STREAM_PRIORITY,
+    EventPool,
+    new_copy_stream,
+    new_expedited_stream,
+    release_streams,
+)
 from kvcopy.engine.transfer import CudaSignal, ThreadSignal, Transfer
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds
 from kvcopy.layout import PagedKV
+from kvcopy.methods import registry
+from kvcopy.methods.choice import available_methods, choose_method
 from kvcopy.methods.cta_budget import check_num_ctas
 from kvcopy.methods.registry import CopyMethod
 from kvcopy.methods.staging import ids_on
-from kvcopy.profile import Profile, direction_of
+from kvcopy.profile import Profile, default_profile, direction_of
 
-__all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine"]
+__all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine", "engine_method"]
+
+# The method a CUDA engine never runs: its cross-device ``.to(device)`` makes the submitting thread wait for
+# every kernel the caller had queued (the forward) before the call returns, where the engine promises to return
+# at once. On CPU the copy runs on the engine's worker thread anyway, so it is allowed there.
+BLOCKING_METHOD = "torch"
+
+# The engine's queues (a copy stream each on CUDA, a worker thread each on CPU): stores, prefetch loads, and
+# expedited loads (which a step waits for), so that those never queue behind prefetch loads.
+LANES = ("offload", "reload", "expedited")
+
+
+def engine_method(
+    method: str,
+    src: PagedKV,
+    dst: PagedKV,
+    *,
+    cuda: bool,
+    host_ids: bool,
+    capturing: bool = False,
+    num_blocks: int = 1,
+    profile: Profile | None = None,
+) -> CopyMethod:
+    """The method a TransferEngine runs for this pair (``cuda``: the engine's cache is on a GPU).
+
+    As kvcopy.dispatch.resolve, except that a CUDA engine never runs the host-blocking "torch" method: asked
+    for, it is a ValueError; "auto" chooses among the other methods, and is a ValueError when none can run."""
+    options = {"host_ids": host_ids, "capturing": capturing, "num_blocks": num_blocks, "profile": profile}
+    if not cuda:
+        return dispatch.resolve(method, src, dst, **options)
+    asynchronous = [name for name in available_methods(src, dst) if name != BLOCKING_METHOD]
+    if method == BLOCKING_METHOD:
+        raise ValueError(
+            f"method: {BLOCKING_METHOD!r} cannot run in a CUDA TransferEngine: its copy to the device blocks the "
+            f"submitting thread until the caller's queued work (the forward) is done; use 'auto' or one of "
+            f"{asynchronous}"
+        )
+    chosen = dispatch.resolve(method, src, dst, **options)
+    if chosen.name != BLOCKING_METHOD:
+        return chosen
+    # "auto" fell back to torch (nothing else ranked, or a profile measured it fastest): choose without it
+    name = choose_method(
+        src,
+        dst,
+        asynchronous,
+        host_ids=host_ids,
+        capturing=capturing,
+        num_blocks=num_blocks,
+        profile=profile if profile is not None else default_profile(),
+    )
+    found = registry.get(name) if name != BLOCKING_METHOD else None
+    if found is None:
+        raise ValueError(
+            f"method: 'auto' found no copy method for a CUDA TransferEngine but {BLOCKING_METHOD!r}, which blocks "
+            f"the submitting thread (methods that can run here: {available_methods(src, dst)}); build kvcopy's "
+            "CUDA extension or install Triton"
+        )
+    return found
 
 
 class _Labels(TypedDict):
@@ -79,7 +146,8 @@ class TransferEngine:
 
     - ``kv``: the engine's cache (a PagedKV).
     - ``host``: the host pool its blocks go to (a HostKVPool laid out like ``kv``).
-    - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks).
+    - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks). A CUDA engine
+      never runs "torch", which would block the submitting thread (:func:`engine_method`).
     - ``profile``: the calibrated Profile "auto" consults (default: kvcopy's default profile, see
       kvcopy.profile.default_profile).
     - ``debug`` (or ``KVCOPY_DEBUG=1``): raise TransferConflictError when the caller's own ``copy_blocks`` on
@@ -134,21 +202,25 @@ class TransferEngine:
         self._lock = threading.Lock()  # guards _order: transfers may come from many threads
         self._closed = False
         self._cuda = kv.device.type == "cuda"
-        # Resolve once, so that bad methods fail here and not on the first transfer.
+        # Resolve once, so that bad methods (and "torch" on CUDA) fail here and not on the first transfer.
         for src, dst in ((kv, host.paged), (host.paged, kv)):
-            dispatch.resolve(method, src, dst, host_ids=True)
+            engine_method(method, src, dst, cuda=self._cuda, host_ids=True, profile=profile)
         for i in range(kv.num_layers):  # layer views (and their plane tables) made now, off the hot path
             kv.layer(i), host.paged.layer(i)
         if self.debug:
             watch(kv, "device", self)
             watch(host.paged, "host", self)
         if self._cuda:
-            self._streams = {direction: new_copy_stream(self.kv.device) for direction in ("offload", "reload")}
+            self._streams = {
+                "offload": new_copy_stream(self.kv.device),
+                "reload": new_copy_stream(self.kv.device),
+                "expedited": new_expedited_stream(self.kv.device),
+            }
             owned = [s.cuda_stream for s in self._streams.values() if isinstance(s, torch.cuda.ExternalStream)]
-            # Destroyed at close(), or when the engine is collected without one (CUDA frees a
-            # destroyed stream's resources once its queued work is done).
+            # Handed back for the next engine at close(), or when the engine is collected without one; never
+            # destroyed, so the allocator's record_stream events of ids freed later still find them.
             self._owned_streams = owned  # capture streams made later join them
-            self._stream_finalizer = weakref.finalize(self, destroy_streams, owned)
+            self._stream_finalizer = weakref.finalize(self, release_streams, self.kv.device.index, owned)
             # Captures get streams of their own, per direction and capturing stream: eager transfers queued
             # meanwhile on the shared copy streams must run, not join someone's graph.
             self._capture_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
@@ -159,8 +231,7 @@ class TransferEngine:
             self._timing_events = EventPool(enable_timing=True)
         else:
             self._workers = {
-                direction: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-{direction}")
-                for direction in ("offload", "reload")
+                lane: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-{lane}") for lane in LANES
             }
 
     def _capture_in_progress(self) -> bool:
@@ -177,16 +248,18 @@ class TransferEngine:
                 self._captures.discard(handle)
             return bool(self._captures)
 
-    def _stream_for(self, direction: str, capturing: bool) -> torch.cuda.Stream:
+    def _stream_for(self, lane: str, capturing: bool) -> torch.cuda.Stream:
         if not capturing:
-            return self._streams[direction]
+            return self._streams[lane]
         caller = torch.cuda.current_stream(self.kv.device).cuda_stream
         with self._captures_lock:
             self._captures.add(caller)
         self._captured_any = True
-        key = (direction, caller)
+        key = (lane, caller)
         if key not in self._capture_streams:
-            self._capture_streams[key] = new_copy_stream(self.kv.device)
+            self._capture_streams[key] = (
+                new_expedited_stream(self.kv.device) if lane == "expedited" else new_copy_stream(self.kv.device)
+            )
             if isinstance(self._capture_streams[key], torch.cuda.ExternalStream):
                 self._owned_streams.append(self._capture_streams[key].cuda_stream)
         return self._capture_streams[key]
@@ -199,18 +272,27 @@ class TransferEngine:
         The device blocks are read only after all work already queued on the
         caller's current stream has finished.
         """
-        return self._submit("offload", self.kv, block_ids, "block_ids", self.host.paged, host_ids, "host_ids", False)
+        return self._submit(
+            "offload", "offload", self.kv, block_ids, "block_ids", self.host.paged, host_ids, "host_ids", False
+        )
 
-    def reload(self, host_ids: BlockIds, block_ids: BlockIds, *, layerwise: bool = False) -> Transfer:
+    def reload(
+        self, host_ids: BlockIds, block_ids: BlockIds, *, layerwise: bool = False, expedited: bool = False
+    ) -> Transfer:
         """Copies host blocks ``host_ids`` into device blocks ``block_ids``; returns at once.
 
         The device blocks are written only after all work already queued on the
         caller's current stream. ``layerwise``: copy layer by layer and signal
         each (``Transfer.wait_layer``), so attention of layer l can start as soon
-        as layer l has arrived.
+        as layer l has arrived. ``expedited``: the caller will wait for it soon (the next step reads it): it runs
+        on a queue of its own, of the greatest priority on CUDA, and does not wait behind other reloads (only
+        behind transfers that touch its blocks).
         """
         layerwise = boolean("layerwise", layerwise)
-        return self._submit("reload", self.host.paged, host_ids, "host_ids", self.kv, block_ids, "block_ids", layerwise)
+        lane = "expedited" if boolean("expedited", expedited) else "reload"
+        return self._submit(
+            "reload", lane, self.host.paged, host_ids, "host_ids", self.kv, block_ids, "block_ids", layerwise
+        )
 
     def close(self) -> None:
         """Waits for every transfer in flight (their errors stay with their handles), then frees the streams or
@@ -228,8 +310,9 @@ class TransferEngine:
             for worker in self._workers.values():
                 worker.shutdown(wait=True)
             return
-        for stream in self._streams.values():
-            stream.synchronize()  # every transfer was waited for above
+        for lane, stream in self._streams.items():
+            if lane != "expedited":  # a torch pool stream, maybe shared: its transfers were waited for above
+                stream.synchronize()  # every transfer was waited for above
         if self._captured_any:
             # A graph replays its captured copies on the stream that replays it, not on the engine's:
             # wait for the device, so no replay queued before close still reads the pool (replaying such a
@@ -256,6 +339,7 @@ class TransferEngine:
     def _submit(
         self,
         direction: str,
+        lane: str,
         src: PagedKV,
         src_ids: BlockIds,
         src_name: str,
@@ -268,10 +352,11 @@ class TransferEngine:
             raise RuntimeError(f"{direction}: this TransferEngine is closed")
         src_t, dst_t, host_ids = dispatch.prepare_pair(src, src_ids, dst, dst_ids, (src_name, dst_name))
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        method = dispatch.resolve(
+        method = engine_method(
             self._method,
             src,
             dst,
+            cuda=self._cuda,
             host_ids=host_ids,
             capturing=capturing,
             num_blocks=src_t.numel(),
@@ -284,17 +369,15 @@ class TransferEngine:
             if self._closed:
                 raise RuntimeError(f"{direction}: this TransferEngine is closed")
             reads, writes = self._blocks(direction, src_t, dst_t, host_ids)
-            # Same-direction transfers share a stream (worker): they already run in submission order.
-            after = (
-                [] if capturing else [t for t in self._order.dependencies(reads, writes) if t.direction != direction]
-            )
+            # Transfers of one lane share a stream (worker): they already run in submission order.
+            after = [] if capturing else [t for t in self._order.dependencies(reads, writes) if t.lane != lane]
             if self._cuda:
                 transfer = self._submit_cuda(
-                    direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, capturing, after
+                    direction, lane, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, capturing, after
                 )
             else:
                 transfer = self._submit_cpu(
-                    direction, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, after
+                    direction, lane, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, after
                 )
             if not capturing:
                 self._order.add(transfer, reads, writes)
@@ -340,6 +423,7 @@ class TransferEngine:
     def _submit_cuda(
         self,
         direction: str,
+        lane: str,
         method: CopyMethod,
         src: PagedKV,
         src_ids: torch.Tensor,
@@ -351,7 +435,7 @@ class TransferEngine:
         capturing: bool,
         after: list[Transfer],
     ) -> Transfer:
-        stream = self._stream_for(direction, capturing)
+        stream = self._stream_for(lane, capturing)
         # Timed outside a capture: the submission on the caller's stream (see kvcopy.engine.transfer.Timer).
         ready = self._signal_events.get() if capturing else self._timing_events.get()
         ready.record(torch.cuda.current_stream(self.kv.device))
@@ -393,6 +477,7 @@ class TransferEngine:
             layers,
             timer,
             keepalive=(src, dst, src_ids, dst_ids),
+            lane=lane,
             **self._labels(method, src, dst),
         )
         weakref.finalize(transfer, self._signal_events.put, layer_events)
@@ -403,6 +488,7 @@ class TransferEngine:
     def _submit_cpu(
         self,
         direction: str,
+        lane: str,
         method: CopyMethod,
         src: PagedKV,
         src_ids: torch.Tensor,
@@ -418,11 +504,13 @@ class TransferEngine:
         done = ThreadSignal()
         layers = [ThreadSignal() for _ in range(self.kv.num_layers)] if layerwise else None
         stamps = [time.perf_counter()]  # submitted; the worker adds started and ended (kvcopy.engine.transfer.Timer)
-        transfer = Transfer(direction, num_blocks, nbytes, done, layers, stamps, **self._labels(method, src, dst))
+        transfer = Transfer(
+            direction, num_blocks, nbytes, done, layers, stamps, lane=lane, **self._labels(method, src, dst)
+        )
 
         def copy(layer: int | None) -> None:
             self._copy(method, src, src_ids, dst, dst_ids, layer)
 
         run = cpu_copy_job(copy, self.kv.num_layers, after, transfer, done, layers, stamps)
-        self._workers[direction].submit(run)
+        self._workers[lane].submit(run)
         return transfer

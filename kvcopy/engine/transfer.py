@@ -144,7 +144,8 @@ class Transfer:
     wait on the device without blocking the host (on CPU they block the caller).
     ``direction``: "offload" or "reload"; ``method``: the copy method that ran
     it; ``profile_direction``: its direction in a Profile's terms ("d2h",
-    "h2d" or "h2h"), as OnlineProfile.observe_copy takes it.
+    "h2d" or "h2h"), as OnlineProfile.observe_copy takes it; ``lane``: the
+    engine's queue it ran on ("offload", "reload" or "expedited").
     """
 
     def __init__(
@@ -160,8 +161,10 @@ class Transfer:
         method: str = "",
         profile_direction: str = "",
         observer: Callable[[Transfer], None] | None = None,
+        lane: str | None = None,
     ) -> None:
         self.direction = direction
+        self.lane = direction if lane is None else lane  # the engine queue it ran on (TransferEngine: LANES)
         self.num_blocks = num_blocks
         self.nbytes = nbytes
         self.method = method

@@ -11,6 +11,10 @@ import pytest
 import torch
 
 import kvcopy
+import kvcopy.engine.engine as engine_module
+from kvcopy import dispatch
+from kvcopy.engine.engine import engine_method
+from kvcopy.methods.choice import available_methods
 
 from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
 
@@ -132,3 +136,41 @@ def test_an_engine_over_a_meta_cache_is_refused():
     meta = kvcopy.PagedKV.from_planes([p.to("meta") for p in kv.planes], planes_per_layer=kv.planes_per_layer)
     with pytest.raises(ValueError, match=r"^kv: .*meta"):
         kvcopy.TransferEngine(meta, pool)
+
+
+# ----------------------------------------------------------------------------- "torch" in a CUDA engine
+# The engine's method choice is tested with cuda=True on host tensors: which method a CUDA engine may run
+# does not depend on where these test tensors live, only on the rule (issue #33, finding 12).
+
+
+def _pair():
+    kv, pool = _setup()
+    return kv, pool.paged
+
+
+def test_a_cuda_engine_refuses_the_torch_method_naming_why():
+    kv, host = _pair()
+    for src, dst in ((kv, host), (host, kv)):
+        with pytest.raises(ValueError, match=r"method: 'torch' cannot run in a CUDA TransferEngine: .*blocks"):
+            engine_method("torch", src, dst, cuda=True, host_ids=True)
+    assert engine_method("torch", kv, host, cuda=False, host_ids=True).name == "torch"  # the CPU engine's worker
+    kvcopy.TransferEngine(kv, kvcopy.HostKVPool(kv, 6, pin_memory=False), method="torch").close()
+
+
+def test_auto_in_a_cuda_engine_never_falls_back_to_torch(monkeypatch):
+    kv, host = _pair()
+    # "auto" as a profile that measured torch fastest would choose: torch whenever it is a candidate
+    monkeypatch.setattr(dispatch, "choose_method", lambda src, dst, available, **_: available[0])
+    monkeypatch.setattr(engine_module, "choose_method", lambda src, dst, available, **_: available[0])
+    assert available_methods(kv, host)[0] == "torch"  # torch is listed first, so the stand-in picks it
+    assert engine_method("auto", kv, host, cuda=False, host_ids=True).name == "torch"
+    chosen = engine_method("auto", kv, host, cuda=True, host_ids=True)
+    assert chosen.name != "torch" and chosen.name in available_methods(kv, host)
+
+
+def test_auto_in_a_cuda_engine_with_only_torch_is_a_clear_error(monkeypatch):
+    kv, host = _pair()
+    monkeypatch.setattr(dispatch, "available_methods", lambda src, dst: ["torch"])
+    monkeypatch.setattr(engine_module, "available_methods", lambda src, dst: ["torch"])
+    with pytest.raises(ValueError, match=r"method: 'auto' found no copy method for a CUDA TransferEngine but 'torch'"):
+        engine_method("auto", kv, host, cuda=True, host_ids=True)

@@ -2,8 +2,12 @@
 
 vLLM builds the spec in each role: the scheduler asks it for the manager
 (:mod:`.manager`), the worker for the worker (:mod:`.worker`). Both read the
-same extra-config keys (:mod:`._config`) and size the host tier alike:
-``cpu_bytes_to_use`` // (bytes of a device block x ``blocks_per_chunk``) chunks.
+same extra-config keys (:mod:`._config`) and size the host tier alike. As in vLLM's
+own CPU spec, ``cpu_bytes_to_use`` is the total of every worker of the engine
+(``parallel.world_size``: TP x PP x PCP), and each worker pins its share:
+``num_chunks`` = ``cpu_bytes_to_use`` // (one worker's bytes per block x
+``blocks_per_chunk`` x ``world_size``) chunks on the scheduler, and
+``num_chunks`` x ``blocks_per_chunk`` of its own blocks on each worker.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def _max_forward_tokens() -> int | None:
 class KVCopyOffloadingSpec(OffloadingSpec):
     """vLLM's ``OffloadingSpec`` for host-memory offloading through kvcopy (docs/engines.md, "vLLM").
 
-    Extra-config keys (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (required), vLLM's
+    Extra-config keys (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (required; the host memory of
+    all the engine's workers together, as vLLM's CPU spec reads it: each pins its share), vLLM's
     ``blocks_per_chunk``, ``kvcopy_policy`` ("auto": load a hit only when the Planner predicts it faster than
     recomputing it; "offload": load every hit), ``kvcopy_profile`` (a Profile's path; default: kvcopy's
     default profile), ``kvcopy_method`` (the copy method, "auto"), ``kvcopy_learn`` (refine the profile from
@@ -103,12 +108,15 @@ class KVCopyOffloadingSpec(OffloadingSpec):
         self.settings: SpecConfig = read_config(config.extra_config)
         super().__init__(config)
         blocks_per_chunk = self.blocks_per_chunk
-        self._chunk_bytes = chunk_bytes = config.worker_kv_bytes_per_block * blocks_per_chunk
+        # Every worker pins its own copy of each chunk (no shared region, so no replicated layout): a chunk
+        # costs world_size times one worker's bytes, as in vLLM's CPU spec.
+        self.world_size = world_size = max(1, config.parallel.world_size)
+        self._chunk_bytes = chunk_bytes = config.worker_kv_bytes_per_block * blocks_per_chunk * world_size
         self.num_chunks = self.settings.cpu_bytes_to_use // chunk_bytes if chunk_bytes > 0 else 0
         if chunk_bytes > 0 and self.num_chunks < 1:
             raise ValueError(
-                f"cpu_bytes_to_use: {self.settings.cpu_bytes_to_use} bytes hold no chunk of {blocks_per_chunk} "
-                f"blocks ({chunk_bytes} bytes)"
+                f"cpu_bytes_to_use: {self.settings.cpu_bytes_to_use} bytes (the total of {world_size} workers) "
+                f"hold no chunk of {blocks_per_chunk} blocks ({chunk_bytes} bytes over the workers)"
             )
         path = self.settings.profile_path
         self.profile: Profile | None = Profile.load(path) if path is not None else default_profile()

@@ -14,8 +14,10 @@ loads a step must have (docs/engines.md, "vLLM"). Here:
 - order comes from the TransferEngine: a load of chunks a store is still
   writing starts after it, a store reads device blocks only after the work
   already queued on the caller's stream (the forward that wrote them), and
-  jobs that share no block overlap. Loads (expedited or not) run on the reload
-  stream, so they never queue behind stores.
+  jobs that share no block overlap. Prefetch loads run on the reload stream and
+  expedited ones (a step waits for them) on the expedited stream of the
+  greatest priority (kvcopy.engine.streams), so no load queues behind a store,
+  nor an expedited load behind a prefetch.
 
 A copy that fails is logged and reported ``success=False``, never as done.
 """
@@ -131,7 +133,9 @@ class KVCopyOffloadingWorker(OffloadingWorker):
             raise TypeError(f"{name}: expected the host chunks as a BlockIDsLoadStoreSpec, got {type(host).__name__}")
         return job_block_ids(gpu.block_ids, gpu.group_sizes, gpu.block_indices, host.block_ids, self.blocks_per_chunk)
 
-    def _submit(self, job_id: int, direction: str, device_ids: list[int], host_ids: list[int]) -> bool:
+    def _submit(
+        self, job_id: int, direction: str, device_ids: list[int], host_ids: list[int], expedited: bool = False
+    ) -> bool:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"submit_{direction}: this worker is shut down")
@@ -141,7 +145,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
                 if direction == "store":
                     transfer = self.engine.offload(device_ids, host_ids)
                 else:
-                    transfer = self.engine.reload(host_ids, device_ids)
+                    transfer = self.engine.reload(host_ids, device_ids, expedited=expedited)
             except Exception:  # vLLM hears of it as a failed job, never as a done one
                 logger.exception("kvcopy: %s job %d failed to start", direction, job_id)
                 transfer = None
@@ -156,10 +160,10 @@ class KVCopyOffloadingWorker(OffloadingWorker):
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        """Host chunks -> device blocks, after any unfinished store of those chunks. ``expedited`` loads need no
-        other treatment: no load waits behind a store it does not read from."""
+        """Host chunks -> device blocks, after any unfinished store of those chunks. ``expedited`` loads (a step
+        waits for them) run on the engine's expedited queue, never behind prefetch loads."""
         device_ids, host_ids = self._ids(dst_spec, src_spec, "dst_spec")
-        return self._submit(job_id, "load", device_ids, host_ids)
+        return self._submit(job_id, "load", device_ids, host_ids, expedited=bool(expedited))
 
     # ------------------------------------------------------------------ completion
 
