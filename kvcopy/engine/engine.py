@@ -95,9 +95,14 @@ def engine_method(
 
     As kvcopy.dispatch.resolve, except that a CUDA engine never runs the host-blocking "torch" method: asked
     for, it is a ValueError; "auto" chooses among the other methods, and is a ValueError when none can run."""
-    options = {"host_ids": host_ids, "capturing": capturing, "num_blocks": num_blocks, "profile": profile}
+
+    def resolved() -> CopyMethod:
+        return dispatch.resolve(
+            method, src, dst, host_ids=host_ids, capturing=capturing, num_blocks=num_blocks, profile=profile
+        )
+
     if not cuda:
-        return dispatch.resolve(method, src, dst, **options)
+        return resolved()
     asynchronous = [name for name in available_methods(src, dst) if name != BLOCKING_METHOD]
     if method == BLOCKING_METHOD:
         raise ValueError(
@@ -105,7 +110,7 @@ def engine_method(
             f"submitting thread until the caller's queued work (the forward) is done; use 'auto' or one of "
             f"{asynchronous}"
         )
-    chosen = dispatch.resolve(method, src, dst, **options)
+    chosen = resolved()
     if chosen.name != BLOCKING_METHOD:
         return chosen
     # "auto" fell back to torch (nothing else ranked, or a profile measured it fastest): choose without it
