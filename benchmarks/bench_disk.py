@@ -115,7 +115,7 @@ def _stores(directory: str, pool: kvcopy.HostKVPool, num_blocks: int, queues: bo
 
 
 def _measure(directory: str, plane_bytes: int, blocks: int, repeats: int, queues: bool) -> list[dict]:
-    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_bytes, dtype=torch.uint8)] * PLANES)
+    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_bytes, dtype=torch.uint8) for _ in range(PLANES)])
     pool = kvcopy.HostKVPool(like, 2 * blocks, pin_memory=False)
     pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
     stores = _stores(directory, pool, blocks * (repeats + 1), queues)

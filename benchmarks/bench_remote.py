@@ -71,7 +71,7 @@ def _cache(plane_block_bytes: int, num_blocks: int, seed: int, memory: str) -> t
         raw = data.cuda().view(num_blocks, PLANES * plane_block_bytes)
         planes = [raw[:, i * plane_block_bytes : (i + 1) * plane_block_bytes] for i in range(PLANES)]
         return kvcopy.PagedKV.from_planes(planes), raw.view(-1)
-    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_block_bytes, dtype=torch.uint8)] * PLANES)
+    like = kvcopy.PagedKV.from_planes([torch.empty(1, plane_block_bytes, dtype=torch.uint8) for _ in range(PLANES)])
     pool = kvcopy.HostKVPool(like, num_blocks, pin_memory=False)
     pool.buffer.copy_(data)
     return pool, pool.buffer
