@@ -125,7 +125,10 @@ def test_calibrate_remote_refuses_a_bad_descriptor_before_measuring(monkeypatch,
     monkeypatch.setattr(calibrator, "calibrate", lambda *a, **k: pytest.fail("measured despite a bad --remote"))
     junk = tmp_path / "junk.desc"
     junk.write_bytes(b"not a descriptor")
-    for path, fragment in ((tmp_path / "missing.desc", "cannot read the peer's descriptor"), (junk, "not a KVPeer")):
+    for path, fragment in (
+        (tmp_path / "missing.desc", "cannot read the peer's descriptor"),
+        (junk, "expected a KVPeer descriptor"),
+    ):
         assert cli.main(["calibrate", "--remote", str(path), "--out", str(tmp_path / "p.json")]) == 2
         assert fragment in capsys.readouterr().err
     with remote_peer("bf16") as remote:  # a KV pool's peer, not a calibration peer
