@@ -12,8 +12,11 @@ What is checked:
 * PathClock, on a fake clock: each forward reported once with its requests' tokens and seconds; a resumed
   request's measured path (reload wait + of each forward carrying it, the part that is its own: the forward's
   seconds times the law's forward of the request alone over the law's forward of the batch; a forward it
-  rides alone whole), forgotten paths, the reload wait taken out of a forward that waits for it inside,
-  reloads not yet done recorded at a later settle().
+  rides alone whole), forgotten paths, reloads not yet done recorded at a later settle();
+* PathClock on a stream's events (stand-ins for CUDA events, the device's clock written by the test): an
+  engine that prepares batch N+1 while batch N runs (transformers' asynchronous batching) has each forward
+  timed from the stream reaching its start to the stream reaching its end, reported once the stream passed
+  it, in order, and the reload's wait outside the forward.
 
 Observations are synthetic, from known laws; nothing here reads the wall clock.
 """
@@ -87,7 +90,6 @@ OBSERVED_TOKENS = ((1, 0), (64, 300), (512, 0), (1024, 2000))  # (new, cached) o
 # PathClock: fake perf_counter seconds (binary fractions, so sums are exact).
 START_S = 100.0
 RELOAD_WAIT_S = 0.0625
-OTHER_RELOAD_WAIT_S = 0.09375
 FINISH_AFTER_S = 0.05  # a reload settle(wait=True) waits for ends this long after it is asked
 
 
@@ -457,7 +459,7 @@ def forward(clock: PathClock, fake: FakeClock, seconds: float, *requests: Forwar
 def test_a_forward_is_reported_once_with_its_tokens_and_seconds(fake_clock, monkeypatch):
     live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
-    clock = PathClock(live, waits_inside_forward=False)
+    clock = PathClock(live)
     clock.stop()  # no forward started: nothing to report
     assert seen == []
     clock.start([ForwardRequest("a", 5, 100, True), ForwardRequest("b", 1, 40, False)])
@@ -471,7 +473,7 @@ def test_a_forward_is_reported_once_with_its_tokens_and_seconds(fake_clock, monk
 def test_a_dropped_forward_is_not_reported(fake_clock, monkeypatch):
     live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
-    clock = PathClock(live, waits_inside_forward=False)
+    clock = PathClock(live)
     clock.start([ForwardRequest("a", 5, 100, True)])
     fake_clock.now += 0.25
     clock.drop_forward()
@@ -482,7 +484,7 @@ def test_a_dropped_forward_is_not_reported(fake_clock, monkeypatch):
 def test_a_reloaded_path_is_its_reload_wait_plus_its_part_of_the_forwards_that_carry_it(fake_clock, monkeypatch):
     live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
-    clock = PathClock(live, waits_inside_forward=False)
+    clock = PathClock(live)
     resumed = decision("r")
     clock.resumed("r", resumed)
     clock.reloaded(["r"], [Reload(RELOAD_WAIT_S)])
@@ -498,7 +500,7 @@ def test_a_reloaded_path_is_its_reload_wait_plus_its_part_of_the_forwards_that_c
 
 
 def test_a_path_beside_another_prefill_chunk_is_charged_its_own_part_and_records_the_chunk(fake_clock):
-    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True))
     crowded, alone = decision("r"), decision("q")
     clock.resumed("r", crowded)
     clock.resumed("q", alone)
@@ -514,7 +516,7 @@ def test_a_path_beside_another_prefill_chunk_is_charged_its_own_part_and_records
 
 
 def test_a_recomputed_path_is_the_forwards_that_carry_it(fake_clock):
-    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True))
     recomputed = decision("c", "recompute")
     clock.resumed("c", recomputed)
     forward(clock, fake_clock, 0.375, ForwardRequest("c", 256, 0, False))
@@ -523,7 +525,7 @@ def test_a_recomputed_path_is_the_forwards_that_carry_it(fake_clock):
 
 
 def test_a_forgotten_path_is_not_measured(fake_clock):
-    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True))
     forgotten, never_ran = decision("r"), decision("s")
     clock.resumed("r", forgotten)
     clock.resumed("s", never_ran)
@@ -536,26 +538,95 @@ def test_a_forgotten_path_is_not_measured(fake_clock):
     assert forgotten.measured_s is None and never_ran.measured_s is None
 
 
-def test_a_reload_wait_inside_the_forward_is_taken_out_of_it_and_counted_once(fake_clock, monkeypatch):
+class Device:
+    """A stream's clock, written by the test: where the stream has got to, in seconds."""
+
+    def __init__(self) -> None:
+        self.now = START_S
+        self.pending: list[FakeEvent] = []  # recorded, not yet passed (in order)
+        self.work_s = 0.0  # what the stream does before each event a host waits for
+    def run(self, seconds: float) -> None:
+        """The stream works ``seconds``, then passes the first event recorded and not yet passed."""
+        self.now += seconds
+        self.pending.pop(0).passed_at = self.now
+
+
+class FakeEvent:
+    """A CUDA event's stand-in on a :class:`Device`: recorded behind the work already queued on the stream."""
+
+    device: Device
+
+    def __init__(self, *, enable_timing: bool) -> None:
+        assert enable_timing
+        self.passed_at: float | None = None
+
+    def record(self, stream: object) -> None:
+        assert stream == "compute stream"
+        self.device.pending.append(self)
+
+    def query(self) -> bool:
+        return self.passed_at is not None
+
+    def synchronize(self) -> None:
+        while self.passed_at is None:  # the host waits: the stream runs on to this event
+            self.device.run(self.device.work_s)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.passed_at is not None and end.passed_at is not None, "elapsed_time of an event not passed"
+        return (end.passed_at - self.passed_at) * 1e3
+
+
+@pytest.fixture
+def device() -> Device:
+    device = Device()
+    FakeEvent.device = device
+    return device
+
+
+def test_a_forward_on_a_stream_is_the_streams_time_from_its_start_to_its_end_not_the_hosts(
+    fake_clock, device, monkeypatch
+):
     live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
-    clock = PathClock(live, waits_inside_forward=True)
-    first, second = decision("r"), decision("s")
-    clock.resumed("r", first)
-    clock.resumed("s", second)
-    clock.reloaded(["r", "s"], [Reload(RELOAD_WAIT_S), Reload(OTHER_RELOAD_WAIT_S)])  # the forward waits for both
-    forward(clock, fake_clock, 0.25, ForwardRequest("r", 1, 500, True), ForwardRequest("s", 64, 500, False))
-    forward(clock, fake_clock, 0.125, ForwardRequest("s", 1, 564, True))  # waits for no reload: all its own
-    computing = 0.25 - OTHER_RELOAD_WAIT_S
-    assert [s for _, _, s in seen] == pytest.approx([computing, 0.125])
-    # each: the whole wait, then its own part of the rest of the forward
-    assert first.measured_s == pytest.approx(OTHER_RELOAD_WAIT_S + computing * own((1, 64), (500, 500), 0))
-    assert second.measured_s == pytest.approx(OTHER_RELOAD_WAIT_S + computing * own((1, 64), (500, 500), 1) + 0.125)
+    clock = PathClock(live, timer=_path_clock.StreamTimer("compute stream", event_type=FakeEvent))
+    resumed = decision("r")
+    clock.resumed("r", resumed)
+    clock.reloaded(["r"], [Reload(RELOAD_WAIT_S)])
+    # Batch 1: its start marked once the stream waits for r's reload; the host prepares batch 2 at once (the
+    # host's clock would end batch 1 here, 0.0 s after its start), while the stream still runs batch 1.
+    clock.start([ForwardRequest("r", 64, 500, False), ForwardRequest("o", 1, 90, True)])
+    fake_clock.now += 0.001
+    clock.stop()
+    clock.start([ForwardRequest("r", 1, 564, True), ForwardRequest("o", 1, 91, True)])
+    assert seen == []  # batch 1's end is not reached yet: nothing reported
+    device.run(RELOAD_WAIT_S)  # the stream waited for the reload, then passes batch 1's start
+    device.run(0.25)  # batch 1's forward, then its end
+    clock.stop()  # the host prepares batch 3: batch 1 is read now, batch 2's end is not reached
+    assert [s for _, _, s in seen] == [0.25]
+    device.run(0.0)  # batch 2's start (nothing between the forwards)
+    device.run(0.125)
+    clock.settle()
+    assert [s for _, _, s in seen] == [0.25, 0.125]
+    expected = RELOAD_WAIT_S + 0.25 * own((64, 1), (500, 90), 0) + 0.125 * own((1, 1), (564, 91), 0)
+    assert resumed.measured_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_settle_with_wait_waits_for_the_stream_to_end_the_forward(device, monkeypatch):
+    live = OnlinePlanner(LLAMA, BASE, learn=True)
+    seen = spied(live, monkeypatch)
+    clock = PathClock(live, timer=_path_clock.StreamTimer("compute stream", event_type=FakeEvent))
+    clock.start([ForwardRequest("a", 5, 100, True)])
+    clock.stop()
+    assert seen == []
+    device.work_s = 0.5  # the stream's work before the forward's start, then the forward's own
+    clock.settle(wait=True)
+    assert seen == [([5], [100], 0.5)]
+    assert device.pending == []
 
 
 def caught_up_before_its_reload_is_done(fake_clock: FakeClock) -> tuple[PathClock, OffloadDecision, Reload]:
     """A resumed request caught up in one forward of 0.25 s, while its reload is not seen done yet."""
-    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True), waits_inside_forward=False)
+    clock = PathClock(OnlinePlanner(LLAMA, BASE, learn=True))
     resumed = decision("r")
     reload = Reload(RELOAD_WAIT_S, done=False)
     clock.resumed("r", resumed)
@@ -586,11 +657,10 @@ def test_settle_with_wait_waits_for_the_reloads(fake_clock):
     assert resumed.measured_s == pytest.approx(RELOAD_WAIT_S + 0.25)
 
 
-@pytest.mark.parametrize("waits_inside_forward", [False, True])
-def test_a_failed_reload_is_not_measured_and_breaks_nothing(fake_clock, monkeypatch, waits_inside_forward):
+def test_a_failed_reload_is_not_measured_and_breaks_nothing(fake_clock, monkeypatch):
     live = OnlinePlanner(LLAMA, BASE, learn=True)
     seen = spied(live, monkeypatch)
-    clock = PathClock(live, waits_inside_forward=waits_inside_forward)
+    clock = PathClock(live)
     failed = decision("r")
     clock.resumed("r", failed)
     clock.reloaded(["r"], [Reload(RELOAD_WAIT_S, failed=True)])

@@ -11,6 +11,12 @@ docs/decisions.md defines it ("Predicted and measured in a batching engine"):
   that carry its new tokens, until it has caught up;
 - a recompute: its own part of the forwards that carry its re-prefilled tokens, until it has caught up.
 
+A forward's seconds are the host's clock, or, on a GPU, CUDA events recorded on the stream the forward runs on
+(:class:`StreamTimer`), read once the stream has passed them: an engine that prepares batch N+1 while batch N
+still runs (transformers' asynchronous batching) stops the host's clock too early. The start is marked after the
+stream was made to wait for the forward's reloads, so the forward's seconds never hold that wait; the reloads'
+own turnaround is the path's wait.
+
 Its own part of a forward is the forward's seconds times the law's forward of the request alone over the law's
 forward of the whole batch (:func:`~._live_planner.own_share`, with the OnlinePlanner's Planner of the moment):
 the other requests' work in it (another request's prefill chunk the scheduler put beside it) is not its cost.
@@ -21,13 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvcopy.engine.transfer import Transfer
 from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.online_planner import OnlinePlanner, own_share
 
-__all__ = ["ForwardRequest", "PathClock"]
+__all__ = ["ForwardRequest", "ForwardTimer", "HostTimer", "PathClock", "StreamTimer"]
 
 
 @dataclass(frozen=True)
@@ -53,22 +61,74 @@ class _Path:
 
 @dataclass
 class _Forward:
-    started: float
+    started: Any  # the timer's mark
     requests: tuple[ForwardRequest, ...]
+    paths: tuple[_Path | None, ...]  # each request's path when the forward started (None: not resumed)
     reloads: list[Transfer]  # the reloads this forward waits for
+    ended: Any = None  # the timer's mark, once stopped
+
+
+class ForwardTimer(Protocol):
+    """How PathClock times a forward: a mark at its start and at its end, and the seconds between two marks."""
+
+    def mark(self) -> Any:
+        """A mark of now (in the forward's own order of work)."""
+        ...
+
+    def seconds(self, start: Any, end: Any, *, wait: bool) -> float | None:
+        """Seconds from ``start`` to ``end``; None while ``end`` has not been reached (``wait``: wait for it)."""
+        ...
+
+
+class HostTimer:
+    """The host's clock: a forward has ended when the engine says so."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float, *, wait: bool) -> float:
+        del wait
+        return end - start
+
+
+class StreamTimer:
+    """CUDA events recorded on ``stream`` (the current stream when None), read once the stream has passed them:
+    the seconds the device spent from one mark to the other, whatever the host did meanwhile. ``event_type`` is
+    ``torch.cuda.Event`` unless given (a stand-in with its ``record``, ``query``, ``synchronize`` and
+    ``elapsed_time``)."""
+
+    def __init__(self, stream: Any = None, *, event_type: Any = None) -> None:
+        if event_type is None:
+            import torch
+
+            event_type = torch.cuda.Event
+        self._stream = stream
+        self._event_type = event_type
+
+    def mark(self) -> Any:
+        event = self._event_type(enable_timing=True)
+        event.record(self._stream)
+        return event
+
+    def seconds(self, start: Any, end: Any, *, wait: bool) -> float | None:
+        if wait:
+            end.synchronize()
+        elif not end.query():
+            return None
+        return start.elapsed_time(end) / 1e3  # milliseconds
 
 
 class PathClock:
-    """Times forwards and resumed requests' paths. ``waits_inside_forward``: the forward's own stream waits
-    for its reloads (CUDA), so that wait is inside its measured seconds and is taken out of them; on a CPU
-    the thread waited before :meth:`start`."""
+    """Times forwards (with ``timer``, the host's clock by default) and resumed requests' paths. A forward
+    whose end the timer cannot read yet is reported, in order, at a later :meth:`stop` or :meth:`settle`."""
 
-    def __init__(self, live: OnlinePlanner, *, waits_inside_forward: bool) -> None:
+    def __init__(self, live: OnlinePlanner, *, timer: ForwardTimer | None = None) -> None:
         self.live = live
-        self.waits_inside_forward = waits_inside_forward
+        self.timer: ForwardTimer = HostTimer() if timer is None else timer
         self._paths: dict[str, _Path] = {}
         self._caught_up: list[_Path] = []  # up to date; measured once their reloads' ends are known
         self._forward: _Forward | None = None
+        self._ended: deque[_Forward] = deque()  # stopped, not yet read (oldest first)
         self._reloads: list[Transfer] = []  # submitted for the forward about to start
 
     def resumed(self, request_id: str, decision: OffloadDecision) -> None:
@@ -88,31 +148,32 @@ class PathClock:
                 path.reloads = list(transfers)
 
     def start(self, requests: list[ForwardRequest]) -> None:
-        """A forward of ``requests`` starts now."""
-        self._forward = _Forward(time.perf_counter(), tuple(requests), self._reloads)
+        """A forward of ``requests`` starts now (after its stream was made to wait for its reloads)."""
+        paths = tuple(self._paths.get(r.request_id) for r in requests)
+        self._forward = _Forward(self.timer.mark(), tuple(requests), paths, self._reloads)
         self._reloads = []
 
     def stop(self) -> None:
-        """The forward started last has ended (if any): report it, charge it to the paths it carried, and
-        record the paths now complete."""
+        """The forward started last has ended (if any): once its seconds are known, report it, charge it to the
+        paths it carried, and record the paths now complete."""
         forward, self._forward = self._forward, None
         if forward is not None:
-            seconds = time.perf_counter() - forward.started
-            waited = _reload_wait(forward.reloads) if self.waits_inside_forward and forward.reloads else None
-            if waited is not None:  # (None: a reload failed; its wait is not known, nor its path measured)
-                seconds = max(0.0, seconds - waited)
-            new = [r.new_tokens for r in forward.requests]
-            cached = [r.cached_tokens for r in forward.requests]
-            self.live.observe_forward(new, cached, seconds)
-            for index, request in enumerate(forward.requests):
-                path = self._paths.get(request.request_id)
-                if path is not None:
-                    path.forward_s += seconds * own_share(self.live.planner, new, cached, index)
-                    crowding = sum(r.new_tokens for r in forward.requests if r is not request and r.new_tokens > 1)
-                    path.crowding_tokens = max(path.crowding_tokens, crowding)
-                    if request.completes:
-                        self._caught_up.append(self._paths.pop(request.request_id))
+            forward.ended = self.timer.mark()
+            self._ended.append(forward)
         self.settle()
+
+    def _report(self, forward: _Forward, seconds: float) -> None:
+        new = [r.new_tokens for r in forward.requests]
+        cached = [r.cached_tokens for r in forward.requests]
+        self.live.observe_forward(new, cached, seconds)
+        for index, (request, path) in enumerate(zip(forward.requests, forward.paths, strict=True)):
+            if path is None:
+                continue
+            path.forward_s += seconds * own_share(self.live.planner, new, cached, index)
+            crowding = sum(r.new_tokens for r in forward.requests if r is not request and r.new_tokens > 1)
+            path.crowding_tokens = max(path.crowding_tokens, crowding)
+            if request.completes and self._paths.get(request.request_id) is path:  # (not forgotten since)
+                self._caught_up.append(self._paths.pop(request.request_id))
 
     def drop_forward(self) -> None:
         """The engine starts over (a new run): the forward in flight is not charged (its end is not seen)."""
@@ -120,8 +181,16 @@ class PathClock:
         self._reloads = []
 
     def settle(self, *, wait: bool = False) -> None:
-        """Records the measured seconds of caught-up paths whose reloads are done (all of them, waiting for the
-        reloads, with ``wait``; a failed reload's path is not measured)."""
+        """Reports the ended forwards whose seconds are known, oldest first, then records the measured seconds
+        of caught-up paths whose reloads are done (all of them, waiting for the forwards' ends and the reloads,
+        with ``wait``; a failed reload's path is not measured)."""
+        while self._ended:
+            forward = self._ended[0]
+            seconds = self.timer.seconds(forward.started, forward.ended, wait=wait)
+            if seconds is None:
+                break
+            self._ended.popleft()
+            self._report(forward, max(0.0, seconds))
         still = []
         for path in self._caught_up:
             if wait:
@@ -139,6 +208,7 @@ class PathClock:
 
     def clear(self) -> None:
         self._paths.clear()
+        self._ended.clear()
         self.drop_forward()
 
 

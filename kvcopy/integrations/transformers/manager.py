@@ -36,7 +36,7 @@ from kvcopy.engine.engine import TransferEngine
 from kvcopy.engine.transfer import Transfer
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadDecision
-from kvcopy.integrations.common.path_clock import ForwardRequest, PathClock
+from kvcopy.integrations.common.path_clock import ForwardRequest, PathClock, StreamTimer
 from kvcopy.layout import PagedKV
 
 __all__ = ["KvcopyOffloadingManager"]
@@ -97,8 +97,10 @@ class KvcopyOffloadingManager(OffloadingManager):
         self._unit = math.gcd(*(allocator.bytes_per_block for allocator in allocators.values()))
         self._offloads: list[_Offload] = []
         self._awaiting: dict[str, OffloadDecision] = {}  # preempted, not scheduled again yet
-        # The compute stream waits for a reload on CUDA (inside the forward's seconds); a CPU thread before it.
-        self._clock = PathClock(live, waits_inside_forward=next(iter(caches.values())).device.type == "cuda")
+        # On CUDA the forward's seconds are the compute stream's (transformers' asynchronous batching prepares the
+        # next batch while this one runs); on a CPU, the host's.
+        on_gpu = next(iter(caches.values())).device.type == "cuda"
+        self._clock = PathClock(live, timer=StreamTimer(compute_stream) if on_gpu else None)
         self._detached = False
         cache.perform_cache_copy = self._ordered_fork_copy(cache.perform_cache_copy)  # this cache only
 
