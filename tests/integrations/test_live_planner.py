@@ -545,6 +545,7 @@ class Device:
         self.now = START_S
         self.pending: list[FakeEvent] = []  # recorded, not yet passed (in order)
         self.work_s = 0.0  # what the stream does before each event a host waits for
+
     def run(self, seconds: float) -> None:
         """The stream works ``seconds``, then passes the first event recorded and not yet passed."""
         self.now += seconds
