@@ -142,7 +142,7 @@ class _RegionBytes(np.ndarray):
     region: HostRegion | None = None
 
     @classmethod
-    def over(cls, mapping: mmap.mmap, nbytes: int, region: HostRegion) -> _RegionBytes:
+    def over(cls, mapping: Any, nbytes: int, region: HostRegion) -> _RegionBytes:
         array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes).view(cls)
         array.region = region
         return array
@@ -172,17 +172,56 @@ class HostRegion:
         self._registered: list[int] = []
         # Unpins when the region is collected without close(): a registration must not outlive its pages.
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
-        self._mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        _ask_for_huge_pages(self._mapping)
-        view = ctypes.c_char.from_buffer(self._mapping)
+        mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mapping: mmap.mmap | memoryview = mapping  # (a memoryview: memory another owner allocated)
+        _ask_for_huge_pages(mapping)
+        view = ctypes.c_char.from_buffer(mapping)
         self.address = ctypes.addressof(view)
         del view  # a live ctypes view would keep the mapping from ever being released
         if numa_node is not None:
-            _bind_to_node(self.address, len(self._mapping), numa_node)
+            _bind_to_node(self.address, len(mapping), numa_node)
         if pin:
             self._register()
         self.pinned = pin
         self.alloc_seconds = time.perf_counter() - started
+
+    @classmethod
+    def over(cls, memory: Any, nbytes: int, *, pin: bool) -> HostRegion:
+        """A region over the first ``nbytes`` of ``memory``, which another owner allocated (a writable,
+        C-contiguous buffer: a memoryview, an mmap, a numpy array): the same tensors, pinning and
+        :meth:`close`, but the memory stays the owner's (no NUMA binding, no reserve check), and the region and
+        its tensors hold it while they live.
+
+        TypeError for an object without the buffer protocol; ValueError for a read-only or non-contiguous one,
+        or one of fewer than ``nbytes`` bytes.
+        """
+        try:
+            view = memoryview(memory)
+        except TypeError:
+            raise TypeError(
+                f"memory: expected a writable buffer (a memoryview, mmap or numpy array), got {type(memory).__name__}"
+            ) from None
+        if view.readonly:
+            raise ValueError("memory: expected a writable buffer, got a read-only one")
+        if not view.c_contiguous:
+            raise ValueError(f"memory: expected a C-contiguous buffer, got one of strides {view.strides}")
+        if view.nbytes < nbytes:
+            raise ValueError(f"memory: expected at least {nbytes} bytes, got {view.nbytes}")
+        if pin and not torch.cuda.is_available():
+            raise RuntimeError("pin_memory=True: pinning host memory needs a CUDA device, and none is available")
+        started = time.perf_counter()
+        region = cls.__new__(cls)
+        region._mapping = view.cast("B")[:nbytes]
+        region.nbytes = nbytes
+        region.numa_node = None
+        region._registered = []
+        region._finalizer = weakref.finalize(region, _unregister, region._registered)
+        region.address = np.frombuffer(region._mapping, dtype=np.uint8).ctypes.data if nbytes else 0
+        if pin:
+            region._register()
+        region.pinned = pin
+        region.alloc_seconds = time.perf_counter() - started
+        return region
 
     def new_tensor(self) -> torch.Tensor:
         """The region as one uint8 tensor, which keeps the region (and its registration) alive: a GPU copy
@@ -205,6 +244,10 @@ class HostRegion:
             self._registered.append(self.address + start)
 
     def close(self) -> None:
-        """Unpins now; the mapping itself is released once no tensor over it is left."""
+        """Unpins now; the mapping itself is released once no tensor over it is left (memory another owner
+        allocated: the region's own view of it is released now if no tensor over it is left)."""
         _unregister(self._registered)
         self.pinned = False
+        if isinstance(self._mapping, memoryview):
+            with contextlib.suppress(BufferError):  # a tensor over it still lives: released with the last one
+                self._mapping.release()

@@ -62,33 +62,65 @@ class HostKVPool:
         if not isinstance(like, PagedKV):
             raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
         num_blocks = positive_int("num_blocks", num_blocks)
-        if not isinstance(layout, str):
-            raise TypeError(f"layout: expected one of {_LAYOUTS}, got {type(layout).__name__} {layout!r:.40}")
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        _check_layout(layout)
         if numa_node is not None:
             numa_node = non_negative_int("numa_node", numa_node)
         pin = torch.cuda.is_available() if pin_memory is None else boolean("pin_memory", pin_memory)
         node = gpu_numa_node(like.device) if numa_node is None else numa_node
-        self.layout: HostLayout = layout
         nbytes = num_blocks * like.nbytes_per_block
         try:
-            self._region = HostRegion(nbytes, pin=pin, numa_node=node)
+            region = HostRegion(nbytes, pin=pin, numa_node=node)
         except (OSError, ValueError) as err:  # binding refused (e.g. mbind without CAP_SYS_NICE in a container)
             if numa_node is not None or node is None:
                 raise  # asked for explicitly: the caller should know
             warnings.warn(
                 f"HostKVPool: could not bind to the GPU's NUMA node {node} ({err}); left to the OS", stacklevel=2
             )
-            self._region = HostRegion(nbytes, pin=pin, numa_node=None)
-        self.buffer: torch.Tensor = self._region.new_tensor()  # keeps the region alive, and its views do
+            region = HostRegion(nbytes, pin=pin, numa_node=None)
+        self._lay_out(region, like, num_blocks, layout)
+
+    @classmethod
+    def over(
+        cls,
+        memory: object,
+        like: PagedKV,
+        num_blocks: int,
+        *,
+        layout: HostLayout = "page_first",
+        pin_memory: bool | None = None,
+    ) -> HostKVPool:
+        """A pool over host memory another owner allocated (vLLM's shared offload region, say): the first
+        ``num_blocks`` blocks of ``memory``, a writable C-contiguous buffer (a memoryview, an mmap, a numpy
+        array), laid out as a pool made with the same ``like``, ``num_blocks`` and ``layout`` is. kvcopy pins
+        (registers with CUDA) and unpins it as it does its own pools (``pin_memory`` as there); the memory
+        stays the owner's. The pool, its buffer and the views over it hold ``memory``: drop them (and
+        :meth:`close`) before the owner unmaps it.
+
+        TypeError for a ``memory`` without the buffer protocol; ValueError for a read-only or non-contiguous
+        one, or one of fewer bytes than ``num_blocks`` blocks.
+        """
+        if not isinstance(like, PagedKV):
+            raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
+        num_blocks = positive_int("num_blocks", num_blocks)
+        _check_layout(layout)
+        pin = torch.cuda.is_available() if pin_memory is None else boolean("pin_memory", pin_memory)
+        region = HostRegion.over(memory, num_blocks * like.nbytes_per_block, pin=pin)
+        pool = cls.__new__(cls)
+        pool._lay_out(region, like, num_blocks, layout)
+        return pool
+
+    def _lay_out(self, region: HostRegion, like: PagedKV, num_blocks: int, layout: HostLayout) -> None:
+        """The pool's buffer, allocator and planes over ``region``."""
+        self._region = region
+        self.layout = layout
+        self.buffer: torch.Tensor = region.new_tensor()  # keeps the region alive, and its views do
         self.allocator = BlockAllocator(num_blocks)
         planes = (
             _page_first_planes(self.buffer, like, num_blocks)
             if layout == "page_first"
             else (_layer_first_planes(self.buffer, like, num_blocks))
         )
-        self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=self._region)
+        self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=region)
         if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
             self.paged.plane_table_on(like.device)
 
@@ -165,6 +197,13 @@ class HostKVPool:
             f"HostKVPool(num_blocks={self.num_blocks}, layout={self.layout!r}, pinned={self.pinned}, "
             f"nbytes={self.nbytes})"
         )
+
+
+def _check_layout(layout: object) -> None:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected one of {_LAYOUTS}, got {type(layout).__name__} {layout!r:.40}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
