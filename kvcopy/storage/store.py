@@ -84,7 +84,8 @@ class CorruptBlockError(ValueError):
 
 class DiskKVStore:
     """A directory of ``num_blocks`` page-first KV blocks for one CacheKey context: see :meth:`create` and
-    :meth:`open`. A context manager; not thread-safe (use it from one thread, like a KVPeer)."""
+    :meth:`open`. A context manager; not thread-safe (use it from one thread, like a KVPeer), but for
+    :meth:`contains`."""
 
     def __init__(self, path: str, header: dict, backend: str, *, gpu: bool = False) -> None:
         """Use :meth:`create` or :meth:`open`; ``header``: the store's checked header.json; ``gpu``: laid out
@@ -438,6 +439,29 @@ class DiskKVStore:
         self._index.touch(slots)
         return slots
 
+    def contains(self, block_hash: str) -> bool:
+        """Whether the store holds a committed block of ``block_hash`` (checked as :meth:`put` checks a hash);
+        not a use. It reads one entry of the in-memory index, so it is the one call that may come from another
+        thread while the store's own thread puts, gets and evicts: a block evicted after it answered then fails
+        the later get as any block no longer held does."""
+        self._check_open()
+        return self._index.get(block_hash_of(block_hash, "block_hash")) is not None
+
+    def touch(self, block_hashes: Sequence[str]) -> None:
+        """Marks the blocks of ``block_hashes`` the store holds as used now, in that order (the others are
+        ignored): the least recently used are evicted first."""
+        self._check_open()
+        entries = (self._index.get(h) for h in self._hashes(block_hashes))
+        self._index.touch([entry.slot for entry in entries if entry is not None])
+
+    def discard(self, block_hashes: Sequence[str]) -> int:
+        """Forgets the blocks of ``block_hashes`` the store holds, durably (a block found corrupt, say): they
+        never match again, and their slots are free. Returns how many it held."""
+        self._check_open()
+        entries = [e for e in (self._index.get(h) for h in self._hashes(block_hashes)) if e is not None]
+        self._index.free(entry.slot for entry in entries)
+        return len(entries)
+
     def get(
         self, slots: BlockIds, pool: HostKVPool | PagedKV, pool_ids: BlockIds, *, verify: bool = True
     ) -> DiskTransfer:
@@ -497,6 +521,7 @@ class DiskKVStore:
         self._freed = True
         for _, registered, _, _ in self._pools.values():
             self._agent.deregister_memory(registered)
+        self._pools.clear()  # nothing of the pools is held: their owners may free or unmap them
         for staging in self._staging.values():
             self._agent.deregister_memory(staging.registered)
         self._agent.deregister_memory(self._file)
