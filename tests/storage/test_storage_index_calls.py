@@ -71,7 +71,7 @@ def test_contains_from_another_thread_while_the_store_puts(tmp_path):
             try:
                 while not stop.is_set():
                     answers.extend(store.contains(x) for x in h)
-            except BaseException as err:  # noqa: BLE001 - reported below
+            except BaseException as err:  # reported below
                 errors.append(err)
 
         asker = threading.Thread(target=ask)
