@@ -277,6 +277,7 @@ class DiskKVStore:
         def release() -> None:  # once, when it ends: its slots free, and no longer in flight
             free_slots()
             self._in_flight.difference_update(ending)
+            ending.clear()  # (the transfer holds this closure: no cycle keeps the pool alive after it)
 
         def explain(error: Exception) -> Exception | None:
             return self._failure_cause(error, op.lower(), written)

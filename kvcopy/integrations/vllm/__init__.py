@@ -23,14 +23,15 @@ __all__ = [
     "KEYS",
     "POLICIES",
     "SUPPORTED_RANGE",
+    "KVCopyDiskTier",
     "KVCopyOffloadingConnector",
     "KVCopyOffloadingSpec",
     "ProfileNotFoundError",
 ]
 
 
-def _stand_ins(error: Exception) -> tuple[type, type]:
-    """The spec and connector where vLLM cannot give them: building either raises ``error``."""
+def _stand_ins(error: Exception) -> tuple[type, type, type]:
+    """The spec, connector and disk tier where vLLM cannot give them: building any raises ``error``."""
 
     class KVCopyOffloadingSpec:
         """Stands in for the spec: vLLM is missing or outside the tested range."""
@@ -41,20 +42,24 @@ def _stand_ins(error: Exception) -> tuple[type, type]:
     class KVCopyOffloadingConnector(KVCopyOffloadingSpec):
         """Stands in for the connector: vLLM is missing or outside the tested range."""
 
-    return KVCopyOffloadingSpec, KVCopyOffloadingConnector
+    class KVCopyDiskTier(KVCopyOffloadingSpec):
+        """Stands in for the disk tier: vLLM is missing or outside the tested range."""
+
+    return KVCopyOffloadingSpec, KVCopyOffloadingConnector, KVCopyDiskTier
 
 
 try:
     import vllm  # noqa: F401 - only to know it is there
 except ImportError:
-    KVCopyOffloadingSpec, KVCopyOffloadingConnector = _stand_ins(
+    KVCopyOffloadingSpec, KVCopyOffloadingConnector, KVCopyDiskTier = _stand_ins(
         ImportError(f"kvcopy.integrations.vllm needs vLLM {SUPPORTED_RANGE}: {INSTALL}")
     )
 else:
     try:  # the spec itself checks the version when it is built (a RuntimeError naming the range)
         from kvcopy.integrations.vllm.connector import KVCopyOffloadingConnector
+        from kvcopy.integrations.vllm.disk_tier import KVCopyDiskTier
         from kvcopy.integrations.vllm.spec import KVCopyOffloadingSpec
     except (ImportError, AttributeError) as err:  # a vLLM whose modules moved: another version
-        KVCopyOffloadingSpec, KVCopyOffloadingConnector = _stand_ins(
+        KVCopyOffloadingSpec, KVCopyOffloadingConnector, KVCopyDiskTier = _stand_ins(
             RuntimeError(f"kvcopy.integrations.vllm was tested with vLLM {SUPPORTED_RANGE}; this one lacks {err}")
         )

@@ -17,7 +17,7 @@ from typing import Any, Literal, cast
 from kvcopy._checks import path_argument
 from kvcopy.methods import METHODS  # the copy methods a TransferEngine accepts, besides "auto"
 
-__all__ = ["KEYS", "POLICIES", "ProfileNotFoundError", "SpecConfig", "read_config"]
+__all__ = ["KEYS", "POLICIES", "ProfileNotFoundError", "SpecConfig", "read_config", "suggestion"]
 
 Policy = Literal["auto", "offload"]
 POLICIES: tuple[Policy, ...] = ("auto", "offload")
@@ -45,7 +45,7 @@ class SpecConfig:
     decode_share: float = 0.0
 
 
-def _suggestion(name: str, known: Iterable[str]) -> str:
+def suggestion(name: str, known: Iterable[str]) -> str:
     """ " (did you mean 'x'?)" for the known name closest to ``name`` (case aside), or "" when none is close."""
     by_lower = {k.lower(): k for k in known}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
@@ -97,7 +97,7 @@ def _choice(extra: Mapping[Any, Any], name: str, default: str, choices: Sequence
     if not isinstance(value, str):
         raise TypeError(f"{name}: expected one of {tuple(choices)}, got {type(value).__name__} {value!r}")
     if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}{_suggestion(value, choices)}")
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}{suggestion(value, choices)}")
     return value
 
 

@@ -1,0 +1,214 @@
+"""KVCopyDiskTier on its own, built as vLLM's SecondaryTierFactory builds an out-of-tree tier and driven with
+the jobs vLLM's tiering manager makes: rows of a primary tier (an mmap, as vLLM's shared region) stored and
+loaded back bitwise; lookups from the index; a new tier of the same identity finding what was stored, and one
+whose only change is rope scaling or the KV-cache dtype finding nothing; a flipped byte refused and dropped
+while the chunks around it load; eviction within ``bytes_to_use``; every bad key named at build; and the
+primary tier's memory let go at shutdown (the mmap then closes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from vllm.config import set_current_vllm_config
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
+
+from kvcopy.integrations.vllm import KVCopyDiskTier
+from kvcopy.integrations.vllm.disk_tier import PROMOTION_LATENCY, store_hash
+from kvcopy.storage.files import DATA
+
+from helpers.disk_tier import (
+    NUM_ROWS,
+    ROW_BYTES,
+    engine_config,
+    job,
+    key,
+    make_tier,
+    model_dir,
+    offloading_spec,
+    primary,
+    run,
+    tier_of,
+)
+
+CHUNKS = 4
+REQUEST = ReqContext("r")
+
+
+def stored(tier, rows_of, n: int = CHUNKS) -> list[bytes]:
+    """Fills rows 0..n-1 with distinct bytes and stores them as chunks 0..n-1; returns the bytes."""
+    data = [rows_of.fill(i, seed=100 + i) for i in range(n)]
+    result = run(tier, job([key(i) for i in range(n)], list(range(n)), promotion=False))
+    assert result.success
+    return data
+
+
+def test_chunks_stored_and_loaded_back_are_bitwise_the_rows(tmp_path):
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        assert isinstance(tier, KVCopyDiskTier) and tier.medium is Medium.STORAGE
+        data = stored(tier, rows)
+        assert [tier.lookup(key(i), REQUEST) for i in range(CHUNKS + 1)] == [LookupResult.HIT] * CHUNKS + [
+            LookupResult.MISS
+        ]
+        rows.rows[:] = 0
+        into = [7, 5, 4, 6]
+        result = run(tier, job([key(i) for i in range(CHUNKS)], into, promotion=True))
+        assert result.success and result.successful_keys is None
+        assert result.transfer_bytes == CHUNKS * ROW_BYTES
+        for i, row in enumerate(into):
+            assert rows.rows[row].tobytes() == data[i], i
+        assert not rows.rows[:4].any()  # nothing else written
+        stats = tier.get_stats()
+        values = stats.metric_sections()[1]
+        total = {
+            name: sum(v for v in by_label.values() if not isinstance(v, list)) for name, by_label in values.items()
+        }
+        prefix = "vllm:kv_offload_kvcopy_disk_"
+        assert total[f"{prefix}stored_blocks"] == CHUNKS and total[f"{prefix}stored_bytes"] == CHUNKS * ROW_BYTES
+        assert total[f"{prefix}loaded_blocks"] == CHUNKS and total[f"{prefix}loaded_bytes"] == CHUNKS * ROW_BYTES
+        assert len(values[PROMOTION_LATENCY][("KVCopyDiskTier",)]) == 1
+        assert tier.get_stats() is None  # taken: nothing new since
+    rows.close()  # the tier let go of every view of it
+
+
+def test_a_chunk_stored_again_keeps_the_bytes_first_stored(tmp_path):
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        data = stored(tier, rows)
+        tier.get_stats()
+        rows.fill(0, seed=999)  # other bytes under the same key: vLLM's keys name the bytes, the first are kept
+        assert run(tier, job([key(0)], [0], promotion=False)).success
+        assert tier.get_stats() is None  # nothing new stored
+        assert run(tier, job([key(0)], [7], promotion=True)).success
+        assert rows.rows[7].tobytes() == data[0]
+    rows.close()
+
+
+def test_a_new_tier_of_the_same_identity_finds_what_was_stored(tmp_path):
+    model = model_dir(tmp_path)
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
+        data = stored(tier, rows)
+    rows.rows[:] = 0
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
+        assert all(tier.lookup(key(i), REQUEST) is LookupResult.HIT for i in range(CHUNKS))
+        assert run(tier, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
+        assert [rows.rows[4 + i].tobytes() for i in range(CHUNKS)] == data
+        stats = tier.get_stats()
+        assert "vllm:kv_offload_kvcopy_disk_identity_refusals" not in stats.metric_sections()[1]
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}}, {"cache_dtype": "fp8"}],
+    ids=["rope_scaling", "kv_cache_dtype"],
+)
+def test_a_tier_whose_only_change_is_rope_scaling_or_the_kv_dtype_finds_nothing(tmp_path, changed, caplog):
+    model = model_dir(tmp_path)
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
+        stored(tier, rows)
+    with (
+        caplog.at_level("WARNING", logger="kvcopy.integrations.vllm"),
+        tier_of(tmp_path / "tier", rows, engine_config(model, **changed)) as tier,
+    ):
+        assert all(tier.lookup(key(i), REQUEST) is LookupResult.MISS for i in range(CHUNKS))
+        values = tier.get_stats().metric_sections()[1]
+        assert values["vllm:kv_offload_kvcopy_disk_identity_refusals"] == {("KVCopyDiskTier",): 1}
+    said = [r.getMessage() for r in caplog.records if "another identity" in r.getMessage()]
+    assert len(said) == 1
+    assert ("rope" if "hf_overrides" in changed else "cache_dtype") in said[0]
+    # the old identity's store was removed for the new one's room (the budget is one store's)
+    assert len([n for n in os.listdir(tmp_path / "tier") if n.startswith("kvcopy-")]) == 1
+
+
+def test_a_flipped_byte_is_refused_and_dropped_while_the_other_chunks_load(tmp_path):
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        data = stored(tier, rows)
+        slot = tier.store.match([store_hash(key(2))])[0]
+        with open(os.path.join(tier.store.path, DATA), "r+b") as f:
+            f.seek(slot * ROW_BYTES + 100)
+            byte = f.read(1)
+            f.seek(slot * ROW_BYTES + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        tier.store.drop_page_cache()
+        rows.rows[:] = 0
+        keys = [key(i) for i in range(CHUNKS)]
+        result = run(tier, job(keys, [4, 5, 6, 7], promotion=True))
+        assert not result.success
+        assert list(result.successful_keys) == [keys[0], keys[1], keys[3]]
+        assert [rows.rows[4].tobytes(), rows.rows[5].tobytes(), rows.rows[7].tobytes()] == [data[0], data[1], data[3]]
+        assert tier.lookup(keys[2], REQUEST) is LookupResult.MISS  # dropped from the store
+        values = tier.get_stats().metric_sections()[1]
+        assert values["vllm:kv_offload_kvcopy_disk_corrupt_blocks"] == {("KVCopyDiskTier",): 1}
+        assert values["vllm:kv_offload_kvcopy_disk_loaded_blocks"] == {("KVCopyDiskTier",): 3}
+    rows.close()
+
+
+def test_the_store_keeps_the_most_recently_used_chunks_within_bytes_to_use(tmp_path):
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows, bytes_to_use=3 * ROW_BYTES + ROW_BYTES // 2) as tier:
+        assert tier.store.num_blocks == 3
+        stored(tier, rows, n=3)
+        tier.touch([key(0)], REQUEST)
+        rows.fill(3, seed=7)
+        assert run(tier, job([key(3)], [3], promotion=False)).success
+        assert [tier.lookup(key(i), REQUEST) is LookupResult.HIT for i in range(4)] == [True, False, True, True]
+        # a promotion of a chunk evicted since its lookup: its prefix loads, the rest fails
+        result = run(tier, job([key(0), key(1)], [6, 7], promotion=True))
+        assert not result.success and list(result.successful_keys) == [key(0)]
+    rows.close()
+
+
+@pytest.mark.parametrize(
+    ("keys", "error", "message"),
+    [
+        ({"path": None}, ValueError, "path: required"),
+        ({"path": 5}, TypeError, "path"),
+        ({"bytes_to_use": None}, ValueError, "bytes_to_use: required"),
+        ({"bytes_to_use": 0}, ValueError, "bytes_to_use"),
+        ({"bytes_to_use": -1}, ValueError, "bytes_to_use"),
+        ({"bytes_to_use": 1.5e9}, TypeError, "bytes_to_use"),
+        ({"bytes_to_use": "8GB"}, TypeError, "bytes_to_use"),
+        ({"bytes_to_use": 10**18}, ValueError, "bytes_to_use: .* has room for"),
+        ({"bytes_to_use": ROW_BYTES - 1}, ValueError, "bytes_to_use: .* hold no row"),
+        ({"backend": "nvme"}, ValueError, "backend: expected one of"),
+        ({"backend": 1}, TypeError, "backend"),
+        ({"cache_key_extra": 3}, TypeError, "cache_key_extra"),
+        ({"byte_to_use": 1}, ValueError, "byte_to_use: not a key of KVCopyDiskTier .*did you mean 'bytes_to_use'"),
+    ],
+)
+def test_each_bad_key_is_named_when_the_tier_is_built(tmp_path, keys, error, message):
+    rows = primary()
+    config = {"path": str(tmp_path / "tier"), "bytes_to_use": NUM_ROWS * ROW_BYTES, **keys}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(error, match=message):
+        make_tier(rows, **config)
+    made = os.listdir(tmp_path / "tier") if (tmp_path / "tier").exists() else []
+    assert not [n for n in made if os.listdir(tmp_path / "tier" / n) not in ([], ["lock"])]  # no store made
+    rows.close()  # nothing of a refused tier holds the memory
+
+
+def test_a_path_that_is_a_file_or_cannot_be_made_is_refused(tmp_path):
+    rows = primary()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"path: .* exists and is not a directory"):
+        make_tier(rows, path=str(tmp_path / "file"), bytes_to_use=ROW_BYTES)
+    with pytest.raises(ValueError, match=r"path: .* is not a directory that can be made"):
+        make_tier(rows, path=str(tmp_path / "file" / "below"), bytes_to_use=ROW_BYTES)
+    rows.close()
+
+
+def test_two_engines_of_one_identity_cannot_share_a_store(tmp_path):
+    rows, other = primary(), primary()
+    config = engine_config(model_dir(tmp_path))
+    with (
+        tier_of(tmp_path / "tier", rows, config),
+        pytest.raises(ValueError, match="another engine of the same identity"),
+        set_current_vllm_config(config),
+    ):
+        make_tier(other, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES, spec=offloading_spec())
+    rows.close()
+    other.close()
