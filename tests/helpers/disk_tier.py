@@ -133,5 +133,10 @@ def run(tier, transfer_job: TransferJob):
     return results[0]
 
 
+def chunk_bytes(i: int) -> np.ndarray:
+    """The bytes of chunk i, as a test's writer fills its row (a function of i alone)."""
+    return np.random.default_rng(10_000 + i).integers(0, 256, ROW_BYTES, dtype=np.uint8)
+
+
 def model_dir(tmp_path) -> str:
     return write_model_dir(str(tmp_path / "model"), 2)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
+pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 from vllm.config import set_current_vllm_config
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 
