@@ -61,7 +61,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.request import Request
 
 from helpers import HANG_TIMEOUT_S
-from helpers.vllm import BLOCK_TOKENS, PROMPT, Rig, make_rig
+from helpers.vllm import BLOCK_TOKENS, Rig, make_rig
 
 # The spec as vLLM's OffloadingSpecFactory loads it (pytest puts tests/ on sys.path: pyproject's pythonpath).
 TIERING_SPEC_PATH = {"spec_name": "CPUTieringSpec", "spec_module_path": "helpers.vllm_tiers"}
@@ -149,7 +149,8 @@ class CPUStandInWorker(OffloadingWorker):
         src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
         src_at = dst_at = 0
         num_bytes = 0
-        for group, (group_size, block_index) in enumerate(zip(gpu_spec.group_sizes, gpu_spec.block_indices, strict=True)):
+        groups = zip(gpu_spec.group_sizes, gpu_spec.block_indices, strict=True)
+        for group, (group_size, block_index) in enumerate(groups):
             if group_size == 0:
                 continue
             src_skip, dst_skip = block_index % src_bpc, block_index % dst_bpc
@@ -426,4 +427,3 @@ def record_calls(obj: object, name: str) -> list[tuple[Any, ...]]:
 
     setattr(obj, name, spy)
     return calls
-
