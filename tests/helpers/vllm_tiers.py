@@ -38,6 +38,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
 import torch
+from vllm import SamplingParams
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -294,7 +295,8 @@ class TieringRig(Rig):
         """The OffloadKeys of ``tokens``' complete chunks in ``group``, in order: the hash of each chunk's last
         block (chained over the whole prefix) and the group, 4 bytes big-endian."""
         request = Request(
-            request_id="keys", prompt_token_ids=list(tokens), sampling_params=None, pooling_params=None,
+            request_id="keys", prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
             block_hasher=self._hasher,
         )  # fmt: skip
         hashes = request.block_hashes[self.blocks_per_chunk - 1 :: self.blocks_per_chunk]
@@ -379,6 +381,8 @@ class MemoryRowTier(SecondaryTierManager):
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # memoryview cannot index a 2-D view by row (NotImplementedError); numpy's view of it can, zero-copy
+        self._primary: np.ndarray | None = np.asarray(primary_kv_view)
         self.rows: dict[OffloadKey, bytes] = {}
         self.corrupted: set[OffloadKey] = set()
         self._done: list[JobResult] = []
@@ -391,7 +395,7 @@ class MemoryRowTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         for key, chunk in zip(list(job_metadata.keys), job_metadata.chunk_ids.tolist(), strict=True):
-            self.rows[key] = bytes(self._primary_kv_view[chunk])
+            self.rows[key] = self._primary_rows()[chunk].tobytes()
         self._done.append(JobResult(job_metadata.job_id, True))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -401,7 +405,7 @@ class MemoryRowTier(SecondaryTierManager):
                 self.rows.pop(key, None)
                 self._done.append(JobResult(job_metadata.job_id, False, successful_keys=keys[:done] or None))
                 return
-            self._primary_kv_view[chunk] = self.rows[key]
+            self._primary_rows()[chunk] = np.frombuffer(self.rows[key], dtype=np.int8)
         self._done.append(JobResult(job_metadata.job_id, True))
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -413,6 +417,13 @@ class MemoryRowTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         return  # every job ran at submission
+
+    def shutdown(self) -> None:
+        self._primary = None  # an export of the primary's memoryview left here would keep the region mapped
+
+    def _primary_rows(self) -> np.ndarray:
+        assert self._primary is not None, "the tier was shut down"
+        return self._primary
 
 
 def record_calls(obj: object, name: str) -> list[tuple[Any, ...]]:
