@@ -369,7 +369,7 @@ class MemoryRowTier(SecondaryTierManager):
     keys): configured as ``{"type": "MemoryRowTier", "module_path": "helpers.vllm_tiers"}``. Its lookups answer
     at once; a job's copies run at submission and it is reported at the next ``get_finished_jobs``. ``corrupt``
     makes a key's promotion fail: the chunks before it in the job are loaded and reported in
-    ``successful_keys``, and the key is dropped, so later lookups of it miss."""
+    ``successful_keys``, and the key is dropped (unless ``drop_failed`` is False), so later lookups of it miss."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -379,8 +379,10 @@ class MemoryRowTier(SecondaryTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         backpressure_detector: Any = None,
+        drop_failed: bool = True,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.drop_failed = drop_failed  # False: a key whose promotion failed still answers HIT
         # memoryview cannot index a 2-D view by row (NotImplementedError); numpy's view of it can, zero-copy
         self._primary: np.ndarray | None = np.asarray(primary_kv_view)
         self.rows: dict[OffloadKey, bytes] = {}
@@ -402,7 +404,8 @@ class MemoryRowTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         for done, (key, chunk) in enumerate(zip(keys, job_metadata.chunk_ids.tolist(), strict=True)):
             if key in self.corrupted or key not in self.rows:
-                self.rows.pop(key, None)
+                if self.drop_failed:
+                    self.rows.pop(key, None)
                 self._done.append(JobResult(job_metadata.job_id, False, successful_keys=keys[:done] or None))
                 return
             self._primary_rows()[chunk] = np.frombuffer(self.rows[key], dtype=np.int8)

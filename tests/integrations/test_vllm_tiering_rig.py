@@ -176,6 +176,24 @@ def test_a_failed_promotion_keeps_its_successful_prefix_and_the_rest_is_computed
     assert keys[bad] not in tier.rows
 
 
+def test_a_tier_still_answering_hit_for_a_failed_key_is_asked_to_promote_it_every_step(rigs):
+    """vLLM's side of the contract (the fs tier marks failed keys missing): a tier that keeps answering HIT for
+    a key whose promotion failed gets that key and the ones after it promoted again at every step, and the
+    request waits, computing nothing. A tier must answer MISS for a key it failed to promote."""
+    rig = rigs(secondary_tiers=[{**MEMORY_TIER, "drop_failed": False}])
+    (tier,) = rig.tiers
+    promotions = record_calls(tier, "submit_load")
+    rig.store_cascade_evict(PROMPT)
+    keys = rig.offload_keys(PROMPT)
+    bad = 3
+    tier.corrupt(keys[bad])
+    rig.add("again", [*PROMPT, 5, 6, 7], max_tokens=4)
+    steps = 6
+    assert all(rig.step() == {} for _ in range(steps))
+    assert [list(job.keys) for (job,) in promotions] == [keys] + [keys[bad:]] * (steps - 1)
+    assert rig.requests["again"].num_computed_tokens == 0
+
+
 def test_a_prefix_evicted_by_other_prompts_is_promoted_from_the_fs_tier(rigs, tmp_path):
     """No reset: a primary of 12 chunks, so storing OTHER_PROMPT's 9 chunks evicts most of PROMPT's; PROMPT
     again promotes what the primary lost (evicting OTHER_PROMPT's chunks for the room) and loads it bitwise."""
