@@ -212,6 +212,9 @@ class TieringRig(Rig):
     threads move, its step loops are bounded by HANG_TIMEOUT_S instead of a count of steps (a busy machine
     takes more idle steps for the same thread work), and ``drain`` also waits for the cascades."""
 
+    closed = False
+    region_left_behind = False  # set by close(): a region file was still in /dev/shm after the shutdown
+
     @property
     def manager(self) -> TieringOffloadingManager:
         """vLLM's TieringOffloadingManager, as the scheduler-side connector holds it."""
@@ -232,10 +235,10 @@ class TieringRig(Rig):
 
     @property
     def region(self) -> torch.Tensor:
-        """The primary tier's rows, (num_chunks, row_stride) int8, over the memoryview the tiers are given."""
-        return torch.frombuffer(self.manager.primary_tier.get_kv_memoryview(), dtype=torch.int8).view(
-            self.manager.primary_tier._num_chunks, -1
-        )
+        """The primary tier's rows, (num_chunks, row_stride) int8, over the memoryview the tiers are given
+        (zero-copy: valid until ``close()`` unmaps it)."""
+        view = self.manager.primary_tier.get_kv_memoryview()
+        return torch.frombuffer(view, dtype=torch.int8).view(view.shape)
 
     def _on_idle_step(self) -> None:
         time.sleep(IDLE_PAUSE_S)
@@ -303,12 +306,12 @@ class TieringRig(Rig):
         return [make_offload_key(h, group) for h in hashes]
 
     def primary_chunk_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """Where the primary tier holds ``keys`` (each must be a HIT there), asked through its own
-        prepare_load/complete_load under the manager's lock."""
+        """Where the primary tier holds ``keys`` (each must be a HIT there), asked through the reads a cascade
+        takes (prepare_read/complete_read, which leave the eviction order alone) under the manager's lock."""
         context = ReqContext(req_id="rig-probe")
         with self.manager.lock:
-            spec = self.manager.primary_tier.prepare_load(keys, context)
-            self.manager.primary_tier.complete_load(keys, context)
+            spec = self.manager.primary_tier.prepare_read(keys, context)
+            self.manager.primary_tier.complete_read(keys, context)
         assert isinstance(spec, BlockIDsLoadStoreSpec)
         return [int(c) for c in spec.block_ids]
 
@@ -316,13 +319,14 @@ class TieringRig(Rig):
         """Shuts both roles down (the worker unmaps the region, the scheduler's manager shuts the tiers down and
         removes the region), then removes a region file still there; ``region_left_behind`` says whether one
         was."""
-        if getattr(self, "closed", False):
+        if self.closed:
             return
         self.closed = True
         try:
             super().close()
         finally:
-            leftovers = glob.glob(glob.escape(self.region_path) + "*")
+            path = glob.escape(self.region_path)
+            leftovers = glob.glob(path) + glob.glob(path + ".*")  # the region and its segments
             self.region_left_behind = bool(leftovers)
             for path in leftovers:
                 with contextlib.suppress(FileNotFoundError):
