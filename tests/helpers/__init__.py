@@ -6,6 +6,7 @@ only fixtures and hooks. Here: the facts of this machine the tests branch on, an
 - ``profiles``: Profiles built by hand, whose every prediction is known in advance;
 - ``hf``: tiny random-weight transformers models and preempting workloads;
 - ``vllm``: vLLM's real Scheduler and OffloadingConnector around CPU tensors;
+- ``vllm_tiers``: the same with vLLM's stock TieringOffloadingSpec, its worker replaced by a CPU stand-in;
 - ``remote``: a kvcopy peer in another process;
 - ``netns``: a peer process in each of two network namespaces (``netns_peer`` is what runs there);
 - ``storage``: disk stores and the pools they are filled from.

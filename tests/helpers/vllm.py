@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -192,7 +192,7 @@ class Rig:
         computed = self._forward(output)
         self.worker.wait_for_save()
         if not computed:  # an idle step: let the copies in flight finish instead of spinning on them
-            self.kv_worker.wait(self.kv_worker.job_ids_in_flight)
+            self._on_idle_step()
         results = self.worker.get_transfer_results(output.finished_req_ids)
         worker_meta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
@@ -218,23 +218,35 @@ class Rig:
         request = self.requests[request_id]
         return request.num_computed_tokens >= request.num_tokens
 
-    def run(self, max_steps: int = 200) -> None:
-        """Steps until every request finished and every transfer is reported."""
+    def _on_idle_step(self) -> None:
+        """After a step that computed nothing: wait for kvcopy's copies in flight."""
+        self.kv_worker.wait(self.kv_worker.job_ids_in_flight)
+
+    def _step_until(self, done: Callable[[], bool], max_steps: int, what: str) -> None:
+        """Steps until ``done()``, at most ``max_steps`` steps; an AssertionError saying ``what`` did not happen."""
         for _ in range(max_steps):
-            if not self.scheduler.has_requests() and not self._transfers_pending():
+            if done():
                 return
             self.step()
-        raise AssertionError(f"the engine did not finish in {max_steps} steps")
+        raise AssertionError(f"{what} in {max_steps} steps")
+
+    def run(self, max_steps: int = 200) -> None:
+        """Steps until every request finished and every transfer is reported."""
+        self._step_until(
+            lambda: not self.scheduler.has_requests() and not self._transfers_pending(),
+            max_steps,
+            "the engine did not finish",
+        )
 
     def run_until_prefilled(self, request_id: str, max_steps: int = 200) -> None:
         """Steps until ``request_id`` (added with ``max_tokens`` > 1, so it keeps its blocks) has its prompt
         computed or loaded."""
         request = self.requests[request_id]
-        for _ in range(max_steps):
-            if request.num_computed_tokens >= request.num_prompt_tokens and request.num_output_tokens:
-                return
-            self.step()
-        raise AssertionError(f"{request_id} was not prefilled in {max_steps} steps")
+        self._step_until(
+            lambda: request.num_computed_tokens >= request.num_prompt_tokens and bool(request.num_output_tokens),
+            max_steps,
+            f"{request_id} was not prefilled",
+        )
 
     def store_and_reset(self, tokens: list[int], *, zero: bool = False) -> None:
         """Runs request "first" over ``tokens`` until its stores are reported, then drops vLLM's prefix cache
@@ -263,11 +275,7 @@ class Rig:
 
     def drain(self, steps: int = 20) -> None:
         """Steps with nothing to compute until the stores in flight are reported."""
-        for _ in range(steps):
-            if not self._transfers_pending():
-                return
-            self.step()
-        raise AssertionError("stores still pending")
+        self._step_until(lambda: not self._transfers_pending(), steps, "stores still pending")
 
     def blocks_of(self, request_id: str) -> list[list[int]]:
         return [list(b) for b in self.scheduler.kv_cache_manager.get_block_ids(request_id)]
@@ -298,8 +306,11 @@ def make_rig(
     load_failure_policy: str = "fail",
     mla: bool = False,
     device: str = "cpu",
+    engine_id: str | None = None,
+    rig_cls: type[Rig] = Rig,
 ) -> Rig:
-    """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys."""
+    """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys (``extra`` may name
+    another spec), built as ``rig_cls``; ``engine_id`` names vLLM's engine (vLLM draws a uuid without it)."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
     extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
@@ -308,6 +319,7 @@ def make_rig(
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra_config,
         "kv_load_failure_policy": load_failure_policy,
+        "engine_id": engine_id,
     }
     if connector != "OffloadingConnector":
         transfer["kv_connector_module_path"] = "kvcopy.integrations.vllm"
@@ -336,12 +348,16 @@ def make_rig(
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=BLOCK_TOKENS,
         )
-        worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        caches = allocate_kv_cache(
-            kv_cache_config, torch.device(device), vllm_config.cache_config.get_resolved_kv_cache_layout()
-        )
-        worker.register_kv_caches(caches)
-    return Rig(vllm_config, scheduler, worker, caches, kv_cache_config)
+        try:  # the scheduler's spec may hold a shared region or threads: released if the worker side fails
+            worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+            caches = allocate_kv_cache(
+                kv_cache_config, torch.device(device), vllm_config.cache_config.get_resolved_kv_cache_layout()
+            )
+            worker.register_kv_caches(caches)
+        except BaseException:
+            scheduler.shutdown()
+            raise
+    return rig_cls(vllm_config, scheduler, worker, caches, kv_cache_config)
 
 
 # --------------------------------------------------------------------------- what a load brings back
