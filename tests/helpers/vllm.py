@@ -308,9 +308,13 @@ def make_rig(
     device: str = "cpu",
     engine_id: str | None = None,
     rig_cls: type[Rig] = Rig,
+    hf_overrides: dict | None = None,
+    cache_dtype: str = "auto",
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys (``extra`` may name
-    another spec), built as ``rig_cls``; ``engine_id`` names vLLM's engine (vLLM draws a uuid without it)."""
+    another spec), built as ``rig_cls``; ``engine_id`` names vLLM's engine (vLLM draws a uuid without it);
+    ``hf_overrides`` and ``cache_dtype`` are vLLM's (the model's config as vLLM resolves it, and the KV cache's
+    dtype vLLM records: the stand-in cache stays float32)."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
     extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
@@ -324,8 +328,14 @@ def make_rig(
     if connector != "OffloadingConnector":
         transfer["kv_connector_module_path"] = "kvcopy.integrations.vllm"
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024),
-        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
+        model_config=ModelConfig(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=1024,
+            hf_overrides=hf_overrides or {},
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True, cache_dtype=cache_dtype),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_batch_tokens, max_num_seqs=8, max_model_len=1024, is_encoder_decoder=False
         ),

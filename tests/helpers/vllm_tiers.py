@@ -344,12 +344,16 @@ def make_tiering_rig(
     engine_id: str | None = None,
     num_blocks: int = 160,
     max_batch_tokens: int = 512,
+    hf_overrides: dict | None = None,
+    cache_dtype: str = "auto",
+    spec: dict[str, str] | None = None,
 ) -> TieringRig:
     """A CPU engine with vLLM's stock TieringOffloadingSpec (CPUTieringSpec) over ``secondary_tiers`` (copied:
     vLLM's spec writes into them); ``extra`` adds or overrides keys of kv_connector_extra_config. The engine id
-    is unique (so is the region in /dev/shm) unless given. Close it with ``close()``."""
+    is unique (so is the region in /dev/shm) unless given; ``hf_overrides`` and ``cache_dtype`` are
+    make_rig's; ``spec`` names another spec (spec_name, spec_module_path). Close it with ``close()``."""
     extra_config = {
-        **TIERING_SPEC_PATH,
+        **(spec or TIERING_SPEC_PATH),
         "cpu_bytes_to_use": cpu_bytes_to_use,
         "blocks_per_chunk": blocks_per_chunk,
         "secondary_tiers": copy.deepcopy(secondary_tiers),
@@ -363,6 +367,8 @@ def make_tiering_rig(
         extra=extra_config,
         engine_id=engine_id or f"kvcopy-test-{uuid.uuid4().hex[:12]}",
         rig_cls=TieringRig,
+        hf_overrides=hf_overrides,
+        cache_dtype=cache_dtype,
     )
     assert isinstance(rig, TieringRig)
     return rig
