@@ -7,15 +7,19 @@ a prompt stored, cascaded to the disk tier, evicted from the primary tier and re
 what was stored (1 and 2 blocks per chunk, two layers), through the tier's own promotion; a new engine in
 another process with the same configuration and path loads the same blocks bitwise; one whose only change is
 rope scaling (hf_overrides) or the KV-cache dtype loads nothing and computes every token; a flipped byte in a
-stored chunk loads the chunks before it bitwise and computes from it on.
+stored chunk loads the chunks before it bitwise and computes from it on; an engine killed with SIGKILL while it
+cascades, at several points, restarts serving only blocks bitwise equal to what was stored.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +32,7 @@ from kvcopy.integrations.vllm.disk_tier import store_hash
 from kvcopy.storage.files import DATA
 
 from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold
-from helpers.vllm_tiers import make_tiering_rig, record_calls
+from helpers.vllm_tiers import REGION_PATH, make_tiering_rig, record_calls
 
 TESTS = str(Path(__file__).resolve().parents[1])
 ROW_PAD = 4096  # vLLM rounds a row up to the page
@@ -158,3 +162,69 @@ def test_a_flipped_byte_loads_the_chunks_before_it_and_computes_from_it_on(tmp_p
         assert not tier.store.contains(store_hash(keys[bad]))  # dropped: never offered again
     finally:
         rig.close()
+
+
+CRASH_WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from helpers.vllm_tiers import make_tiering_rig
+sys.path.insert(0, {here!r})
+from test_vllm_disk_tier_engine import crash_prompt
+rig = make_tiering_rig(Path({tmp!r}), secondary_tiers=[{tier!r}], engine_id={engine_id!r})
+for i in range({prompts}):
+    rig.add(f"p{{i}}", crash_prompt(i))
+    rig.run()
+    print("ran", i, flush=True)
+rig.drain()
+print("drained", flush=True)
+"""
+CRASH_PROMPTS = 16
+CRASH_AFTER = (1, 3, 6, 10, 14)  # prompts run before the SIGKILL
+
+
+def crash_prompt(i: int) -> list[int]:
+    """Prompt i of the crash test: 5 chunks, its own tokens from the first."""
+    return [(i * 37 + 11 * t + 1) % 250 for t in range(5 * BLOCK_TOKENS + 3)]
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_cascade_restarts_serving_only_blocks_it_stored(tmp_path):
+
+    loaded_total = 0
+    for kill_after in CRASH_AFTER:
+        tier = disk_tier(tmp_path / f"tier-{kill_after}")
+        engine_id = f"kvcopy-crash-{uuid.uuid4().hex[:12]}"
+        code = CRASH_WRITER.format(
+            tests=TESTS,
+            here=str(Path(__file__).parent),
+            tmp=str(tmp_path),
+            tier=tier,
+            engine_id=engine_id,
+            prompts=CRASH_PROMPTS,
+        )
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            for line in child.stdout:
+                if line.split() == ["ran", str(kill_after)]:
+                    os.kill(child.pid, signal.SIGKILL)  # its cascades of the last prompts are in flight
+                    break
+            child.communicate(timeout=600)
+        finally:
+            region = glob.escape(REGION_PATH.format(engine_id=engine_id))
+            for leftover in glob.glob(region) + glob.glob(region + ".*"):
+                os.unlink(leftover)  # a killed engine leaves its region (and its segments) behind
+        assert child.returncode == -signal.SIGKILL, f"the engine ended before its kill ({child.returncode})"
+        rig = make_tiering_rig(tmp_path, secondary_tiers=[tier])
+        try:
+            for i in range(kill_after + 2):
+                tokens = [*crash_prompt(i), 1, 2]
+                rig.add(f"check{i}", tokens, max_tokens=4)
+                rig.run_until_prefilled(f"check{i}")
+                computed = sum(f.get(f"check{i}", 0) for f in rig.forwards)
+                loaded_total += len(tokens) - computed
+                full = len(tokens) // BLOCK_TOKENS
+                assert assert_blocks_hold(rig, f"check{i}", tokens, range(full)) == 2 * full  # loaded or computed
+        finally:
+            rig.close()
+    assert loaded_total > 0  # the restarts did load what the killed engines had stored
