@@ -5,20 +5,23 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from kvcopy._checks import boolean, non_negative_int, positive_int
+from kvcopy._checks import boolean, non_negative_int, positive_int, sequence_argument
 from kvcopy.conflicts import check_caller
 from kvcopy.host.allocator import BlockAllocator
 from kvcopy.host.memory import HostRegion, gpu_numa_node
 from kvcopy.ids import BlockIds
 from kvcopy.layout import PagedKV
 
-__all__ = ["HostKVPool", "HostLayout", "KVLike", "as_paged"]
+__all__ = ["HostKVPool", "HostLayout", "KVLike", "PoolLayout", "as_paged"]
 
 HostLayout = Literal["page_first", "layer_first"]
+# A pool's layout: one a pool is made with, or "placed" (HostKVPool.over with the owner's plane offsets).
+PoolLayout = Literal["page_first", "layer_first", "placed"]
 _LAYOUTS = ("page_first", "layer_first")
 
 
@@ -88,38 +91,73 @@ class HostKVPool:
         *,
         layout: HostLayout = "page_first",
         pin_memory: bool | None = None,
+        plane_offsets: Sequence[int] | None = None,
+        block_stride: int | None = None,
     ) -> HostKVPool:
-        """A pool over host memory another owner allocated (vLLM's shared offload region, say): the first
-        ``num_blocks`` blocks of ``memory``, a writable C-contiguous buffer (a memoryview, an mmap, a numpy
-        array), laid out as a pool made with the same ``like``, ``num_blocks`` and ``layout`` is. kvcopy pins
-        (registers with CUDA) and unpins it as it does its own pools (``pin_memory`` as there); the memory
-        stays the owner's. The pool, its buffer and the views over it hold ``memory``: drop them (and
-        :meth:`close`) before the owner unmaps it.
+        """A pool over host memory another owner allocated (vLLM's shared offload region, say), ``num_blocks``
+        blocks shaped like ``like``'s.
+
+        ``memory``: a writable C-contiguous buffer (a memoryview, an mmap, a numpy array), or a
+        :class:`~kvcopy.host.memory.HostRegion` kvcopy made over one (several pools over one region, pinned
+        once). Its blocks are laid out as a pool made with the same ``like``, ``num_blocks`` and ``layout`` is,
+        or, with ``plane_offsets`` and ``block_stride`` (both or neither), where the owner keeps them: block b
+        of plane p at byte ``plane_offsets[p] + b * block_stride`` (``layout`` is then ``"placed"``: no block
+        is one region). kvcopy pins (registers with CUDA) and unpins the bytes the pool spans as it does its
+        own pools (``pin_memory`` as there; a HostRegion is pinned already, or not); the memory stays the
+        owner's. The pool, its buffer and the views over it hold ``memory``: drop them (and :meth:`close`)
+        before the owner unmaps it.
 
         TypeError for a ``memory`` without the buffer protocol; ValueError for a read-only or non-contiguous
-        one, or one of fewer bytes than ``num_blocks`` blocks.
+        one, one of fewer bytes than the blocks span, placed planes that overlap, or one offset per plane not
+        given.
         """
         if not isinstance(like, PagedKV):
             raise TypeError(f"like: expected a PagedKV, got {type(like).__name__}")
         num_blocks = positive_int("num_blocks", num_blocks)
         _check_layout(layout)
-        pin = torch.cuda.is_available() if pin_memory is None else boolean("pin_memory", pin_memory)
-        region = HostRegion.over(memory, num_blocks * like.nbytes_per_block, pin=pin)
+        if (plane_offsets is None) != (block_stride is None):
+            raise ValueError("plane_offsets, block_stride: give both (the owner's placement of the blocks) or neither")
+        placement = None
+        if plane_offsets is not None and block_stride is not None:
+            placement = _placement(like, num_blocks, plane_offsets, block_stride)
+            nbytes = placement[2]
+        else:
+            nbytes = num_blocks * like.nbytes_per_block
+        if isinstance(memory, HostRegion):
+            if memory.nbytes < nbytes:
+                raise ValueError(f"memory: expected at least {nbytes} bytes, got a region of {memory.nbytes}")
+            region = memory
+        else:
+            pin = torch.cuda.is_available() if pin_memory is None else boolean("pin_memory", pin_memory)
+            region = HostRegion.over(memory, nbytes, pin=pin)
         pool = cls.__new__(cls)
-        pool._lay_out(region, like, num_blocks, layout)
+        pool._lay_out(region, like, num_blocks, layout, placement)
         return pool
 
-    def _lay_out(self, region: HostRegion, like: PagedKV, num_blocks: int, layout: HostLayout) -> None:
-        """The pool's buffer, allocator and planes over ``region``."""
+    def _lay_out(
+        self,
+        region: HostRegion,
+        like: PagedKV,
+        num_blocks: int,
+        layout: HostLayout,
+        placement: tuple[list[int], int, int] | None = None,
+    ) -> None:
+        """The pool's buffer, allocator and planes over ``region`` (``placement``: the owner's plane offsets and
+        block stride, and the bytes they span)."""
         self._region = region
-        self.layout = layout
+        self.layout: PoolLayout = layout if placement is None else "placed"
         self.buffer: torch.Tensor = region.new_tensor()  # keeps the region alive, and its views do
         self.allocator = BlockAllocator(num_blocks)
-        planes = (
-            _page_first_planes(self.buffer, like, num_blocks)
-            if layout == "page_first"
-            else (_layer_first_planes(self.buffer, like, num_blocks))
-        )
+        if placement is not None:
+            offsets, stride, _ = placement
+            planes = [
+                _plane_over(self.buffer, plane, i, num_blocks, offset, stride)
+                for i, (plane, offset) in enumerate(zip(like.planes, offsets, strict=True))
+            ]
+        elif layout == "page_first":
+            planes = _page_first_planes(self.buffer, like, num_blocks)
+        else:
+            planes = _layer_first_planes(self.buffer, like, num_blocks)
         self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=region)
         if like.device.type == "cuda":  # the Triton kernel reads the table on the GPU it copies with
             self.paged.plane_table_on(like.device)
@@ -197,6 +235,22 @@ class HostKVPool:
             f"HostKVPool(num_blocks={self.num_blocks}, layout={self.layout!r}, pinned={self.pinned}, "
             f"nbytes={self.nbytes})"
         )
+
+
+def _placement(
+    like: PagedKV, num_blocks: int, plane_offsets: Sequence[int], block_stride: int
+) -> tuple[list[int], int, int]:
+    """(offsets, stride, bytes spanned) of an owner's placement of ``like``'s planes, checked."""
+    offsets = list(sequence_argument("plane_offsets", plane_offsets, "byte offsets (ints)"))
+    if len(offsets) != len(like.planes):
+        raise ValueError(f"plane_offsets: expected one per plane ({len(like.planes)}), got {len(offsets)}")
+    offsets = [non_negative_int(f"plane_offsets[{i}]", offset) for i, offset in enumerate(offsets)]
+    stride = positive_int("block_stride", block_stride)
+    sizes = like.plane_block_nbytes
+    if max(sizes, default=0) > stride:
+        raise ValueError(f"block_stride: expected at least a plane's block ({max(sizes)} bytes), got {stride}")
+    spanned = max((o + (num_blocks - 1) * stride + n for o, n in zip(offsets, sizes, strict=True)), default=0)
+    return offsets, stride, spanned
 
 
 def _check_layout(layout: object) -> None:

@@ -90,3 +90,73 @@ def test_pinning_an_owners_memory_without_cuda_is_refused():
     like = _like()
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         kvcopy.HostKVPool.over(bytearray(like.nbytes_per_block), like, 1, pin_memory=True)
+
+
+def test_placed_planes_hold_each_block_at_the_owners_offset():
+    """vLLM's primary region: a row per chunk, in it plane t's sub-blocks side by side ([t0: j0 j1 | t1: j0 j1]),
+    padded. Pool j places plane t's block c at row c, sub-block j."""
+    cache = _cache()
+    page = cache.plane_block_nbytes[0]
+    per_chunk, row = 2, 2 * 2 * page + 64  # two planes of two sub-blocks, and padding
+    owner = bytearray(row * NUM_BLOCKS)
+    pools = [
+        kvcopy.HostKVPool.over(
+            memoryview(owner),
+            cache,
+            NUM_BLOCKS,
+            pin_memory=False,
+            plane_offsets=[t * per_chunk * page + j * page for t in range(2)],
+            block_stride=row,
+        )
+        for j in range(per_chunk)
+    ]
+    assert [p.layout for p in pools] == ["placed", "placed"]
+    kvcopy.gather(cache, [1, 2], pools[0], [3, 0])  # sub-block 0 of chunks 3 and 0
+    kvcopy.gather(cache, [4], pools[1], [3])  # sub-block 1 of chunk 3
+    got = np.frombuffer(owner, dtype=np.uint8)
+    for src, chunk, j in ((1, 3, 0), (2, 0, 0), (4, 3, 1)):
+        for t, plane in enumerate(cache.planes):
+            at = chunk * row + t * per_chunk * page + j * page
+            assert np.array_equal(got[at : at + page], plane[src].reshape(-1).view(torch.uint8).numpy()), (src, t)
+    written = {(c * row + t * per_chunk * page + j * page) for c, j in ((3, 0), (0, 0), (3, 1)) for t in range(2)}
+    untouched = np.ones(len(owner), dtype=bool)
+    for at in written:
+        untouched[at : at + page] = False
+    assert not got[untouched].any()
+
+
+def test_placed_planes_that_overlap_or_do_not_fit_are_refused():
+    like = _like()
+    page = like.plane_block_nbytes[0]
+    owner = bytearray(4 * page * NUM_BLOCKS)
+    with pytest.raises(ValueError, match="shares memory"):
+        kvcopy.HostKVPool.over(
+            owner, like, NUM_BLOCKS, pin_memory=False, plane_offsets=[0, page // 2], block_stride=2 * page
+        )
+    with pytest.raises(ValueError, match="plane_offsets: expected one per plane"):
+        kvcopy.HostKVPool.over(owner, like, NUM_BLOCKS, pin_memory=False, plane_offsets=[0], block_stride=2 * page)
+    with pytest.raises(ValueError, match="give both"):
+        kvcopy.HostKVPool.over(owner, like, NUM_BLOCKS, pin_memory=False, plane_offsets=[0, page])
+    with pytest.raises(ValueError, match="memory: expected at least"):
+        kvcopy.HostKVPool.over(
+            owner, like, NUM_BLOCKS, pin_memory=False, plane_offsets=[0, page], block_stride=8 * page
+        )
+    with pytest.raises(ValueError, match="block_stride: expected at least a plane's block"):
+        kvcopy.HostKVPool.over(
+            owner, like, NUM_BLOCKS, pin_memory=False, plane_offsets=[0, page], block_stride=page - 1
+        )
+
+
+def test_pools_over_one_region_share_its_pinning():
+    from kvcopy.host.memory import HostRegion
+
+    like = _like()
+    owner = bytearray(2 * like.nbytes_per_block * NUM_BLOCKS)
+    region = HostRegion.over(owner, len(owner), pin=False)
+    first = kvcopy.HostKVPool.over(region, like, NUM_BLOCKS)
+    second = kvcopy.HostKVPool.over(
+        region, like, NUM_BLOCKS, plane_offsets=[0, like.plane_block_nbytes[0]], block_stride=2 * like.nbytes_per_block
+    )
+    assert first.buffer.data_ptr() == second.buffer.data_ptr() == np.frombuffer(owner, dtype=np.uint8).ctypes.data
+    with pytest.raises(ValueError, match="memory: expected at least"):
+        kvcopy.HostKVPool.over(region, like, 3 * NUM_BLOCKS)
