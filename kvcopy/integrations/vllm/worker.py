@@ -10,7 +10,9 @@ loads a step must have (docs/engines.md, "vLLM"). Here:
   included, to these pages);
 - the host side is one page-first :class:`~kvcopy.HostKVPool` of
   ``num_chunks * blocks_per_chunk`` blocks, one per device block of a chunk
-  (kvcopy.integrations.vllm._chunks);
+  (kvcopy.integrations.vllm._chunks); under tiered offloading, vLLM's shared
+  primary region in vLLM's own layout instead (kvcopy.integrations.vllm.primary_region:
+  one engine per sub-block position of a chunk, a job split among them);
 - order comes from the TransferEngine: a load of chunks a store is still
   writing starts after it, a store reads device blocks only after the work
   already queued on the caller's stream (the forward that wrote them), and
@@ -29,6 +31,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -42,8 +45,10 @@ from vllm.v1.kv_offload.base import (
 
 from kvcopy.engine.engine import TransferEngine
 from kvcopy.engine.transfer import Transfer
+from kvcopy.host.pool import HostKVPool
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.vllm._chunks import job_block_ids
+from kvcopy.integrations.vllm.primary_region import RegionHost
 from kvcopy.layout import PagedKV
 from kvcopy.profile import Profile
 
@@ -84,16 +89,20 @@ class CopyObservation:
 
 @dataclass
 class _Job:
-    transfer: Transfer | None  # None: it failed before it was submitted
+    transfers: list[Transfer] | None  # one per engine it went to; None: it failed before it was submitted
     nbytes: int
     device_ids: list[int]
+
+    def done(self) -> bool:
+        return self.transfers is None or all(transfer.done() for transfer in self.transfers)
 
 
 class KVCopyOffloadingWorker(OffloadingWorker):
     """Stores (device -> host) and loads (host -> device) of vLLM's jobs on one kvcopy TransferEngine.
 
     ``kv``: vLLM's canonical KV tensors as a PagedKV (:func:`paged_kv_of`).
-    ``session`` owns the host pool (``num_chunks * blocks_per_chunk`` blocks); ``method`` and ``profile`` are
+    ``session`` owns the host pool (``num_chunks * blocks_per_chunk`` blocks), unless ``region`` (the worker's
+    ``SharedOffloadRegion`` of vLLM's tiered offloading) is the host side; ``method`` and ``profile`` are
     the engine's copy method and the profile its ``"auto"`` reads. ``get_finished`` reports each job once,
     with its bytes and its turnaround (seconds from submission until done, time behind other copies
     included). Each finished copy also lands in :attr:`copies`, for the scheduler's planner to learn from.
@@ -108,15 +117,24 @@ class KVCopyOffloadingWorker(OffloadingWorker):
         session: OffloadSession,
         method: str = "auto",
         profile: Profile | None = None,
+        region: Any = None,
     ) -> None:
         self.kv = kv
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
         self.session = session
-        self.host = session.pools_for({"kv": self.kv})["kv"]
-        if self.host is None or self.host.num_blocks < num_chunks * blocks_per_chunk:
-            raise ValueError(f"cpu_bytes_to_use: holds no {num_chunks} chunks of {blocks_per_chunk} blocks")
-        self.engine = TransferEngine(self.kv, self.host, method=method, profile=profile, observer=self._observe)
+        engine: dict[str, Any] = {"method": method, "profile": profile, "observer": self._observe}
+        self.region: RegionHost | None = None
+        self.host: HostKVPool
+        if region is not None:
+            self.region = RegionHost(region, kv, blocks_per_chunk, num_chunks, pin=None, **engine)
+            self.engine, self.host = self.region.engines[0], self.region.pools[0]  # (the first sub-block's)
+        else:
+            host = session.pools_for({"kv": self.kv})["kv"]
+            if host is None or host.num_blocks < num_chunks * blocks_per_chunk:
+                raise ValueError(f"cpu_bytes_to_use: holds no {num_chunks} chunks of {blocks_per_chunk} blocks")
+            self.host = host
+            self.engine = TransferEngine(self.kv, host, **engine)
         self.copies: deque[CopyObservation] = deque(maxlen=MAX_UNCOLLECTED_COPIES)  # for the scheduler to learn
         self.hold_failures = False  # KVCopyOffloadingConnector: failed jobs go to `failures`, not get_finished
         self.failures: list[tuple[int, list[int]]] = []  # (job id, device blocks) of failed jobs held back
@@ -141,16 +159,28 @@ class KVCopyOffloadingWorker(OffloadingWorker):
                 raise RuntimeError(f"submit_{direction}: this worker is shut down")
             if job_id in self._jobs:
                 raise ValueError(f"job_id: {job_id} is already in flight")
+            started: list[Transfer] = []
             try:
-                if direction == "store":
-                    transfer = self.engine.offload(device_ids, host_ids)
-                else:
-                    transfer = self.engine.reload(host_ids, device_ids, expedited=expedited)
+                for engine, devices, hosts in self._routes(device_ids, host_ids):
+                    if direction == "store":
+                        started.append(engine.offload(devices, hosts))
+                    else:
+                        started.append(engine.reload(hosts, devices, expedited=expedited))
+                transfers: list[Transfer] | None = started
             except Exception:  # vLLM hears of it as a failed job, never as a done one
                 logger.exception("kvcopy: %s job %d failed to start", direction, job_id)
-                transfer = None
-            self._jobs[job_id] = _Job(transfer, len(device_ids) * self.kv.nbytes_per_block, device_ids)
+                for part in started:  # (a job split among engines: the parts started are waited for)
+                    with contextlib.suppress(Exception):
+                        part.wait()
+                transfers = None
+            self._jobs[job_id] = _Job(transfers, len(device_ids) * self.kv.nbytes_per_block, device_ids)
         return True
+
+    def _routes(self, device_ids: list[int], host_ids: list[int]) -> list[tuple[TransferEngine, list[int], list[int]]]:
+        """The engines a job's blocks go to: the one engine, or the region's per sub-block position."""
+        if self.region is not None:
+            return self.region.route(device_ids, host_ids)
+        return [(self.engine, device_ids, host_ids)]
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         """Device blocks -> host chunks, after the work already queued on the current stream."""
@@ -182,21 +212,23 @@ class KVCopyOffloadingWorker(OffloadingWorker):
 
     @staticmethod
     def _result(job_id: int, job: _Job) -> TransferResult:
-        transfer = job.transfer
-        if transfer is None:
+        if job.transfers is None:
             return TransferResult(job_id=job_id, success=False)
         try:
-            transfer.wait()  # done already: re-raises the copy's error, if it had one
+            for transfer in job.transfers:
+                transfer.wait()  # done already: re-raises the copy's error, if it had one
         except Exception:  # reported, not raised: vLLM decides what a failed job means
             logger.exception("kvcopy: job %d failed; its blocks are not valid", job_id)
             return TransferResult(job_id=job_id, success=False)
-        return TransferResult(job_id=job_id, success=True, transfer_size=job.nbytes, transfer_time=transfer.turnaround)
+        turnarounds = [t.turnaround for t in job.transfers if t.turnaround is not None]
+        seconds = max(turnarounds) if turnarounds else None
+        return TransferResult(job_id=job_id, success=True, transfer_size=job.nbytes, transfer_time=seconds)
 
     def get_finished(self) -> list[TransferResult]:
         """The jobs finished since the last call, each reported once (with ``hold_failures``, the failed ones go
         to :attr:`failures` instead)."""
         with self._lock:
-            done = [(job_id, job) for job_id, job in self._jobs.items() if job.transfer is None or job.transfer.done()]
+            done = [(job_id, job) for job_id, job in self._jobs.items() if job.done()]
             for job_id, _ in done:
                 del self._jobs[job_id]
         results = []
@@ -217,17 +249,20 @@ class KVCopyOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Blocks until those jobs (the ones still unreported) are done; errors wait for get_finished."""
         with self._lock:
-            transfers = [self._jobs[j].transfer for j in job_ids if j in self._jobs]
+            transfers = [t for j in job_ids if j in self._jobs for t in (self._jobs[j].transfers or [])]
         for transfer in transfers:
-            if transfer is not None:
-                with contextlib.suppress(Exception):
-                    transfer.wait()
+            with contextlib.suppress(Exception):
+                transfer.wait()
 
     def shutdown(self) -> None:
-        """Waits for every copy in flight, then frees the host pool; later submissions are a RuntimeError."""
+        """Waits for every copy in flight, then frees the host pool (or lets go of vLLM's region); later
+        submissions are a RuntimeError."""
         with self._lock:
             self._closed = True
-        self.engine.close()
+        if self.region is not None:
+            self.region.close()  # its engines first, then the region (vLLM's cleanup unmaps it)
+        else:
+            self.engine.close()
         with self._lock:
             self._jobs.clear()
         self.session.close()
