@@ -35,7 +35,7 @@ from kvcopy.calibration.fit import fit_max_linear, weighted_median
 from kvcopy.model.spec import ModelSpec
 from kvcopy.online.observations import Stream, age_weights, checked_seconds, count, token_counts
 from kvcopy.online.prefill import ForwardLaw
-from kvcopy.profile import REMOTE_DIRECTION, CostLine, MethodProfile, Profile
+from kvcopy.profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, REMOTE_DIRECTION, CostLine, MethodProfile, Profile
 
 __all__ = [
     "BANDWIDTH_CAP_FACTOR",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # Directions a copy may be observed in: the calibrator's four and the network link to a peer.
-DIRECTIONS = ("d2h", "h2d", "h2h", "d2d", REMOTE_DIRECTION)
+DIRECTIONS = ("d2h", "h2d", "h2h", "d2d", REMOTE_DIRECTION, DISK_WRITE_DIRECTION, DISK_READ_DIRECTION)
 # What the calibrated base is worth, in observations: enough that one odd transfer does not overturn a
 # calibration, few enough that a few dozen of the engine's own measurements outweigh it.
 PRIOR_WEIGHT = 4.0

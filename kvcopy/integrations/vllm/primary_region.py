@@ -20,6 +20,7 @@ same bytes vLLM's own worker would:
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from kvcopy.engine.engine import TransferEngine
@@ -74,12 +75,13 @@ class RegionHost:
 
     def close(self) -> None:
         """Waits for every copy, unpins, and lets go of the region (vLLM's ``cleanup`` then unmaps it)."""
-        for engine in self.engines:
-            engine.close()
-        self.engines.clear()
-        for pool in self.pools:
-            pool.close()  # (one region: the first unpins it)
-        self.pools.clear()
+        while self.engines:
+            self.engines.pop().close()
+        while self.pools:
+            self.pools.pop().close()  # (one region: the first unpins it)
+        # An engine and its transfers hold each other: collected now, so that no view of the region is left
+        # when vLLM unmaps it (else it keeps the mapping, exported, until the process ends).
+        gc.collect()
         self._memory.close()
         self.region.cleanup()
 

@@ -13,7 +13,6 @@ own CPU spec, ``cpu_bytes_to_use`` is the total of every worker of the engine
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -30,55 +29,17 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadStats
-from kvcopy.integrations.common.online_planner import OnlinePlanner
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
-from kvcopy.integrations.vllm.manager import COUNTERS, HitGeometry, KVCopyOffloadingManager
+from kvcopy.integrations.vllm.manager import COUNTERS, KVCopyOffloadingManager
+from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
 from kvcopy.model.spec import ModelSpec
-from kvcopy.planner.planner import DEFAULT_BLOCK_TOKENS
 from kvcopy.profile import Profile, default_profile
 
 __all__ = ["KVCopyOffloadingSpec"]
 
 logger = logging.getLogger("kvcopy.integrations.vllm")
-
-
-def _vllm_config() -> Any | None:
-    from vllm.config import get_current_vllm_config_or_none
-
-    return get_current_vllm_config_or_none()
-
-
-def _model_spec(config: OffloadingConfig) -> ModelSpec | None:
-    """The ModelSpec of the model vLLM serves: its hf_config (the current vLLM config's), else the config.json of
-    the model directory; None (with a warning) when kvcopy cannot read it."""
-    vllm_config = _vllm_config()
-    source: Any = None
-    if vllm_config is not None and getattr(vllm_config, "model_config", None) is not None:
-        source = vllm_config.model_config.hf_config.to_dict()
-    elif os.path.isfile(os.path.join(config.model.name, "config.json")):
-        source = config.model.name
-    if source is None:
-        logger.warning("kvcopy: no config.json for %r; every hit is loaded (policy 'offload')", config.model.name)
-        return None
-    name = os.path.basename(config.model.name.rstrip("/")) or config.model.name
-    try:
-        try:
-            return ModelSpec.from_hf_config(source, name=name, kv_dtype=config.model.dtype)
-        except ValueError:  # a KV dtype name kvcopy does not know (e.g. "auto"): the config's own dtype
-            return ModelSpec.from_hf_config(source, name=name)
-    except ValueError as err:
-        logger.warning(
-            "kvcopy: cannot plan for %r (%s); every hit is loaded (policy 'offload')", config.model.name, err
-        )
-        return None
-
-
-def _max_forward_tokens() -> int | None:
-    vllm_config = _vllm_config()
-    scheduler = getattr(vllm_config, "scheduler_config", None)
-    return getattr(scheduler, "max_num_batched_tokens", None)
 
 
 class KVCopyOffloadingSpec(OffloadingSpec):
@@ -94,7 +55,19 @@ class KVCopyOffloadingSpec(OffloadingSpec):
 
     A vLLM outside the tested range is a RuntimeError, and a bad key a ValueError or TypeError, here, before
     any transfer. :attr:`stats` has the scheduler's decisions (one per judged hit).
+
+    With ``secondary_tiers`` (vLLM's tiering: ``fs``, ``obj``, ``p2p``, or kvcopy's
+    :class:`~kvcopy.integrations.vllm.KVCopyDiskTier`), ``KVCopyOffloadingSpec(config)`` is a
+    :class:`~kvcopy.integrations.vllm.tiering.KVCopyTieringSpec`: vLLM's tiered offloading with kvcopy's worker
+    and a judgment that covers every tier.
     """
+
+    def __new__(cls, config: OffloadingConfig, *args: Any, **kwargs: Any) -> Any:
+        if cls is KVCopyOffloadingSpec and "secondary_tiers" in config.extra_config:
+            from kvcopy.integrations.vllm.tiering import KVCopyTieringSpec
+
+            return KVCopyTieringSpec(config)  # (not a KVCopyOffloadingSpec: Python does not run __init__ again)
+        return super().__new__(cls)
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
@@ -125,22 +98,7 @@ class KVCopyOffloadingSpec(OffloadingSpec):
         self._session: OffloadSession | None = None
 
     def _new_session(self, spec: ModelSpec | None, host_bytes: int) -> OffloadSession:
-        settings = self.settings
-        live = OnlinePlanner(
-            spec,
-            self.profile,
-            learn=settings.learn,
-            decode_share=settings.decode_share,
-            block_tokens=self._block_tokens,
-        )
-        return OffloadSession(
-            host_bytes=host_bytes, policy=settings.policy, live=live, method=settings.method, profile=self.profile
-        )
-
-    @property
-    def _block_tokens(self) -> int:
-        """Tokens per device block (the first group's; vLLM's groups share a block size on this path)."""
-        return self.tokens_per_block[0] if self.tokens_per_block else DEFAULT_BLOCK_TOKENS
+        return new_session(self.settings, self.profile, spec, host_bytes, self.tokens_per_block)
 
     @property
     def session(self) -> OffloadSession | None:
@@ -157,14 +115,8 @@ class KVCopyOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             config = self.config
             # planned under "offload" too: its decisions then still carry both predictions
-            self._session = self._new_session(_model_spec(config), host_bytes=0)
-            geometry = HitGeometry(
-                tokens_per_chunk={g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in config.groups},
-                full_groups=frozenset(g.group_id for g in config.groups if g.sliding_window_size_in_chunks is None),
-                tokens_per_block=self._block_tokens,
-                bytes_per_block=config.worker_kv_bytes_per_block,
-                max_forward_tokens=_max_forward_tokens(),
-            )
+            self._session = self._new_session(model_spec_of(config), host_bytes=0)
+            geometry = hit_geometry(self)
             self._manager = KVCopyOffloadingManager(
                 session=self._session,
                 geometry=geometry,

@@ -260,6 +260,7 @@ class KVCopyOffloadingWorker(OffloadingWorker):
         with self._lock:
             self._closed = True
         if self.region is not None:
+            del self.engine, self.host  # (the region's: nothing of the worker may hold it when it is unmapped)
             self.region.close()  # its engines first, then the region (vLLM's cleanup unmaps it)
         else:
             self.engine.close()
