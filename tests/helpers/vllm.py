@@ -22,6 +22,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -85,14 +86,28 @@ def layer_specs(num_layers: int, sliding_window: int | None, mla: bool = False) 
     return specs
 
 
-def write_profile(path, model: str, *, load_alpha_s: float, load_bytes_per_s: float, prefill_flops_per_s: float) -> str:
-    """A Profile file: host copies of ``load_alpha_s`` + bytes / ``load_bytes_per_s``, prefill at that FLOP rate."""
-    from kvcopy.profile import CostLine, MethodProfile, PrefillProfile, Profile
+def write_profile(
+    path,
+    model: str,
+    *,
+    load_alpha_s: float,
+    load_bytes_per_s: float,
+    prefill_flops_per_s: float,
+    disk: tuple[float, float] | None = None,
+) -> str:
+    """A Profile file: host copies of ``load_alpha_s`` + bytes / ``load_bytes_per_s``, prefill at that FLOP rate,
+    and with ``disk`` (alpha_s, bytes_per_s) the disk's reads (``kvcopy calibrate --disk``'s line)."""
+    from kvcopy.calibration.disk import DISK_METHOD
+    from kvcopy.profile import DISK_READ_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile
 
     link = CostLine(alpha_s=load_alpha_s, beta_bytes_per_s=load_bytes_per_s, r2=1.0, max_abs_residual=0.0)
+    directions = {"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}}
+    if disk is not None:
+        read = CostLine(alpha_s=disk[0], beta_bytes_per_s=disk[1], r2=1.0, max_abs_residual=0.0)
+        directions[DISK_READ_DIRECTION] = {DISK_METHOD: MethodProfile(fit=read)}
     profile = Profile(
         hardware={"device": "test"},
-        directions={"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}},
+        directions=directions,
         prefill=PrefillProfile(model=model, alpha_s=0.0, flops_per_s=prefill_flops_per_s, r2=1.0),
     )
     profile.save(path)
@@ -150,8 +165,13 @@ class Rig:
         """kvcopy's OffloadingManager, as vLLM's scheduler-side connector holds it."""
         return self.scheduler.connector.connector_scheduler.manager
 
-    def add(self, request_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add(
+        self, request_id: str, tokens: list[int], max_tokens: int = 1, kv_transfer_params: dict | None = None
+    ) -> Request:
+        """Adds a request (``kv_transfer_params``: vLLM's per-request connector parameters, max_load_tokens,
+        kv_load_tiers, ...)."""
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(tokens),
@@ -310,11 +330,13 @@ def make_rig(
     rig_cls: type[Rig] = Rig,
     hf_overrides: dict | None = None,
     cache_dtype: str = "auto",
+    kv_events: bool = False,
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys (``extra`` may name
     another spec), built as ``rig_cls``; ``engine_id`` names vLLM's engine (vLLM draws a uuid without it);
     ``hf_overrides`` and ``cache_dtype`` are vLLM's (the model's config as vLLM resolves it, and the KV cache's
-    dtype vLLM records: the stand-in cache stays float32)."""
+    dtype vLLM records: the stand-in cache stays float32); ``kv_events``: vLLM's KV cache events on (published
+    nowhere)."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
     extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
@@ -341,6 +363,7 @@ def make_rig(
         ),
         device_config=DeviceConfig(device=device),
         kv_transfer_config=KVTransferConfig(**transfer),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
     vllm_config.cache_config.kv_cache_layout = layout
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False

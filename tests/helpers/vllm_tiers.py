@@ -347,11 +347,12 @@ def make_tiering_rig(
     hf_overrides: dict | None = None,
     cache_dtype: str = "auto",
     spec: dict[str, str] | None = None,
+    kv_events: bool = False,
 ) -> TieringRig:
     """A CPU engine with vLLM's stock TieringOffloadingSpec (CPUTieringSpec) over ``secondary_tiers`` (copied:
     vLLM's spec writes into them); ``extra`` adds or overrides keys of kv_connector_extra_config. The engine id
-    is unique (so is the region in /dev/shm) unless given; ``hf_overrides`` and ``cache_dtype`` are
-    make_rig's; ``spec`` names another spec (spec_name, spec_module_path). Close it with ``close()``."""
+    is unique (so is the region in /dev/shm) unless given; ``hf_overrides``, ``cache_dtype`` and ``kv_events``
+    are make_rig's; ``spec`` names another spec (spec_name, spec_module_path). Close it with ``close()``."""
     extra_config = {
         **(spec or TIERING_SPEC_PATH),
         "cpu_bytes_to_use": cpu_bytes_to_use,
@@ -369,6 +370,7 @@ def make_tiering_rig(
         rig_cls=TieringRig,
         hf_overrides=hf_overrides,
         cache_dtype=cache_dtype,
+        kv_events=kv_events,
     )
     assert isinstance(rig, TieringRig)
     return rig

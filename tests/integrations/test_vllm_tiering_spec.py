@@ -1,0 +1,293 @@
+"""kvcopy's vLLM spec with ``secondary_tiers``: vLLM's tiered offloading with kvcopy's worker (copying GPU
+blocks into and out of vLLM's shared region, in vLLM's layout) and kvcopy's judgment across tiers. vLLM's real
+Scheduler and OffloadingConnector on the CPU (tests/helpers/vllm_tiers.py).
+
+What is checked:
+
+* a prompt stored, cascaded to KVCopyDiskTier (and to vLLM's own fs tier), evicted from the primary tier and
+  requested again loads bitwise what was stored (1 and 2 blocks per chunk, two layers), and kvcopy's worker
+  wrote the region rows in vLLM's layout (the stand-in worker, a copy of vLLM's own descriptors, reads them
+  back bitwise in another engine);
+* the judgment, both ways: with a profile whose disk read is far slower than recomputing, a hit only on
+  disk is never promoted (no submit_load, the primary tier's chunks left alone) and its tokens are computed,
+  while a hit in host RAM still loads; with the opposite profile the disk hit is promoted and loads bitwise;
+  ``kvcopy_policy: "offload"`` promotes every hit; the judgment's counters are labelled by tier;
+* vLLM's per-request controls: ``max_load_tokens`` caps what is loaded, ``kv_load_tiers`` keeps a request
+  off the tiers it does not name (vLLM 0.33.0 has no ``kv_store_tiers``: no code of it reads one);
+* bad configuration of the tiered keys, at build, in both roles.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
+pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from kvcopy.integrations.vllm import KVCopyDiskTier
+from kvcopy.integrations.vllm.primary_region import RegionHost
+from kvcopy.integrations.vllm.tiering import (
+    HITS_LOADED,
+    HITS_RECOMPUTED,
+    PREDICTION_ERROR,
+    TOKENS_RECOMPUTED,
+    KVCopyTieringManager,
+    KVCopyTieringSpec,
+)
+
+from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, write_profile
+from helpers.vllm_tiers import make_tiering_rig, record_calls
+
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
+ROW_BYTES = 2 * 2 * BLOCK_TOKENS * 2 * 16 * 4  # a primary row: two layers of K and V, 16 tokens x 2 heads x 16 x fp32
+OTHER = [(3 * i + 7) % 250 for i in range(9 * BLOCK_TOKENS)]  # a prompt of its own (no shared prefix)
+
+
+def disk_tier(tmp_path) -> dict:
+    return {
+        "type": "KVCopyDiskTier",
+        "module_path": "kvcopy.integrations.vllm",
+        "path": str(tmp_path / "tier"),
+        "bytes_to_use": 1 << 22,
+    }
+
+
+def kvcopy_rig(tmp_path, *, tiers=None, blocks_per_chunk: int = 1, **extra):
+    """A CPU engine on kvcopy's spec with ``tiers`` (a KVCopyDiskTier by default) and ``extra`` keys."""
+    tiers = tiers if tiers is not None else [disk_tier(tmp_path)]
+    return make_tiering_rig(
+        tmp_path, secondary_tiers=tiers, spec=SPEC_PATH, blocks_per_chunk=blocks_per_chunk, extra=extra
+    )
+
+
+def profile(tmp_path, *, disk_s: float) -> str:
+    """Host loads free, prefill at a kFLOP/s (recomputing is slow), and a disk read of ``disk_s`` a call."""
+    return write_profile(
+        tmp_path / f"disk_{disk_s:g}.json",
+        "model",
+        load_alpha_s=0.0,
+        load_bytes_per_s=1e15,
+        prefill_flops_per_s=1e3,
+        disk=(disk_s, 1e15),
+    )
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("tier", ["kvcopy", "fs"])
+def test_kvcopys_spec_with_tiers_round_trips_bitwise(tmp_path, blocks_per_chunk, tier):
+    tiers = [disk_tier(tmp_path)] if tier == "kvcopy" else [{"type": "fs", "root_dir": str(tmp_path / "fs")}]
+    rig = kvcopy_rig(tmp_path, tiers=tiers, blocks_per_chunk=blocks_per_chunk, kvcopy_policy="offload")
+    try:
+        assert isinstance(rig.worker_spec, KVCopyTieringSpec) and isinstance(rig.manager, KVCopyTieringManager)
+        assert isinstance(rig.kv_worker.region, RegionHost)  # kvcopy's worker, over vLLM's region
+        assert len(rig.kv_worker.region.engines) == blocks_per_chunk
+        loads = record_calls(rig.tiers[0], "submit_load")
+        tokens, hit = rig.reload_from_tiers(PROMPT)
+        assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
+        assert len(loads) == 1  # the chunks came back from the tier
+    finally:
+        rig.close()
+    assert not rig.region_left_behind
+
+
+def test_rows_kvcopys_worker_writes_are_the_rows_vllms_worker_reads(tmp_path):
+    """An engine on kvcopy's spec stores and cascades; an engine on vLLM's own spec (the stand-in worker: vLLM's
+    descriptors) then loads them from the same tier: vLLM's layout, bitwise."""
+    fs = [{"type": "fs", "root_dir": str(tmp_path / "fs")}]
+    rig = kvcopy_rig(tmp_path, tiers=fs, blocks_per_chunk=2, kvcopy_policy="offload")
+    try:
+        rig.add("first", PROMPT)
+        rig.run()
+        rig.drain()
+    finally:
+        rig.close()
+    rig = make_tiering_rig(tmp_path, secondary_tiers=fs, blocks_per_chunk=2)
+    try:
+        tokens = [*PROMPT, 5, 6, 7]
+        hit = len(PROMPT) // (2 * BLOCK_TOKENS) * 2 * BLOCK_TOKENS
+        assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)
+        assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
+    finally:
+        rig.close()
+
+
+def stored_on_disk_and_in_host(rig) -> None:
+    """PROMPT only on disk (cascaded, then the primary tier emptied); OTHER in the primary tier (and on disk)."""
+    rig.store_cascade_evict(PROMPT)
+    rig.add("other", OTHER)
+    rig.run()
+    rig.drain()
+    rig.reset_prefix_cache(zero=True)
+
+
+def in_primary(rig, tokens) -> list[bool]:
+    context = ReqContext("probe")
+    return [rig.manager.primary_tier.lookup(k, context) is LookupResult.HIT for k in rig.offload_keys(tokens)]
+
+
+def judged_counts(rig) -> dict[str, dict]:
+    """The judgment's counters (summed) and prediction errors (every sample) vLLM's stats collected, by label."""
+    seen: dict[str, dict] = {}
+    get_stats = rig.manager.get_stats
+
+    def collecting():
+        stats = get_stats()
+        if stats is not None:
+            for name, by_label in stats.metric_sections()[1].items():
+                if name in (HITS_LOADED, HITS_RECOMPUTED, TOKENS_RECOMPUTED):
+                    for labels, value in by_label.items():
+                        seen.setdefault(name, {})[labels] = seen.get(name, {}).get(labels, 0) + value
+                elif name == PREDICTION_ERROR:
+                    for labels, values in by_label.items():
+                        seen.setdefault(name, {}).setdefault(labels, []).extend(values)
+        return stats
+
+    rig.manager.get_stats = collecting
+    return seen
+
+
+def test_a_hit_only_on_a_slow_disk_is_never_promoted_while_a_host_hit_loads(tmp_path):
+    rig = kvcopy_rig(tmp_path, kvcopy_profile=profile(tmp_path, disk_s=1e9), kvcopy_learn=False)
+    try:
+        counted = judged_counts(rig)
+        stored_on_disk_and_in_host(rig)
+        loads = record_calls(rig.tiers[0], "submit_load")
+        assert all(in_primary(rig, OTHER)) and not any(in_primary(rig, PROMPT))
+        tokens = [*PROMPT, 5, 6, 7]
+        assert rig.rerun(tokens) == [len(tokens)]  # every token computed
+        assert loads == []  # never promoted
+        assert all(in_primary(rig, OTHER))  # no primary slot given up for it
+        decision = rig.session.stats.decisions[-1]
+        assert decision.action == "recompute" and decision.reason.startswith("none:")
+        other = [*OTHER, 4, 5]
+        rig.add("other again", other, max_tokens=4)
+        rig.run_until_prefilled("other again")
+        hit = len(OTHER) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert sum(f.get("other again", 0) for f in rig.forwards) == len(other) - hit  # the host hit loaded
+        assert assert_blocks_hold(rig, "other again", other, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
+        assert loads == []
+        tier_label = next(iter(counted[HITS_RECOMPUTED]))
+        assert "KVCopyDiskTier" in tier_label[0]
+        assert counted[TOKENS_RECOMPUTED][tier_label] == len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert sum(counted[HITS_LOADED].values()) >= 1
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [({"disk_s": 0.0}, "a free disk read"), ({"disk_s": 1e9, "kvcopy_policy": "offload"}, "policy 'offload'")],
+    ids=["fast_disk", "offload_policy"],
+)
+def test_a_disk_hit_worth_its_promotion_is_promoted_and_loads_bitwise(tmp_path, keys, why):
+    policy = keys.get("kvcopy_policy", "auto")
+    rig = kvcopy_rig(tmp_path, kvcopy_profile=profile(tmp_path, disk_s=keys["disk_s"]), kvcopy_policy=policy)
+    try:
+        counted = judged_counts(rig)
+        stored_on_disk_and_in_host(rig)
+        loads = record_calls(rig.tiers[0], "submit_load")
+        tokens = [*PROMPT, 5, 6, 7]
+        hit = len(PROMPT) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True), why
+        assert len(loads) == 1
+        assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
+        assert rig.session.stats.decisions[-1].reason.startswith("all:")
+        # the promotion's read was learned (the disk's line), and its prediction scored against it
+        assert rig.session.live.online.num_observations["f2h nixl_posix"] == 1
+        (errors,) = counted[PREDICTION_ERROR].values()
+        assert len(errors) == 1 and errors[0] >= 0
+    finally:
+        rig.close()
+
+
+def test_max_load_tokens_caps_what_is_promoted(tmp_path):
+    rig = kvcopy_rig(tmp_path, kvcopy_policy="offload")
+    try:
+        rig.store_cascade_evict(PROMPT)
+        tokens = [*PROMPT, 5, 6, 7]
+        cap = 4 * BLOCK_TOKENS
+        rig.add("again", tokens, max_tokens=4, kv_transfer_params={"max_load_tokens": cap})
+        rig.run_until_prefilled("again")
+        assert sum(f.get("again", 0) for f in rig.forwards) == len(tokens) - cap
+        assert assert_blocks_hold(rig, "again", tokens, range(len(PROMPT) // BLOCK_TOKENS))
+    finally:
+        rig.close()
+
+
+def test_kv_load_tiers_keeps_a_request_off_the_tiers_it_does_not_name(tmp_path):
+    rig = kvcopy_rig(tmp_path, kvcopy_policy="offload")
+    try:
+        rig.store_cascade_evict(PROMPT)
+        loads = record_calls(rig.tiers[0], "submit_load")
+        tokens = [*PROMPT, 5, 6, 7]
+        rig.add("again", tokens, max_tokens=4, kv_transfer_params={"kv_load_tiers": [{"medium": "cpu"}]})
+        rig.run_until_prefilled("again")
+        assert sum(f.get("again", 0) for f in rig.forwards) == len(tokens)  # the disk was not theirs to load from
+        assert loads == []
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(
+    ("keys", "error", "message"),
+    [
+        ({"secondary_tiers": {"type": "fs"}}, TypeError, "secondary_tiers: expected a list"),
+        ({"store_threshold": 2}, ValueError, "store_threshold: 2 is not supported"),
+        ({"canonical_layout": True}, ValueError, "canonical_layout"),
+        ({"secondary_tiers": [{"type": "nope"}]}, ValueError, "Unknown secondary tier type"),
+        ({"kvcopy_polcy": "auto"}, ValueError, "kvcopy_polcy"),
+        ({"cpu_bytes_to_use": None}, ValueError, "cpu_bytes_to_use"),
+    ],
+)
+def test_bad_tiered_keys_are_named_at_build(tmp_path, keys, error, message):
+    extra = {"secondary_tiers": [disk_tier(tmp_path)], **keys}
+    with pytest.raises(error, match=message):
+        make_tiering_rig(tmp_path, secondary_tiers=extra.pop("secondary_tiers"), spec=SPEC_PATH, extra=extra)
+
+
+def test_the_disk_tier_is_a_kvcopy_disk_tier_under_kvcopys_spec(tmp_path):
+    rig = kvcopy_rig(tmp_path)
+    try:
+        (tier,) = rig.tiers
+        assert isinstance(tier, KVCopyDiskTier)
+    finally:
+        rig.close()
+
+
+def primary_events(rig) -> list[tuple[str, int]]:
+    """The primary tier's KV cache events vLLM's scheduler takes, as (kind, how many keys), in order."""
+    seen: list[tuple[str, int]] = []
+    take = rig.manager.primary_tier.take_events
+
+    def taking():
+        for event in take():
+            seen.append(("removed" if event.removed else "stored", len(event.keys)))
+            yield event
+
+    rig.manager.primary_tier.take_events = taking
+    return seen
+
+
+def test_the_primary_tier_publishes_kv_cache_events_as_vllms_does(tmp_path):
+    """The same stores, one evicting the other's chunks, under vLLM's spec and under kvcopy's: the same events
+    from the primary tier, the eviction among them."""
+    events = []
+    for spec in (None, SPEC_PATH):
+        rig = make_tiering_rig(
+            tmp_path / str(bool(spec)), secondary_tiers=[], spec=spec, kv_events=True, cpu_bytes_to_use=12 * ROW_BYTES
+        )
+        try:
+            seen = primary_events(rig)
+            for name, prompt in (("first", PROMPT), ("other", OTHER)):  # 9 chunks each, in a primary tier of 12
+                rig.add(name, prompt)
+                rig.run()
+                rig.drain()
+            events.append(seen)
+        finally:
+            rig.close()
+    vllms, kvcopys = events
+    assert kvcopys == vllms
+    assert ("removed", 6) in kvcopys  # the eviction is seen
