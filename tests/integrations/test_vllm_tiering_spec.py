@@ -291,3 +291,31 @@ def test_the_primary_tier_publishes_kv_cache_events_as_vllms_does(tmp_path):
     vllms, kvcopys = events
     assert kvcopys == vllms
     assert ("removed", 6) in kvcopys  # the eviction is seen
+
+
+@pytest.mark.parametrize(
+    ("tier_keys", "error", "message"),
+    [
+        ({"bytes_to_use": 0}, ValueError, "bytes_to_use"),
+        ({"bytes_to_use": "1G"}, TypeError, "bytes_to_use"),
+        ({"backend": "nvme"}, ValueError, "backend"),
+        ({"path": None}, ValueError, "path: required"),
+        ({"byte_to_use": 1}, ValueError, "byte_to_use: not a key"),
+    ],
+)
+def test_a_bad_disk_tier_key_is_refused_in_either_role_before_anything_is_made(tmp_path, tier_keys, error, message):
+    """The worker's spec is built without the tiers (the scheduler's manager builds them): kvcopy's spec checks
+    KVCopyDiskTier's keys itself, so a worker refuses them too, and nothing is made under the tier's path."""
+    import dataclasses
+
+    from kvcopy.integrations.vllm import KVCopyOffloadingSpec
+
+    from helpers.disk_tier import offloading_spec
+
+    tier = {k: v for k, v in {**disk_tier(tmp_path), **tier_keys}.items() if v is not None}
+    config = dataclasses.replace(
+        offloading_spec().config, extra_config={"cpu_bytes_to_use": 1 << 22, "secondary_tiers": [tier]}
+    )
+    with pytest.raises(error, match=message):
+        KVCopyOffloadingSpec(config)
+    assert not (tmp_path / "tier").exists()

@@ -31,9 +31,10 @@ import collections
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,12 +57,12 @@ from kvcopy._checks import path_argument, positive_int
 from kvcopy.host.pool import HostKVPool
 from kvcopy.integrations.vllm._config import suggestion
 from kvcopy.integrations.vllm.tier_identity import engine_vllm_config, tier_identity
-from kvcopy.integrations.vllm.tier_stores import TierStore, open_tier_store
+from kvcopy.integrations.vllm.tier_stores import TierStore, open_tier_store, stores_nbytes
 from kvcopy.layout import PagedKV
 from kvcopy.storage.files import BACKENDS
 from kvcopy.storage.store import CorruptBlockError, DiskTransfer
 
-__all__ = ["METRICS", "KVCopyDiskTier"]
+__all__ = ["METRICS", "KVCopyDiskTier", "TierKeys", "check_tier_config"]
 
 logger = logging.getLogger("kvcopy.integrations.vllm")
 
@@ -105,25 +106,68 @@ class _Job:
     new: int = 0  # a store: how many of its chunks the store did not hold yet
 
 
-def _check_config(
-    path: object, bytes_to_use: object, backend: object, cache_key_extra: object
-) -> tuple[str, int, str, str | None]:
-    """The tier's keys checked, each error naming its key: path, bytes_to_use, backend and cache_key_extra."""
+@dataclass(frozen=True)
+class TierKeys:
+    """The tier's keys, checked."""
+
+    path: str
+    bytes_to_use: int
+    backend: str
+    cache_key_extra: str | None
+
+
+# What vLLM's factory takes out of a tier's configuration (or passes through) before the tier's own keys.
+_FRAMEWORK_KEYS = ("type", "module_path", "backpressure", "locality")
+
+
+def check_tier_config(config: Mapping[str, object]) -> TierKeys:
+    """A KVCopyDiskTier configuration checked before anything is made, each error naming its key: ValueError for
+    a missing or bad value (``path`` not a directory that can be made, ``bytes_to_use`` <= 0 or beyond the
+    filesystem's free space with the tier's stores already there, an unknown ``backend``, an unknown key),
+    TypeError for a wrong type. kvcopy's spec calls it in both roles; the tier when it is built."""
+    for name in config:
+        if name not in TIER_KEYS and name not in _FRAMEWORK_KEYS:
+            keys = ", ".join(TIER_KEYS)
+            raise ValueError(
+                f"{name}: not a key of KVCopyDiskTier (its keys: {keys}){suggestion(str(name), TIER_KEYS)}"
+            )
+    path, bytes_to_use = config.get("path"), config.get("bytes_to_use")
+    backend, extra = config.get("backend", "auto"), config.get("cache_key_extra")
     if path is None:
         raise ValueError("path: required (the directory the tier's stores are kept in)")
     checked_path = os.fspath(path_argument("path", path))
     if os.path.exists(checked_path) and not os.path.isdir(checked_path):
         raise ValueError(f"path: {checked_path!r} exists and is not a directory")
+    existing = _nearest_existing(checked_path)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"path: {checked_path!r} is not a directory that can be made ({existing!r} is in the way)")
     if bytes_to_use is None:
         raise ValueError("bytes_to_use: required (the bytes the tier may use under path)")
     budget = positive_int("bytes_to_use", bytes_to_use)
+    room = shutil.disk_usage(existing).free + stores_nbytes(checked_path)
+    if budget > room:
+        raise ValueError(
+            f"bytes_to_use: {budget} bytes, but the filesystem of {checked_path!r} has room for {room} (free space "
+            "and the tier's stores already there)"
+        )
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected one of {BACKENDS}, got {type(backend).__name__} {backend!r:.40}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}{suggestion(backend, BACKENDS)}")
-    if cache_key_extra is not None and not isinstance(cache_key_extra, str):
-        raise TypeError(f"cache_key_extra: expected a str, got {type(cache_key_extra).__name__}")
-    return checked_path, budget, backend, cache_key_extra
+    if extra is not None and not isinstance(extra, str):
+        raise TypeError(f"cache_key_extra: expected a str, got {type(extra).__name__}")
+    return TierKeys(checked_path, budget, backend, extra)
+
+
+def _nearest_existing(path: str) -> str:
+    """``path``, or the nearest of its parents that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 class KVCopyDiskTier(SecondaryTierManager):
@@ -152,20 +196,26 @@ class KVCopyDiskTier(SecondaryTierManager):
         locality: str | None = None,
         **unknown: object,
     ) -> None:
-        for name in unknown:
-            raise ValueError(
-                f"{name}: not a key of KVCopyDiskTier (its keys: {', '.join(TIER_KEYS)}){suggestion(name, TIER_KEYS)}"
-            )
-        checked_path, budget, checked_backend, extra = _check_config(path, bytes_to_use, backend, cache_key_extra)
+        keys = check_tier_config(
+            {
+                "path": path,
+                "bytes_to_use": bytes_to_use,
+                "backend": backend,
+                "cache_key_extra": cache_key_extra,
+                **unknown,
+            }
+        )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         assert primary_kv_view.shape is not None  # (vLLM's view: rows of the primary tier)
         num_rows, row_bytes = primary_kv_view.shape[0], self.block_size_bytes
         like = PagedKV.from_planes([torch.empty((1, row_bytes), dtype=torch.uint8)])
         self._pool: HostKVPool | None = HostKVPool.over(primary_kv_view, like, num_rows, pin_memory=False)
-        identity = tier_identity(offloading_spec, row_bytes, extra)
+        identity = tier_identity(offloading_spec, row_bytes, keys.cache_key_extra)
         try:
-            self._tier_store: TierStore = open_tier_store(checked_path, identity, self._pool, budget, checked_backend)
+            self._tier_store: TierStore = open_tier_store(
+                keys.path, identity, self._pool, keys.bytes_to_use, keys.backend
+            )
         except BaseException:
             self._release_pool()
             raise

@@ -29,7 +29,7 @@ from kvcopy.integrations.vllm.tier_identity import TierIdentity, differences
 from kvcopy.storage.files import DATA
 from kvcopy.storage.store import DiskKVStore
 
-__all__ = ["FOLDER_PREFIX", "TierStore", "open_tier_store"]
+__all__ = ["FOLDER_PREFIX", "TierStore", "open_tier_store", "stores_nbytes"]
 
 logger = logging.getLogger("kvcopy.integrations.vllm")
 
@@ -76,6 +76,14 @@ def _store_nbytes(folder: str) -> int:
         return os.stat(os.path.join(folder, STORE_DIR, DATA)).st_size
     except OSError:
         return 0
+
+
+def stores_nbytes(path: str) -> int:
+    """Bytes the tier's stores under ``path`` reserve (all identities): room a new store may take back."""
+    if not os.path.isdir(path):
+        return 0
+    folders = (os.path.join(path, n) for n in os.listdir(path) if n.startswith(FOLDER_PREFIX))
+    return sum(_store_nbytes(folder) for folder in folders)
 
 
 def _lock(folder: str) -> int | None:

@@ -63,6 +63,7 @@ from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
+from kvcopy.integrations.vllm.disk_tier import KVCopyDiskTier, check_tier_config
 from kvcopy.integrations.vllm.manager import HitGeometry
 from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
@@ -322,8 +323,9 @@ class KVCopyTieringSpec(TieringOffloadingSpec):
             raise ValueError(f"store_threshold: {threshold} is not supported with secondary_tiers (vLLM's tiering)")
         if extra.get("canonical_layout"):
             raise ValueError("canonical_layout: kvcopy's worker writes vLLM's direct layout; remove the key")
-        for tier in tiers:  # an unknown tier type fails here, in both roles, before anything is built
-            SecondaryTierFactory.get_tier_class(tier)
+        for tier in tiers:  # an unknown tier type, or a bad key of kvcopy's tier, fails here, in both roles
+            if issubclass(SecondaryTierFactory.get_tier_class(tier), KVCopyDiskTier):
+                check_tier_config(tier)
         super().__init__(config)
         path = self.settings.profile_path
         self.profile: Profile | None = Profile.load(path) if path is not None else default_profile()
