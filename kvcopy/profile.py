@@ -24,6 +24,7 @@ from kvcopy._version import warn_renamed
 
 __all__ = [
     "DEFAULT_PROFILE_PATH",
+    "DISK_METHOD",
     "DISK_READ_DIRECTION",
     "DISK_WRITE_DIRECTION",
     "PER_SIZE_JUDGED_DIRECTIONS",
@@ -48,6 +49,8 @@ REMOTE_DIRECTION = "r2h"
 # The disk's directions (kvcopy.calibration.disk, `kvcopy calibrate --disk`): host to file (a put), file to
 # host (a get).
 DISK_WRITE_DIRECTION, DISK_READ_DIRECTION = "h2f", "f2h"
+# The method of the disk's fits: the disk store's reads and writes through NIXL's POSIX backend.
+DISK_METHOD = "nixl_posix"
 DEFAULT_PROFILE_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcopy" / "profile.json"
 
 

@@ -27,7 +27,7 @@ from kvcopy.calibration.network import RangeSweep, calibration_pool, run_ids
 from kvcopy.calibration.progress import progress_bar
 from kvcopy.calibration.timing import measure
 from kvcopy.host.pool import HostKVPool
-from kvcopy.profile import DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
+from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, DISK_WRITE_DIRECTION, Profile
 from kvcopy.storage.files import filesystem_of, fill_with_zeros
 from kvcopy.storage.store import DiskKVStore
 
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 # Where the disk's fits go in a Profile: host to file (a put), file to host (a get), through NIXL's POSIX backend.
-DISK_WRITE, DISK_READ, DISK_METHOD = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION, "nixl_posix"
+DISK_WRITE, DISK_READ = DISK_WRITE_DIRECTION, DISK_READ_DIRECTION
 
 
 # 16 KiB to 2 MiB ranges (a small model's page-first block to a llama-8b one of 16 tokens), 1 to 64 per call.

@@ -97,8 +97,7 @@ def write_profile(
 ) -> str:
     """A Profile file: host copies of ``load_alpha_s`` + bytes / ``load_bytes_per_s``, prefill at that FLOP rate,
     and with ``disk`` (alpha_s, bytes_per_s) the disk's reads (``kvcopy calibrate --disk``'s line)."""
-    from kvcopy.calibration.disk import DISK_METHOD
-    from kvcopy.profile import DISK_READ_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile
+    from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, CostLine, MethodProfile, PrefillProfile, Profile
 
     link = CostLine(alpha_s=load_alpha_s, beta_bytes_per_s=load_bytes_per_s, r2=1.0, max_abs_residual=0.0)
     directions = {"h2h": {"cpu": MethodProfile(fit=link)}, "h2d": {"cuda": MethodProfile(fit=link)}}

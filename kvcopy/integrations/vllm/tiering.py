@@ -57,7 +57,6 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvcopy.calibration.disk import DISK_METHOD
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.online_planner import forward_seconds
@@ -67,7 +66,7 @@ from kvcopy.integrations.vllm.disk_tier import KVCopyDiskTier, check_tier_config
 from kvcopy.integrations.vllm.manager import HitGeometry
 from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
-from kvcopy.profile import DISK_READ_DIRECTION, Profile, default_profile
+from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, Profile, default_profile
 
 __all__ = ["TIER_METRICS", "KVCopyTieringManager", "KVCopyTieringSpec", "TierVerdict"]
 
