@@ -105,7 +105,7 @@ FULL = {
     "kv_heads": 8,
     "head_dim": 128,
     "prefixes": "256,1024,4096",
-    "repeats": 7,
+    "repeats": 11,
     "crash_points": 20,
     "crash_prefix": 256,
 }
@@ -247,9 +247,14 @@ def flip_byte(rig: Any, key: Any, offset: int) -> None:
 @dataclass
 class Spy:
     """Wraps the tier's scheduler-side methods: time inside them on the scheduler's thread, and the submission
-    and end (as the scheduler saw it) of every job."""
+    and end (as the scheduler saw it) of every job.
+
+    Not kvcopy.calibration.timing: what is timed are events inside vLLM's engine loop (a call, a job from its
+    submission to the step that sees it end), each happening once, so the spy reads perf_counter around them
+    and the rounds give the repeats."""
 
     seconds: float = 0.0  # inside the tier's methods, on the scheduler's thread
+    by_method: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SCHEDULER_METHODS, 0.0))
     submitted: dict[int, tuple[float, int, bool, str]] = field(default_factory=dict)  # job -> (t, chunks, load, req)
     finished: dict[int, tuple[float, bool]] = field(default_factory=dict)  # job -> (t, success)
 
@@ -274,6 +279,7 @@ class Spy:
                         spy.finished[done.job_id] = (end, done.success)
                 if threading.get_ident() == main:
                     spy.seconds += end - start
+                    spy.by_method[_name] += end - start
                 return result
 
             setattr(tier, name, timed)
@@ -371,6 +377,7 @@ class Engine:
     request_steps: dict[int, list[int]] = field(default_factory=dict)
     sched_s: dict[str, float] = field(default_factory=lambda: {"store": 0.0, "promote": 0.0})
     sched_steps: dict[str, int] = field(default_factory=lambda: {"store": 0, "promote": 0})
+    requests: int = 0  # requests in the promote phase (one per round)
     loaded: int = 0
     expected: int = 0
     wrong: int = 0
@@ -441,6 +448,7 @@ def promote_round(engine: Engine, request_id: str, prompt: Sequence[int]) -> Non
     engine.wrong += asked.wrong
     engine.request_s.setdefault(length, []).append(asked.seconds)
     engine.request_steps.setdefault(length, []).append(asked.steps)
+    engine.requests += 1
     if jobs:
         ends = [spy.finished[j][0] for j in jobs if j in spy.finished]
         if ends:
@@ -712,6 +720,8 @@ def reset(engine: Engine) -> None:
     engine.request_steps.clear()
     engine.sched_s = {"store": 0.0, "promote": 0.0}
     engine.sched_steps = {"store": 0, "promote": 0}
+    engine.spy.by_method = dict.fromkeys(SCHEDULER_METHODS, 0.0)
+    engine.requests = 0
     engine.loaded = engine.expected = engine.wrong = 0
 
 
@@ -745,6 +755,12 @@ def rows_of(engines: dict[str, Engine], restart: dict[str, Any], behaviours: lis
         for phase in ("store", "promote"):
             steps = e.sched_steps[phase]
             add("timed", tier, f"sched_ms_per_step_{phase}", e.sched_s[phase] / max(steps, 1) * 1e3, "ms", steps)
+        for phase in ("store", "promote"):
+            per_request = e.sched_s[phase] / max(e.requests, 1) * 1e3
+            add("timed", tier, f"sched_ms_per_request_{phase}", per_request, "ms", e.requests)
+        steps = sum(e.sched_steps.values())
+        for name, seconds in e.spy.by_method.items():
+            add("timed", tier, f"sched_ms_per_step: {name}", seconds / max(steps, 1) * 1e3, "ms", steps)
         add("timed", tier, "chunks_loaded", e.loaded, "chunks", e.expected, note="of those asked, cold")
         add("timed", tier, "chunks_wrong", e.wrong, "chunks", e.loaded, note="loaded, not bitwise the stored KV")
         counts = restart[tier]
