@@ -43,24 +43,35 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 BLOCK_TOKENS = 16
-HEADS, HEAD_DIM = 2, 16
+HEADS, HEAD_DIM = 2, 16  # the default model's KV heads and head size: a 2-layer block of 8 KiB
+MAX_MODEL_LEN = 1024  # the default model's context: every prompt of the tests fits
 EOS = 255  # never sampled: the rig samples token 1 then stops by max_tokens
 SPEC_PATH = {"spec_name": "KVCopyOffloadingSpec", "spec_module_path": "kvcopy.integrations.vllm"}
 
 
-def write_model_dir(path: str, num_layers: int, sliding_window: int | None = None) -> str:
-    """A config.json for a tiny Llama (or, with ``sliding_window``, a Mistral whose odd layers slide)."""
+def write_model_dir(
+    path: str,
+    num_layers: int,
+    sliding_window: int | None = None,
+    *,
+    kv_heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    max_model_len: int = MAX_MODEL_LEN,
+) -> str:
+    """A config.json for a tiny Llama (or, with ``sliding_window``, a Mistral whose odd layers slide) of
+    ``kv_heads`` KV heads of ``head_dim`` (as many query heads, at least 4) and ``max_model_len`` positions."""
+    attention_heads = max(4, kv_heads)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": attention_heads * head_dim,
+        "intermediate_size": 2 * attention_heads * head_dim,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": HEADS,
-        "head_dim": HEAD_DIM,
+        "num_attention_heads": attention_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
         "vocab_size": 256,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": max_model_len,
         "torch_dtype": "float32",
         "rms_norm_eps": 1e-5,
         "eos_token_id": EOS,
@@ -71,14 +82,22 @@ def write_model_dir(path: str, num_layers: int, sliding_window: int | None = Non
     return path
 
 
-def layer_specs(num_layers: int, sliding_window: int | None, mla: bool = False) -> dict[str, object]:
-    """Per-layer KV specs, as a model runner reports them: full attention, every odd layer sliding with
-    ``sliding_window``, or MLA (one latent of 4 x HEAD_DIM per token, no heads)."""
+def layer_specs(
+    num_layers: int,
+    sliding_window: int | None,
+    mla: bool = False,
+    *,
+    kv_heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+) -> dict[str, object]:
+    """Per-layer KV specs, as a model runner reports them: full attention of ``kv_heads`` heads of ``head_dim``,
+    every odd layer sliding with ``sliding_window``, or MLA (one latent of 4 x ``head_dim`` per token, no
+    heads)."""
     specs = {}
     for i in range(num_layers):
-        kwargs = {"block_size": BLOCK_TOKENS, "num_kv_heads": HEADS, "head_size": HEAD_DIM, "dtype": torch.float32}
+        kwargs = {"block_size": BLOCK_TOKENS, "num_kv_heads": kv_heads, "head_size": head_dim, "dtype": torch.float32}
         if mla:
-            specs[f"layers.{i}"] = MLAAttentionSpec(**{**kwargs, "num_kv_heads": 1, "head_size": 4 * HEAD_DIM})
+            specs[f"layers.{i}"] = MLAAttentionSpec(**{**kwargs, "num_kv_heads": 1, "head_size": 4 * head_dim})
         elif sliding_window is not None and i % 2:
             specs[f"layers.{i}"] = SlidingWindowSpec(sliding_window=sliding_window, **kwargs)
         else:
@@ -329,14 +348,33 @@ def make_rig(
     rig_cls: type[Rig] = Rig,
     hf_overrides: dict | None = None,
     cache_dtype: str = "auto",
+<<<<<<< HEAD
     kv_events: bool = False,
+=======
+    kv_heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    max_model_len: int = MAX_MODEL_LEN,
+>>>>>>> t34-bench
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys (``extra`` may name
     another spec), built as ``rig_cls``; ``engine_id`` names vLLM's engine (vLLM draws a uuid without it);
     ``hf_overrides`` and ``cache_dtype`` are vLLM's (the model's config as vLLM resolves it, and the KV cache's
+<<<<<<< HEAD
     dtype vLLM records: the stand-in cache stays float32); ``kv_events``: vLLM's KV cache events on (published
     nowhere)."""
     model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
+=======
+    dtype vLLM records: the stand-in cache stays float32); ``kv_heads``, ``head_dim`` and ``max_model_len``
+    size the model (write_model_dir): a block is 2 x BLOCK_TOKENS x kv_heads x head_dim x 4 bytes a layer."""
+    model_dir = write_model_dir(
+        str(tmp_path / "model"),
+        num_layers,
+        sliding_window,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_model_len=max_model_len,
+    )
+>>>>>>> t34-bench
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
     extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
     transfer = {
@@ -353,12 +391,15 @@ def make_rig(
             model=model_dir,
             skip_tokenizer_init=True,
             dtype="float32",
-            max_model_len=1024,
+            max_model_len=max_model_len,
             hf_overrides=hf_overrides or {},
         ),
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True, cache_dtype=cache_dtype),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_batch_tokens, max_num_seqs=8, max_model_len=1024, is_encoder_decoder=False
+            max_num_batched_tokens=max_batch_tokens,
+            max_num_seqs=8,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
         ),
         device_config=DeviceConfig(device=device),
         kv_transfer_config=KVTransferConfig(**transfer),
@@ -366,8 +407,8 @@ def make_rig(
     )
     vllm_config.cache_config.kv_cache_layout = layout
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    specs = layer_specs(num_layers, sliding_window, mla)
-    page = 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 4
+    specs = layer_specs(num_layers, sliding_window, mla, kv_heads=kv_heads, head_dim=head_dim)
+    page = 2 * BLOCK_TOKENS * kv_heads * head_dim * 4
     with set_current_vllm_config(vllm_config):
         groups = kv_cache_planning.get_global_kv_cache_groups(vllm_config, [specs])
         kv_cache_config = kv_cache_planning.get_kv_cache_configs(

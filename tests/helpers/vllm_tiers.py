@@ -62,7 +62,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.request import Request
 
 from helpers import HANG_TIMEOUT_S
-from helpers.vllm import BLOCK_TOKENS, Rig, make_rig
+from helpers.vllm import BLOCK_TOKENS, HEAD_DIM, HEADS, MAX_MODEL_LEN, Rig, make_rig
 
 # The spec as vLLM's OffloadingSpecFactory loads it (pytest puts tests/ on sys.path: pyproject's pythonpath).
 TIERING_SPEC_PATH = {"spec_name": "CPUTieringSpec", "spec_module_path": "helpers.vllm_tiers"}
@@ -348,11 +348,15 @@ def make_tiering_rig(
     cache_dtype: str = "auto",
     spec: dict[str, str] | None = None,
     kv_events: bool = False,
+    kv_heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> TieringRig:
     """A CPU engine with vLLM's stock TieringOffloadingSpec (CPUTieringSpec) over ``secondary_tiers`` (copied:
     vLLM's spec writes into them); ``extra`` adds or overrides keys of kv_connector_extra_config. The engine id
-    is unique (so is the region in /dev/shm) unless given; ``hf_overrides``, ``cache_dtype`` and ``kv_events``
-    are make_rig's; ``spec`` names another spec (spec_name, spec_module_path). Close it with ``close()``."""
+    is unique (so is the region in /dev/shm) unless given; ``hf_overrides``, ``cache_dtype``, ``kv_events``,
+    ``kv_heads``, ``head_dim`` and ``max_model_len`` are make_rig's; ``spec`` names another spec (spec_name,
+    spec_module_path). Close it with ``close()``."""
     extra_config = {
         **(spec or TIERING_SPEC_PATH),
         "cpu_bytes_to_use": cpu_bytes_to_use,
@@ -371,6 +375,9 @@ def make_tiering_rig(
         hf_overrides=hf_overrides,
         cache_dtype=cache_dtype,
         kv_events=kv_events,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_model_len=max_model_len,
     )
     assert isinstance(rig, TieringRig)
     return rig
