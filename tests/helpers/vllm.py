@@ -348,24 +348,17 @@ def make_rig(
     rig_cls: type[Rig] = Rig,
     hf_overrides: dict | None = None,
     cache_dtype: str = "auto",
-<<<<<<< HEAD
     kv_events: bool = False,
-=======
     kv_heads: int = HEADS,
     head_dim: int = HEAD_DIM,
     max_model_len: int = MAX_MODEL_LEN,
->>>>>>> t34-bench
 ) -> Rig:
     """A CPU engine whose offloading connector uses kvcopy's spec with ``extra`` keys (``extra`` may name
     another spec), built as ``rig_cls``; ``engine_id`` names vLLM's engine (vLLM draws a uuid without it);
     ``hf_overrides`` and ``cache_dtype`` are vLLM's (the model's config as vLLM resolves it, and the KV cache's
-<<<<<<< HEAD
     dtype vLLM records: the stand-in cache stays float32); ``kv_events``: vLLM's KV cache events on (published
-    nowhere)."""
-    model_dir = write_model_dir(str(tmp_path / "model"), num_layers, sliding_window)
-=======
-    dtype vLLM records: the stand-in cache stays float32); ``kv_heads``, ``head_dim`` and ``max_model_len``
-    size the model (write_model_dir): a block is 2 x BLOCK_TOKENS x kv_heads x head_dim x 4 bytes a layer."""
+    nowhere); ``kv_heads``, ``head_dim`` and ``max_model_len`` size the model (write_model_dir): a block is
+    2 x BLOCK_TOKENS x kv_heads x head_dim x 4 bytes a layer."""
     model_dir = write_model_dir(
         str(tmp_path / "model"),
         num_layers,
@@ -374,7 +367,6 @@ def make_rig(
         head_dim=head_dim,
         max_model_len=max_model_len,
     )
->>>>>>> t34-bench
     extra_config = {**SPEC_PATH, "cpu_bytes_to_use": 1 << 22, **(extra or {})}
     extra_config = {key: value for key, value in extra_config.items() if value is not None}  # None: key left out
     transfer = {
