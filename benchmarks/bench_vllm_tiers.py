@@ -192,7 +192,7 @@ def holds(rig: Any, key: Any) -> bool:
     tier = the_tier(rig)
     if hasattr(tier, "file_mapper"):
         return os.path.exists(tier.file_mapper.get_file_name(key))
-    from kvcopy.integrations.vllm.disk_tier import store_hash
+    from kvcopy.integrations.vllm.tiers.disk import store_hash
 
     return bool(tier.store.contains(store_hash(key)))
 
@@ -227,7 +227,7 @@ def flip_byte(rig: Any, key: Any, offset: int) -> None:
     if hasattr(tier, "file_mapper"):
         path, position = tier.file_mapper.get_file_name(key), offset
     else:
-        from kvcopy.integrations.vllm.disk_tier import store_hash
+        from kvcopy.integrations.vllm.tiers.disk import store_hash
 
         (slot,) = tier.store.match([store_hash(key)])
         path, position = os.path.join(tier.store.path, DATA), slot * tier.block_size_bytes + offset

@@ -17,7 +17,7 @@ from vllm.config import set_current_vllm_config
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 
 from kvcopy.integrations.vllm import KVCopyDiskTier
-from kvcopy.integrations.vllm.disk_tier import PROMOTION_LATENCY, store_hash
+from kvcopy.integrations.vllm.tiers.disk import PROMOTION_LATENCY, store_hash
 from kvcopy.storage.files import DATA
 
 from helpers.disk_tier import (

@@ -28,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 from kvcopy.integrations.vllm import KVCopyDiskTier
-from kvcopy.integrations.vllm.disk_tier import store_hash
+from kvcopy.integrations.vllm.tiers.disk import store_hash
 from kvcopy.storage.files import DATA
 
 from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold
@@ -83,7 +83,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from helpers.vllm import PROMPT
 from helpers.vllm_tiers import make_tiering_rig
-from kvcopy.integrations.vllm.disk_tier import store_hash
+from kvcopy.integrations.vllm.tiers.disk import store_hash
 tier = {tier!r}
 rig = make_tiering_rig(Path({tmp!r}), secondary_tiers=[tier])
 try:

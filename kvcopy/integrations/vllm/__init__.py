@@ -57,8 +57,8 @@ except ImportError:
 else:
     try:  # the spec itself checks the version when it is built (a RuntimeError naming the range)
         from kvcopy.integrations.vllm.connector import KVCopyOffloadingConnector
-        from kvcopy.integrations.vllm.disk_tier import KVCopyDiskTier
         from kvcopy.integrations.vllm.spec import KVCopyOffloadingSpec
+        from kvcopy.integrations.vllm.tiers.disk import KVCopyDiskTier
     except (ImportError, AttributeError) as err:  # a vLLM whose modules moved: another version
         KVCopyOffloadingSpec, KVCopyOffloadingConnector, KVCopyDiskTier = _stand_ins(
             RuntimeError(f"kvcopy.integrations.vllm was tested with vLLM {SUPPORTED_RANGE}; this one lacks {err}")

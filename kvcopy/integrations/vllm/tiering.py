@@ -62,9 +62,9 @@ from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
-from kvcopy.integrations.vllm.disk_tier import KVCopyDiskTier, check_tier_config
 from kvcopy.integrations.vllm.manager import HitGeometry
 from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
+from kvcopy.integrations.vllm.tiers.disk import KVCopyDiskTier, check_tier_config
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
 from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, Profile, default_profile
 

@@ -16,10 +16,10 @@ slot of it, as opaque bytes), one block of a :class:`~kvcopy.storage.DiskKVStore
 - entries are committed only once their data is synced, so a crash never leaves a block that matches and is
   torn; a new process of the same identity finds every chunk committed before;
 - ``lookup`` answers from the store's in-memory index, on the scheduler's thread, without touching the disk;
-- the store's identity (kvcopy.integrations.vllm.tier_identity) holds everything of vLLM's configuration that
+- the store's identity (kvcopy.integrations.vllm.tiers.identity) holds everything of vLLM's configuration that
   changes a chunk's bytes: a store of another identity is never served (the tier says once what differs and
   starts a store of its own), and ``bytes_to_use`` bounds ``path`` across identities
-  (kvcopy.integrations.vllm.tier_stores).
+  (kvcopy.integrations.vllm.tiers.stores).
 
 The tier runs in vLLM's scheduler process, under the tiering manager's lock. Its puts, gets and their
 checksums run on one IO thread of its own: ``submit_store``, ``submit_load`` and ``touch`` only queue work.
@@ -56,8 +56,8 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTier
 from kvcopy._checks import path_argument, positive_int
 from kvcopy.host.pool import HostKVPool
 from kvcopy.integrations.vllm._config import suggestion
-from kvcopy.integrations.vllm.tier_identity import engine_vllm_config, tier_identity
-from kvcopy.integrations.vllm.tier_stores import TierStore, open_tier_store, stores_nbytes
+from kvcopy.integrations.vllm.tiers.identity import engine_vllm_config, tier_identity
+from kvcopy.integrations.vllm.tiers.stores import TierStore, open_tier_store, stores_nbytes
 from kvcopy.layout import PagedKV
 from kvcopy.storage.files import BACKENDS
 from kvcopy.storage.store import CorruptBlockError, DiskTransfer

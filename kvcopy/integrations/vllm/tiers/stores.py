@@ -2,7 +2,7 @@
 
 ``path`` holds a folder per identity, ``kvcopy-<the CacheKey's context hash, 16 digits>``, with:
 
-- ``identity.json``: the identity's fields (kvcopy.integrations.vllm.tier_identity), read to say what differs
+- ``identity.json``: the identity's fields (kvcopy.integrations.vllm.tiers.identity), read to say what differs
   when another identity is found; its modification time is when an engine last opened the store;
 - ``lock``: held (``flock``) by the engine that has the store open, released by the kernel when that process
   ends, even by SIGKILL;
@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from kvcopy.host.pool import HostKVPool
-from kvcopy.integrations.vllm.tier_identity import TierIdentity, differences
+from kvcopy.integrations.vllm.tiers.identity import TierIdentity, differences
 from kvcopy.storage.files import DATA
 from kvcopy.storage.store import DiskKVStore
 
