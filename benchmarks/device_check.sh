@@ -198,7 +198,8 @@ else
 fi
 # vLLM's wheel cannot travel to a lent GPU either: tests/integrations/test_vllm_gpu.py skips without it.
 "$python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' 2>/dev/null ||
-  not_checked "vLLM on a GPU (test_vllm_gpu.py)" "no vLLM on this machine"
+  not_checked "vLLM on a GPU (test_vllm_gpu.py: kvcopy's spec, and KVCopyDiskTier under vLLM's tiering)" \
+    "no vLLM on this machine"
 [ "$dry_run" = 0 ] && pytest_step gpu_compile_tests 120 -m gpu -k torch_compile tests/core/test_copy_gpu.py \
   tests/engine/test_engine_gpu.py
 [ ${#skipped[@]} = 0 ] || echo "device_check: skipped for the deadline: ${skipped[*]}" >&2

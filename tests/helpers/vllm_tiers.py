@@ -348,6 +348,7 @@ def make_tiering_rig(
     cache_dtype: str = "auto",
     spec: dict[str, str] | None = None,
     kv_events: bool = False,
+    device: str = "cpu",
     kv_heads: int = HEADS,
     head_dim: int = HEAD_DIM,
     max_model_len: int = MAX_MODEL_LEN,
@@ -355,7 +356,7 @@ def make_tiering_rig(
     """A CPU engine with vLLM's stock TieringOffloadingSpec (CPUTieringSpec) over ``secondary_tiers`` (copied:
     vLLM's spec writes into them); ``extra`` adds or overrides keys of kv_connector_extra_config. The engine id
     is unique (so is the region in /dev/shm) unless given; ``hf_overrides``, ``cache_dtype``, ``kv_events``,
-    ``kv_heads``, ``head_dim`` and ``max_model_len`` are make_rig's; ``spec`` names another spec (spec_name,
+    ``device``, ``kv_heads``, ``head_dim`` and ``max_model_len`` are make_rig's; ``spec`` names another spec (spec_name,
     spec_module_path). Close it with ``close()``."""
     extra_config = {
         **(spec or TIERING_SPEC_PATH),
@@ -375,6 +376,7 @@ def make_tiering_rig(
         hf_overrides=hf_overrides,
         cache_dtype=cache_dtype,
         kv_events=kv_events,
+        device=device,
         kv_heads=kv_heads,
         head_dim=head_dim,
         max_model_len=max_model_len,
