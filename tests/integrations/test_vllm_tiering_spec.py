@@ -6,8 +6,8 @@ What is checked:
 
 * a prompt stored, cascaded to KVCopyDiskTier (and to vLLM's own fs tier), evicted from the primary tier and
   requested again loads bitwise what was stored (1 and 2 blocks per chunk, two layers), and kvcopy's worker
-  wrote the region rows in vLLM's layout (the stand-in worker, a copy of vLLM's own descriptors, reads them
-  back bitwise in another engine);
+  writes and reads the region rows in vLLM's layout (what one of it and the stand-in worker, a copy of vLLM's
+  own descriptors, stores, the other loads back bitwise in another engine);
 * the judgment, both ways: with a profile whose disk read is far slower than recomputing, a hit only on
   disk is never promoted (no submit_load, the primary tier's chunks left alone) and its tokens are computed,
   while a hit in host RAM still loads; with the opposite profile the disk hit is promoted and loads bitwise;
@@ -93,18 +93,25 @@ def test_kvcopys_spec_with_tiers_round_trips_bitwise(tmp_path, blocks_per_chunk,
     assert not rig.region_left_behind
 
 
-def test_rows_kvcopys_worker_writes_are_the_rows_vllms_worker_reads(tmp_path):
-    """An engine on kvcopy's spec stores and cascades; an engine on vLLM's own spec (the stand-in worker: vLLM's
-    descriptors) then loads them from the same tier: vLLM's layout, bitwise."""
+@pytest.mark.parametrize("writer", ["kvcopy", "vllm"])
+def test_rows_one_worker_writes_are_the_rows_the_others_reads(tmp_path, writer):
+    """An engine on one spec stores and cascades to vLLM's fs tier; an engine on the other loads from it:
+    kvcopy's worker and vLLM's (the stand-in: vLLM's own descriptors) write and read vLLM's layout, bitwise."""
     fs = [{"type": "fs", "root_dir": str(tmp_path / "fs")}]
-    rig = kvcopy_rig(tmp_path, tiers=fs, blocks_per_chunk=2, kvcopy_policy="offload")
+
+    def rig_of(spec: str):
+        if spec == "kvcopy":
+            return kvcopy_rig(tmp_path, tiers=fs, blocks_per_chunk=2, kvcopy_policy="offload")
+        return make_tiering_rig(tmp_path, secondary_tiers=fs, blocks_per_chunk=2)
+
+    rig = rig_of(writer)
     try:
         rig.add("first", PROMPT)
         rig.run()
         rig.drain()
     finally:
         rig.close()
-    rig = make_tiering_rig(tmp_path, secondary_tiers=fs, blocks_per_chunk=2)
+    rig = rig_of("vllm" if writer == "kvcopy" else "kvcopy")
     try:
         tokens = [*PROMPT, 5, 6, 7]
         hit = len(PROMPT) // (2 * BLOCK_TOKENS) * 2 * BLOCK_TOKENS
