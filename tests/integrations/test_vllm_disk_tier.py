@@ -7,6 +7,7 @@ primary tier's memory let go at shutdown (the mmap then closes)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -215,3 +216,37 @@ def test_two_engines_of_one_identity_cannot_share_a_store(tmp_path):
         make_tier(other, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES, spec=offloading_spec())
     rows.close()
     other.close()
+
+
+def test_the_engines_config_is_found_where_vllms_connector_holds_it(tmp_path, caplog):
+    """In vLLM's scheduler process no VllmConfig is current: the tier takes the one the connector that builds it
+    was given (a caller's ``vllm_config``), so the model's config is in the identity all the same."""
+    rows = primary()
+    config = engine_config(model_dir(tmp_path), hf_overrides={"rope_theta": 50000.0})
+
+    def connector_scheduler(vllm_config):  # as vLLM's OffloadingConnectorScheduler holds it, not current
+        return make_tier(rows, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES)
+
+    with caplog.at_level("WARNING", logger="kvcopy.integrations.vllm"):
+        tier = connector_scheduler(config)
+    try:
+        assert not [r for r in caplog.records if "VllmConfig was not found" in r.getMessage()]
+        identity = json.loads(
+            (tmp_path / "tier" / os.path.basename(tier._tier_store.folder) / "identity.json").read_text()
+        )
+        assert identity["engine"]["hf_overrides"] == {"rope_theta": 50000}  # the engine's own, found
+    finally:
+        tier.shutdown()
+    rows.close()
+
+
+def test_a_hash_that_changes_with_each_process_is_said_once(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    config = engine_config(model_dir(tmp_path))
+    config.cache_config.prefix_caching_hash_algo = "xxhash"
+    rows = primary()
+    with caplog.at_level("WARNING", logger="kvcopy.integrations.vllm"), tier_of(tmp_path / "tier", rows, config):
+        pass
+    said = [r.getMessage() for r in caplog.records if "cannot hit across restarts" in r.getMessage()]
+    assert len(said) == 1 and "PYTHONHASHSEED" in said[0]
+    rows.close()
