@@ -202,6 +202,9 @@ def test_a_disk_hit_worth_its_promotion_is_promoted_and_loads_bitwise(tmp_path, 
         assert len(loads) == 1
         assert assert_blocks_hold(rig, "again", tokens, range(hit // BLOCK_TOKENS)) == 2 * hit // BLOCK_TOKENS
         assert rig.session.stats.decisions[-1].reason.startswith("all:")
+        # judged at each step of its promotion (three at least), recorded and counted once
+        assert len([d for d in rig.session.stats.decisions if d.request_id == "again"]) == 1
+        assert sum(counted[HITS_LOADED].values()) == 1
         # the promotion's read was learned (the disk's line), and its prediction scored against it
         assert rig.session.live.online.num_observations["f2h nixl_posix"] == 1
         (errors,) = counted[PREDICTION_ERROR].values()

@@ -118,6 +118,7 @@ class KVCopyTieringManager(TieringOffloadingManager):
         self.geometry = geometry
         self.chunk_bytes = chunk_bytes
         self._verdicts: dict[str, TierVerdict] = {}  # this step's, per request
+        self._recorded: dict[str, int] = {}  # the load end last recorded and counted, per request
         self._stats = OffloadingConnectorStats()
 
     # ------------------------------------------------------------------ the hit
@@ -218,6 +219,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
             predicted_recompute_s=options["none"][1] if "none" in options else None,
             observations=observations,
         )
+        if self._recorded.get(req_context.req_id) == load_end:
+            return TierVerdict(load_end, decision)  # judged alike at an earlier step (a promotion takes several)
+        self._recorded[req_context.req_id] = load_end
         self.session.record(decision)
         furthest = next((place for place in reversed(hit.places) if place != HOST), HOST)
         labels = self._metrics.primary_tier_label if furthest == HOST else self._metrics.tier_label(furthest)
@@ -246,6 +250,10 @@ class KVCopyTieringManager(TieringOffloadingManager):
         if verdict is not None and position is not None and position > verdict.load_end:
             return LookupResult.MISS  # past the prefix worth loading: never promoted, computed
         return super().lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
+
+    def on_request_finished(self, req_context: ReqContext, *, exclude_tier_idx: int | None = None) -> None:
+        self._recorded.pop(req_context.req_id, None)
+        super().on_request_finished(req_context, exclude_tier_idx=exclude_tier_idx)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._verdicts.clear()  # the next step judges again, on what is where and learned by then
