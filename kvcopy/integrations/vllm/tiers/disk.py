@@ -352,7 +352,10 @@ class KVCopyDiskTier(SecondaryTierManager):
                 queued = self._loads.popleft() if self._loads else self._stores.popleft() if self._stores else None
                 self._busy = queued is not None
             for hashes in touches:
-                self.store.touch(hashes)
+                try:
+                    self.store.touch(hashes)
+                except Exception:  # an order of eviction, not data: the tier goes on
+                    logger.exception("kvcopy disk tier: a touch failed")
             if queued is not None:
                 self._post(queued)
             self._poll()
@@ -411,7 +414,11 @@ class KVCopyDiskTier(SecondaryTierManager):
             if isinstance(error, CorruptBlockError):
                 bad_slots = set(error.slots)
                 bad = {i for i, slot in enumerate(queued.slots) if slot in bad_slots}
-                dropped = self.store.discard([queued.hashes[i] for i in sorted(bad)])
+                try:
+                    dropped = self.store.discard([queued.hashes[i] for i in sorted(bad)])
+                except Exception:  # not loaded either way; a later promotion finds it corrupt again
+                    logger.exception("kvcopy disk tier: corrupt chunks could not be dropped")
+                    dropped = 0
                 logger.warning("kvcopy disk tier: %d chunk(s) failed their checksum; dropped, recomputed", dropped)
                 ok = [good and i not in bad for i, good in enumerate(ok)]
                 corrupt = len(bad)
