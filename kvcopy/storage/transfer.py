@@ -20,7 +20,7 @@ __all__ = ["DiskTransfer"]
 
 
 class Moving(Protocol):
-    """What a DiskTransfer waits on: a store's rounds of NIXL transfers (kvcopy.storage.store), or one."""
+    """What a DiskTransfer waits on: a store's rounds of NIXL transfers (kvcopy.storage.rounds), or one."""
 
     num_descriptors: int
     nbytes: int

@@ -11,6 +11,7 @@ pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip i
 
 import kvcopy
 from kvcopy.ranges import plan_table_ranges
+from kvcopy.storage import rounds as rounds_module
 from kvcopy.storage import staging as staging_module
 from kvcopy.storage import store as store_module
 from kvcopy.storage.files import DIRECT_ALIGNMENT, direct_io_fits, file_agent, file_table
@@ -234,7 +235,7 @@ def test_a_staged_round_waits_for_its_copy_by_polling_never_blocking_the_host(tm
     stream passed its scatter (a get), both found by polling the event: ``done`` never blocks the host on the
     stream (here the events are stand-ins, on the CPU, each not passed for its first 3 polls)."""
     log: list[str] = []
-    monkeypatch.setattr(store_module, "_stream_event", lambda device: _SlowEvent(log, 3))
+    monkeypatch.setattr(rounds_module, "_stream_event", lambda device: _SlowEvent(log, 3))
     source, target = gpu_like_cache(8, 7), gpu_like_cache(8, 8)
     with DiskKVStore.create(tmp_path / "store", source, 8, cache_key=key(), backend="posix") as store:
         real = store._agent.initialize_xfer
