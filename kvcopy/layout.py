@@ -11,6 +11,7 @@ names the same columns for C++).
 
 from __future__ import annotations
 
+import math
 import numbers
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,8 @@ __all__ = [
     "block_for_block",
     "layout_difference",
     "memory_overlap",
+    "page_first_planes",
+    "plane_over",
     "shares_memory",
 ]
 
@@ -537,3 +540,48 @@ def layout_difference(expected: object, got: object, at: str = "") -> str | None
     if isinstance(expected, bool) != isinstance(got, bool) or expected != got:
         return f"{where}: expected {expected!r:.60}, got {got!r:.60}"
     return None
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def plane_over(
+    buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks: int, offset: int, stride: int
+) -> torch.Tensor:
+    """A tensor shaped like ``like`` ([num_blocks, *block]) over ``buffer``'s storage.
+
+    Block b starts at byte ``offset + b * stride``. Made with ``set_`` rather
+    than a chain of views so that every plane is a plain alias of the storage:
+    torch.compile can then trace one op mutating several planes of one pool.
+    """
+    itemsize = like.element_size()
+    empty_blocks = math.prod(like.shape[1:]) == 0  # nothing to align
+    if not empty_blocks and (offset % itemsize or stride % itemsize):
+        raise ValueError(
+            f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "
+            f"not multiples of its {itemsize}-byte elements, in an unpadded layout; order the planes by "
+            f"decreasing element size"
+        )
+    block_shape = tuple(like.shape[1:])
+    plane = torch.empty(0, dtype=like.dtype)
+    return plane.set_(
+        buffer.untyped_storage(),
+        offset // itemsize,
+        (num_blocks, *block_shape),
+        (stride // itemsize, *_contiguous_strides(block_shape)),
+    )
+
+
+def page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int, start: int = 0) -> list[torch.Tensor]:
+    """``like``'s planes for ``num_blocks`` blocks over ``buffer``'s storage, page-first from byte ``start``: block
+    b's planes back to back at ``start + b * like.nbytes_per_block`` (a host pool's layout, a disk row's)."""
+    planes, offset = [], start
+    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
+        planes.append(plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
+        offset += nbytes
+    return planes

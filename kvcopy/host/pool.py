@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from kvcopy.conflicts import check_caller
 from kvcopy.host.allocator import BlockAllocator
 from kvcopy.host.memory import HostRegion, gpu_numa_node
 from kvcopy.ids import BlockIds
-from kvcopy.layout import PagedKV
+from kvcopy.layout import PagedKV, page_first_planes, plane_over
 
 __all__ = ["HostKVPool", "HostLayout", "KVLike", "PoolLayout", "as_paged"]
 
@@ -151,11 +150,11 @@ class HostKVPool:
         if placement is not None:
             offsets, stride, _ = placement
             planes = [
-                _plane_over(self.buffer, plane, i, num_blocks, offset, stride)
+                plane_over(self.buffer, plane, i, num_blocks, offset, stride)
                 for i, (plane, offset) in enumerate(zip(like.planes, offsets, strict=True))
             ]
         elif layout == "page_first":
-            planes = _page_first_planes(self.buffer, like, num_blocks)
+            planes = page_first_planes(self.buffer, like, num_blocks)
         else:
             planes = _layer_first_planes(self.buffer, like, num_blocks)
         self.paged: PagedKV = PagedKV(planes, planes_per_layer=like.planes_per_layer, memory=region)
@@ -260,53 +259,10 @@ def _check_layout(layout: object) -> None:
         raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def _plane_over(
-    buffer: torch.Tensor, like: torch.Tensor, index: int, num_blocks: int, offset: int, stride: int
-) -> torch.Tensor:
-    """A tensor shaped like ``like`` ([num_blocks, *block]) over ``buffer``'s storage.
-
-    Block b starts at byte ``offset + b * stride``. Made with ``set_`` rather
-    than a chain of views so that every plane is a plain alias of the storage:
-    torch.compile can then trace one op mutating several planes of one pool.
-    """
-    itemsize = like.element_size()
-    empty_blocks = math.prod(like.shape[1:]) == 0  # nothing to align
-    if not empty_blocks and (offset % itemsize or stride % itemsize):
-        raise ValueError(
-            f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "
-            f"not multiples of its {itemsize}-byte elements, in an unpadded host layout; order the planes by "
-            f"decreasing element size"
-        )
-    block_shape = tuple(like.shape[1:])
-    plane = torch.empty(0, dtype=like.dtype)
-    return plane.set_(
-        buffer.untyped_storage(),
-        offset // itemsize,
-        (num_blocks, *block_shape),
-        (stride // itemsize, *_contiguous_strides(block_shape)),
-    )
-
-
-def _page_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
-    planes, offset = [], 0
-    for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
-        planes.append(_plane_over(buffer, plane, index, num_blocks, offset, like.nbytes_per_block))
-        offset += nbytes
-    return planes
-
-
 def _layer_first_planes(buffer: torch.Tensor, like: PagedKV, num_blocks: int) -> list[torch.Tensor]:
     planes, offset = [], 0
     for index, (plane, nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
-        planes.append(_plane_over(buffer, plane, index, num_blocks, offset, nbytes))
+        planes.append(plane_over(buffer, plane, index, num_blocks, offset, nbytes))
         offset += num_blocks * nbytes
     return planes
 

@@ -20,8 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvcopy.host.pool import _plane_over
-from kvcopy.layout import PagedKV
+from kvcopy.layout import PagedKV, page_first_planes
 from kvcopy.nixl.registration import registration_of
 from kvcopy.ranges import plan_table_ranges
 from kvcopy.storage.files import DIRECT_ALIGNMENT
@@ -106,10 +105,7 @@ class Staging:
         nbytes = blocks * like.nbytes_per_block
         allocation = torch.empty(nbytes + DIRECT_ALIGNMENT, dtype=torch.uint8, device=like.device)
         skip = -allocation.data_ptr() % DIRECT_ALIGNMENT  # O_DIRECT (and cuFile's direct path) want it aligned
-        planes, offset = [], skip
-        for index, (plane, plane_nbytes) in enumerate(zip(like.planes, like.plane_block_nbytes, strict=True)):
-            planes.append(_plane_over(allocation, plane, index, blocks, offset, like.nbytes_per_block))
-            offset += plane_nbytes
+        planes = page_first_planes(allocation, like, blocks, start=skip)
         self.paged = PagedKV.from_planes(planes, planes_per_layer=like.planes_per_layer)
         self.blocks = blocks
         self._allocation = allocation  # kept alive while registered

@@ -229,3 +229,30 @@ def test_planes_per_layer_must_divide_the_plane_count():
         kvcopy.PagedKV.from_planes(planes, planes_per_layer=2)
     kv = kvcopy.PagedKV.from_planes(planes, planes_per_layer=3)
     assert kv.num_layers == 1
+
+
+# --------------------------------------------------------------------------- planes over a buffer
+
+
+@pytest.mark.parametrize("start", [0, 8, 4096])
+def test_page_first_planes_place_block_b_plane_p_after_start(gen, start):
+    """A staging buffer's layout: block b's planes back to back from ``start + b * nbytes_per_block``."""
+    like = kvcopy.PagedKV.from_planes(
+        [random_tensor((3, 2, 4), torch.float32, gen), random_tensor((3, 3), torch.float32, gen)], planes_per_layer=2
+    )
+    num_blocks, npb = 4, like.nbytes_per_block  # 32 + 12 bytes a block
+    buffer = torch.zeros(start + num_blocks * npb, dtype=torch.uint8)
+    planes = kvcopy.layout.page_first_planes(buffer, like, num_blocks, start=start)
+    assert [tuple(p.shape) for p in planes] == [(4, 2, 4), (4, 3)]
+    for block in range(num_blocks):
+        for index, plane in enumerate(planes):
+            plane[block].copy_(random_tensor(tuple(plane.shape[1:]), plane.dtype, gen))
+            at = start + block * npb + (0 if index == 0 else 32)
+            assert torch.equal(buffer[at : at + like.plane_block_nbytes[index]], byte_rows(plane)[block])
+    assert not buffer[:start].any()  # nothing before start was written
+
+
+def test_a_plane_over_a_buffer_misaligned_for_its_dtype_is_a_value_error():
+    like = torch.zeros(2, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"like.planes\[3\].*byte offset 2"):
+        kvcopy.layout.plane_over(torch.zeros(64, dtype=torch.uint8), like, 3, 2, 2, 16)
