@@ -20,6 +20,7 @@ Needs root and iproute2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import multiprocessing
 import socket
@@ -94,6 +95,16 @@ def _serve(conn, memory: str) -> None:
         conn.send(peer.descriptor())
         peer.connect(conn.recv())
         conn.send(raw.cpu().numpy().tobytes())
+
+
+def _recv(conn) -> object:
+    """The serving process's next message; SystemExit saying so once it is gone or silent for WAIT_S."""
+    if not conn.poll(WAIT_S):
+        raise SystemExit(f"the serving process sent nothing for {WAIT_S} s")
+    try:
+        return conn.recv()
+    except EOFError:  # every copy of its end is closed: it exited
+        raise SystemExit("the serving process is gone (its error, if any, is above)") from None
 
 
 def _raw_read(peer: KVPeer, remote, ranges: list[tuple[int, int, int]], here: object) -> None:
@@ -201,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         parent, child = ctx.Pipe()
         server = ctx.Process(target=_serve, args=(child, args.memory), daemon=True)
         server.start()
+        child.close()  # the server's end, only there: when the server dies, a read of parent sees its end closed
     rows = []
     transport = ""
     try:
@@ -208,13 +220,13 @@ def main(argv: list[str] | None = None) -> int:
             plane_block = kib * 1024
             num_blocks = 2 * args.blocks
             parent.send(("pool", plane_block, num_blocks))
-            descriptor = parent.recv()
+            descriptor = _recv(parent)
             local, local_bytes = _cache(plane_block, num_blocks, seed=2, memory=args.memory)
             here = registration_of(local)
             with KVPeer(local, f"local-{kib}") as peer:
                 remote = peer.connect(descriptor)
                 parent.send(peer.descriptor())
-                expected = torch.frombuffer(bytearray(parent.recv()), dtype=torch.uint8)
+                expected = torch.frombuffer(bytearray(_recv(parent)), dtype=torch.uint8)
                 g = torch.Generator().manual_seed(kib)
                 remote_ids = torch.randperm(num_blocks, generator=g)[: args.blocks]
                 local_ids = torch.randperm(num_blocks, generator=g)[: args.blocks]
@@ -261,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                         }
                     )
     finally:
-        parent.send(("exit",))
+        with contextlib.suppress(OSError):  # a server that is gone needs no exit
+            parent.send(("exit",))
         if server is not None:
             server.join(WAIT_S)
     print(
