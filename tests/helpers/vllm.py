@@ -8,6 +8,7 @@ its code (docs/engines.md, "vLLM").
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -17,7 +18,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
+import prometheus_client  # noqa: E402
 import torch  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -31,6 +34,7 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 from vllm.forward_context import ForwardContext  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core import kv_cache_planning  # noqa: E402
@@ -462,3 +466,46 @@ def reload_prefix(rig, prompt, chunk_tokens: int = BLOCK_TOKENS) -> tuple[list[i
     hit = len(prompt) // chunk_tokens * chunk_tokens
     assert len(tokens) - hit in rig.rerun(tokens, keep_blocks=True)  # the rest was loaded
     return tokens, hit
+
+
+OFFLOAD_INFO = "vllm:kv_offload_config_info"  # vLLM's info metric of an offloading connector's config
+
+
+def prometheus_logger(rig: Rig) -> CollectorRegistry:
+    """vLLM's own Prometheus logger of the connector (``KVConnectorProm``, as vLLM's frontend builds it from the
+    config), over a registry of its own, fed the scheduler's connector stats of every step (what
+    ``update_from_output`` sends the frontend): a metric the spec the config names does not declare fails the
+    step with vLLM's assertion, as it would fail the frontend."""
+    registry = CollectorRegistry()
+
+    class Logger(KVConnectorProm):
+        _gauge_cls = functools.partial(prometheus_client.Gauge, registry=registry)
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
+        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)
+
+    logger = Logger(rig.vllm_config, ["model_name", "engine"], {0: ["model", "0"]})
+    connector = rig.scheduler.connector
+    collect = connector.get_kv_connector_stats
+
+    def collected():
+        stats = collect()
+        if stats is not None and not stats.is_empty():
+            logger.observe(stats.to_dict())
+        return stats
+
+    connector.get_kv_connector_stats = collected
+    return registry
+
+
+def metric_totals(registry: CollectorRegistry) -> dict[str, float]:
+    """Every sample's value in ``registry`` summed by sample name (``..._total``, ``..._count``, ``..._info``)."""
+    totals: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def info_labels(registry: CollectorRegistry) -> list[dict[str, str]]:
+    """The labels of each series of vLLM's offloading info metric (the config a manager reports) in ``registry``."""
+    return [dict(s.labels) for family in registry.collect() for s in family.samples if s.name == OFFLOAD_INFO]

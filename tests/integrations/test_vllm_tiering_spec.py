@@ -37,7 +37,16 @@ from kvcopy.integrations.vllm.tiering import (
     KVCopyTieringSpec,
 )
 
-from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, write_profile
+from helpers.vllm import (
+    BLOCK_TOKENS,
+    PROMPT,
+    SPEC_PATH,
+    assert_blocks_hold,
+    info_labels,
+    metric_totals,
+    prometheus_logger,
+    write_profile,
+)
 from helpers.vllm_tiers import make_tiering_rig, record_calls
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
@@ -329,3 +338,23 @@ def test_a_bad_disk_tier_key_is_refused_in_either_role_before_anything_is_made(t
     with pytest.raises(error, match=message):
         KVCopyOffloadingSpec(config)
     assert not (tmp_path / "tier").exists()
+
+
+def test_the_tiered_specs_metrics_reach_vllms_logger(tmp_path):
+    """vLLM's frontend declares the metrics from ``KVCopyOffloadingSpec`` (the class the config names), which it
+    never builds: a tiered config must declare the tiered spec's, the tiers' and the judgment's."""
+    rig = kvcopy_rig(tmp_path, kvcopy_profile=profile(tmp_path, disk_s=0.0))
+    try:
+        registry = prometheus_logger(rig)
+        stored_on_disk_and_in_host(rig)
+        rig.rerun([*PROMPT, 5, 6, 7])
+        totals = metric_totals(registry)
+        chunks = len(PROMPT) // BLOCK_TOKENS  # one block a chunk
+        assert totals["vllm:kv_offload_kvcopy_tier_hits_loaded_total"] == 1  # the judgment's, by tier
+        assert totals["vllm:kv_offload_kvcopy_tier_prediction_error_count"] == 1
+        assert totals["vllm:kv_offload_kvcopy_disk_loaded_blocks_total"] == chunks  # the tier's own
+        assert totals["vllm:kv_offload_kvcopy_disk_stored_blocks_total"] >= chunks
+        assert totals["vllm:kv_offload_tiering_chunk_hits_total"] >= chunks  # vLLM's tiering manager's
+        assert any(labels.get("tier") for labels in info_labels(registry)), info_labels(registry)
+    finally:
+        rig.close()

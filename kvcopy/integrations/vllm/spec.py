@@ -63,18 +63,29 @@ class KVCopyOffloadingSpec(OffloadingSpec):
     """
 
     def __new__(cls, config: OffloadingConfig, *args: Any, **kwargs: Any) -> Any:
-        if cls is KVCopyOffloadingSpec and "secondary_tiers" in config.extra_config:
-            from kvcopy.integrations.vllm.tiering import KVCopyTieringSpec
-
-            return KVCopyTieringSpec(config)  # (not a KVCopyOffloadingSpec: Python does not run __init__ again)
+        tiered = _tiered_spec(cls, config.extra_config)
+        if tiered is not None:
+            return tiered(config)  # (not a KVCopyOffloadingSpec: Python does not run __init__ again)
         return super().__new__(cls)
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        """vLLM's CPU-tier metrics (the manager is vLLM's CPU manager) and the judgment's counters."""
+        """vLLM's CPU-tier metrics (the manager is vLLM's CPU manager) and the judgment's counters; with
+        ``secondary_tiers``, the tiered spec's (vLLM's metrics logger asks the class the config names, which
+        it never builds)."""
+        tiered = _tiered_spec(cls, extra_config)
+        if tiered is not None:
+            return tiered.build_metric_definitions(extra_config)
         definitions = CPUOffloadingSpec.build_metric_definitions(extra_config)
         definitions.update({name: OffloadingCounterMetadata(documentation=doc) for name, doc in COUNTERS.items()})
         return definitions
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The info metric's label names: vLLM's CPU tier's (the manager fills a ``CPUOffloadingInfo``); with
+        ``secondary_tiers``, the tiered spec's."""
+        tiered = _tiered_spec(cls, extra_config)
+        return (CPUOffloadingSpec if tiered is None else tiered).config_info_keys(extra_config)
 
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm()
@@ -145,3 +156,12 @@ class KVCopyOffloadingSpec(OffloadingSpec):
                 profile=self.profile,
             )
         return self._worker
+
+
+def _tiered_spec(cls: type, extra_config: Any) -> type[OffloadingSpec] | None:
+    """KVCopyTieringSpec where ``KVCopyOffloadingSpec`` itself is given ``secondary_tiers``, else None."""
+    if cls is not KVCopyOffloadingSpec or "secondary_tiers" not in extra_config:
+        return None
+    from kvcopy.integrations.vllm.tiering import KVCopyTieringSpec  # (it imports this module)
+
+    return KVCopyTieringSpec
