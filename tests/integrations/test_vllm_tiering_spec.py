@@ -358,3 +358,20 @@ def test_the_tiered_specs_metrics_reach_vllms_logger(tmp_path):
         assert any(labels.get("tier") for labels in info_labels(registry)), info_labels(registry)
     finally:
         rig.close()
+
+
+def test_a_lookup_from_outside_the_scheduler_is_answered_and_not_judged(tmp_path):
+    """vLLM's p2p tier serves a peer's lookups through the manager with a context of its own, whose keys the
+    scheduler never placed: they are answered as vLLM's manager answers them, and no hit is judged."""
+    rig = kvcopy_rig(tmp_path, kvcopy_profile=profile(tmp_path, disk_s=1e9), kvcopy_learn=False)
+    try:
+        stored_on_disk_and_in_host(rig)
+        decisions = len(rig.session.stats.decisions)
+        peer = ReqContext("p2p:peer")
+        assert [rig.manager.lookup(k, peer) for k in rig.offload_keys(OTHER)] == [LookupResult.HIT] * (
+            len(OTHER) // BLOCK_TOKENS
+        )
+        assert rig.manager.lookup(rig.offload_keys([*OTHER, *OTHER])[-1], peer) is LookupResult.MISS  # never stored
+        assert len(rig.session.stats.decisions) == decisions
+    finally:
+        rig.close()

@@ -151,7 +151,7 @@ class KVCopyTieringManager(TieringOffloadingManager):
             (p, k) for k, p in req_context._offload_key_positions.items() if get_offload_group_idx(k) == group
         )
         first = req_context.get_offload_key_position(key)
-        assert first is not None, "vLLM looked up a key it did not place"
+        assert first is not None, "lookup judges only keys vLLM's scheduler placed"
         start = first - per_chunk
         cap = _max_load_tokens(req_context)
         ends: list[int] = []
@@ -236,6 +236,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext, *, exclude_tier_idx: int | None = None) -> LookupResult:
         """vLLM's lookup, within this step's verdict for the request (judged at its first key of a
         full-attention group, once the tiers' lookups of its whole hit are resolved)."""
+        position = req_context.get_offload_key_position(key)
+        if position is None:  # not the scheduler's request (a p2p peer's lookup, served by vLLM): nothing to judge
+            return super().lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
         request = req_context.req_id
         verdict = self._verdicts.get(request)
         if verdict is None and get_offload_group_idx(key) in self.geometry.full_groups:
@@ -246,8 +249,7 @@ class KVCopyTieringManager(TieringOffloadingManager):
             if not hit.chunk_ends:
                 return LookupResult.MISS
             verdict = self._verdicts[request] = self._judge(hit, req_context)
-        position = req_context.get_offload_key_position(key)
-        if verdict is not None and position is not None and position > verdict.load_end:
+        if verdict is not None and position > verdict.load_end:
             return LookupResult.MISS  # past the prefix worth loading: never promoted, computed
         return super().lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
 
