@@ -37,8 +37,9 @@ TIER_TYPE = "KVCopyDiskTier"
 _job_ids = itertools.count(1)
 
 
-def offloading_spec(*, dtype: str = "float32", blocks_per_chunk: int = 1):
-    """What a tier reads of vLLM's spec: its OffloadingConfig and the region's sizes."""
+def offloading_spec(*, dtype: str = "float32", blocks_per_chunk: int = 1, data_parallel: tuple[int, int] = (0, 1)):
+    """What a tier reads of vLLM's spec: its OffloadingConfig and the region's sizes; ``data_parallel``: the
+    engine's replica index and the replicas."""
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layers.0", "layers.1"), 0),),
         worker_kv_bytes_per_block=ROW_BYTES // blocks_per_chunk,
@@ -47,7 +48,7 @@ def offloading_spec(*, dtype: str = "float32", blocks_per_chunk: int = 1):
         engine_id="test",
         model=OffloadingModelConfig("tiny", dtype, 1024),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, *data_parallel, None, False),
     )
     return SimpleNamespace(config=config, kv_bytes_per_chunk=ROW_BYTES, cpu_page_size_per_worker=ROW_BYTES)
 

@@ -7,8 +7,10 @@ primary tier's memory let go at shutdown (the mmap then closes)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
 
 import pytest
 
@@ -19,8 +21,10 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 
 from kvcopy.integrations.vllm import KVCopyDiskTier
 from kvcopy.integrations.vllm.tiers.disk import PROMOTION_LATENCY, store_hash
+from kvcopy.integrations.vllm.tiers.stores import PATH_LOCK
 from kvcopy.storage.files import DATA
 
+from helpers import HANG_TIMEOUT_S
 from helpers.disk_tier import (
     NUM_ROWS,
     ROW_BYTES,
@@ -190,8 +194,8 @@ def test_each_bad_key_is_named_when_the_tier_is_built(tmp_path, keys, error, mes
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(error, match=message):
         make_tier(rows, **config)
-    made = os.listdir(tmp_path / "tier") if (tmp_path / "tier").exists() else []
-    assert not [n for n in made if os.listdir(tmp_path / "tier" / n) not in ([], ["lock"])]  # no store made
+    made = [p for p in (tmp_path / "tier").glob("kvcopy-*") if p.is_dir()]
+    assert not [p for p in made if os.listdir(p) not in ([], ["lock"])]  # no store made
     rows.close()  # nothing of a refused tier holds the memory
 
 
@@ -216,6 +220,84 @@ def test_two_engines_of_one_identity_cannot_share_a_store(tmp_path):
         make_tier(other, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES, spec=offloading_spec())
     rows.close()
     other.close()
+
+
+def test_data_parallel_replicas_on_one_path_each_take_their_share(tmp_path):
+    """vLLM's data-parallel replicas each run a scheduler, so a tier (an identity) each: bytes_to_use is shared."""
+    rows, other = primary(), primary()
+    config = engine_config(model_dir(tmp_path))
+    replicas = [offloading_spec(data_parallel=(index, 2)) for index in range(2)]
+    with (
+        tier_of(tmp_path / "tier", rows, config, spec=replicas[0]) as first,
+        tier_of(tmp_path / "tier", other, config, spec=replicas[1]) as second,
+    ):
+        assert first.store.num_blocks == second.store.num_blocks == NUM_ROWS // 2
+        data = stored(second, other)
+        assert first.lookup(key(0), REQUEST) is LookupResult.MISS  # a store each
+        other.rows[:] = 0
+        assert run(second, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
+        assert [other.rows[4 + i].tobytes() for i in range(CHUNKS)] == data
+    rows.close()
+    other.close()
+
+
+def test_a_store_made_smaller_beside_another_engine_keeps_its_chunks_when_opened_alone(tmp_path):
+    model = model_dir(tmp_path)
+    rows, other = primary(), primary()
+    scaled = engine_config(model, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    with tier_of(tmp_path / "tier", other, scaled, bytes_to_use=3 * ROW_BYTES) as held:
+        assert held.store.num_blocks == 3
+        with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
+            assert tier.store.num_blocks == NUM_ROWS - 3  # what the other engine's open store leaves
+            data = stored(tier, rows)
+    rows.rows[:] = 0
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # alone now: the budget allows 8 rows
+        assert tier.store.num_blocks == NUM_ROWS - 3  # kept as it is, with its chunks
+        assert run(tier, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
+        assert [rows.rows[4 + i].tobytes() for i in range(CHUNKS)] == data
+    rows.close()
+    other.close()
+
+
+def test_engines_starting_together_on_one_path_decide_one_after_the_other(tmp_path):
+    """While one engine sizes, removes and opens stores under path (holding its PATH_LOCK), another waits."""
+    rows = primary()
+    (tmp_path / "tier").mkdir()
+    fd = os.open(tmp_path / "tier" / PATH_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # an engine deciding
+    built: list = []
+    starting = threading.Thread(
+        target=lambda: built.append(make_tier(rows, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES))
+    )
+    try:
+        starting.start()
+        starting.join(0.5)
+        assert starting.is_alive() and not built  # waiting for the engine that decides
+        assert not list((tmp_path / "tier").glob("kvcopy-*"))  # and nothing made meanwhile
+    finally:
+        os.close(fd)
+        starting.join(HANG_TIMEOUT_S)
+    assert len(built) == 1 and built[0].store.num_blocks == NUM_ROWS
+    built[0].shutdown()
+    rows.close()
+
+
+def test_a_tier_that_fails_after_opening_its_store_lets_go_of_it(tmp_path, monkeypatch):
+    """vLLM never gets a tier whose constructor raised, so never shuts it down: the tier closes its store (and
+    lets go of its lock and of the primary tier's memory) itself."""
+    rows = primary()
+    config = engine_config(model_dir(tmp_path))
+
+    def fail() -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr("kvcopy.integrations.vllm.tiers.disk._warn_if_hashes_change_per_process", fail)
+    with pytest.raises(RuntimeError, match="injected"), set_current_vllm_config(config):
+        make_tier(rows, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES)
+    monkeypatch.undo()
+    with tier_of(tmp_path / "tier", rows, config) as tier:  # the same identity: its store is free to open
+        assert tier.store.num_blocks == NUM_ROWS
+    rows.close()
 
 
 def test_the_engines_config_is_found_where_vllms_connector_holds_it(tmp_path, caplog):

@@ -28,6 +28,7 @@ checksums run on one IO thread of its own: ``submit_store``, ``submit_load`` and
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import logging
 import os
@@ -212,13 +213,33 @@ class KVCopyDiskTier(SecondaryTierManager):
         like = PagedKV.from_planes([torch.empty((1, row_bytes), dtype=torch.uint8)])
         self._pool: HostKVPool | None = HostKVPool.over(primary_kv_view, like, num_rows, pin_memory=False)
         identity = tier_identity(offloading_spec, row_bytes, keys.cache_key_extra)
+        # one store per data-parallel replica (each an identity), each its share of bytes_to_use
+        replicas = max(1, int(getattr(offloading_spec.config.parallel, "data_parallel_size", 1)))
         try:
             self._tier_store: TierStore = open_tier_store(
-                keys.path, identity, self._pool, keys.bytes_to_use, keys.backend
+                keys.path, identity, self._pool, keys.bytes_to_use, keys.backend, replicas=replicas
             )
         except BaseException:
             self._release_pool()
             raise
+        try:
+            self._start(tier_type)
+        except BaseException:  # vLLM never gets the tier, so never shuts it down: its store and lock go here
+            try:
+                self._tier_store.close()
+            finally:
+                self._release_pool()
+            raise
+        logger.info(
+            "kvcopy disk tier %r: %d chunks of %d bytes in %s",
+            tier_type,
+            self.store.num_blocks,
+            row_bytes,
+            self._tier_store.folder,
+        )
+
+    def _start(self, tier_type: str) -> None:
+        """The tier's state and its IO thread, started, over the store just opened."""
         self.store = self._tier_store.store
         _warn_if_hashes_change_per_process()
         self._stats = OffloadingConnectorStats()
@@ -234,13 +255,6 @@ class KVCopyDiskTier(SecondaryTierManager):
         self._stopping = False
         self._io = threading.Thread(target=self._run, name=f"kvcopy-disk-tier-{tier_type}", daemon=True)
         self._io.start()
-        logger.info(
-            "kvcopy disk tier %r: %d chunks of %d bytes in %s",
-            tier_type,
-            self.store.num_blocks,
-            row_bytes,
-            self._tier_store.folder,
-        )
 
     # ------------------------------------------------------------------ metrics
 
@@ -331,6 +345,9 @@ class KVCopyDiskTier(SecondaryTierManager):
             self._tier_store.close()
         finally:
             self._release_pool()
+            # A failed transfer's error chain (its cause's frames) can keep the pool's views in a reference
+            # cycle; collected here, or vLLM cannot unmap its region
+            gc.collect()
 
     def _release_pool(self) -> None:
         pool, self._pool = self._pool, None
@@ -361,8 +378,8 @@ class KVCopyDiskTier(SecondaryTierManager):
             self._poll()
             with self._lock:
                 self._busy = False
-                if self._in_flight and not (self._loads or self._stores or self._touches or self._stopping):
-                    self._lock.wait(POLL_S)
+                if self._in_flight and not (self._loads or self._stores or self._touches):
+                    self._lock.wait(POLL_S)  # (stopping too: the IO in flight ends without a spinning core)
 
     def _post(self, queued: _Job) -> None:
         """Posts the job's put or get; a job the store refuses (or with nothing to move) ends at once."""

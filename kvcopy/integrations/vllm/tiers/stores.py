@@ -8,10 +8,13 @@
   ends, even by SIGKILL;
 - ``store/``: the :class:`~kvcopy.storage.DiskKVStore`, one block per row of vLLM's primary tier.
 
-``bytes_to_use`` is the budget of ``path`` across identities. An engine opens its own identity's store (made
-anew when its size is not the budget's) and removes the stores of other identities that no engine holds,
-least recently opened first, until its own fits. A store another engine holds open is never removed; the own
-store is then made smaller, within what is left. Everything is checked before anything is removed or made.
+``bytes_to_use`` is the budget of ``path`` across identities. An engine's own store takes at most its share
+of it (``bytes_to_use`` over vLLM's data-parallel replicas, each an identity of its own) and at most what
+stores other engines hold open leave. It opens its own identity's store as it is when that fits (a store made
+smaller while another engine held room keeps its size, said in the log: remove its folder to grow it), else
+makes it anew, and removes the stores of other identities that no engine holds, least recently opened first,
+until its own fits. A store another engine holds open is never removed. Everything is checked before anything
+is removed or made, and engines starting together on one ``path`` decide one after the other (``PATH_LOCK``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvcopy.host.pool import HostKVPool
@@ -36,6 +40,9 @@ logger = logging.getLogger("kvcopy.integrations.vllm")
 FOLDER_PREFIX = "kvcopy-"
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = "lock"
+# Held (flock) by an engine while it sizes, removes and opens stores under path, so that two engines starting
+# together never count the same room nor remove a folder the other is opening. Not a FOLDER_PREFIX name.
+PATH_LOCK = "kvcopy.lock"
 STORE_DIR = "store"
 # Digits of the context hash that name a folder: 64 bits, no two identities of one path alike.
 NAME_DIGITS = 16
@@ -97,6 +104,17 @@ def _lock(folder: str) -> int | None:
     return fd
 
 
+@contextlib.contextmanager
+def _deciding(path: str) -> Iterator[None]:
+    """Holds ``path``'s PATH_LOCK (waiting for an engine that holds it) while the caller decides."""
+    fd = os.open(os.path.join(path, PATH_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
 def _others(path: str, own: str) -> list[_Other]:
     """The folders of other identities under ``path``, least recently opened first; each one no process holds
     is left locked by nobody (its lock was only tried)."""
@@ -136,16 +154,26 @@ def _say_what_differs(others: list[_Other], identity: TierIdentity) -> None:
     )
 
 
-def open_tier_store(path: str, identity: TierIdentity, like: HostKVPool, bytes_to_use: int, backend: str) -> TierStore:
-    """Opens (or makes) the store of ``identity`` under ``path``, within ``bytes_to_use`` across identities
-    (see the module documentation). ValueError naming ``path`` or ``bytes_to_use`` when it cannot: another
-    engine of the same identity holds the store, not one row fits, or the filesystem has not the room."""
+def open_tier_store(
+    path: str, identity: TierIdentity, like: HostKVPool, bytes_to_use: int, backend: str, *, replicas: int = 1
+) -> TierStore:
+    """Opens (or makes) the store of ``identity`` under ``path``, within ``bytes_to_use`` across identities, its
+    share of it one of ``replicas`` (see the module documentation). ValueError naming ``path`` or
+    ``bytes_to_use`` when it cannot: another engine of the same identity holds the store, not one row fits, or
+    the filesystem has not the room."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:
         raise ValueError(f"path: {path!r} is not a directory that can be made ({err})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"path: {path!r} is not a directory kvcopy can write")
+    with _deciding(path):
+        return _open_own(path, identity, like, bytes_to_use, backend, replicas)
+
+
+def _open_own(
+    path: str, identity: TierIdentity, like: HostKVPool, bytes_to_use: int, backend: str, replicas: int
+) -> TierStore:
     row_bytes = like.nbytes_per_block
     own = os.path.join(path, FOLDER_PREFIX + identity.cache_key.context_hash[:NAME_DIGITS])
     os.makedirs(own, exist_ok=True)
@@ -155,33 +183,46 @@ def open_tier_store(path: str, identity: TierIdentity, like: HostKVPool, bytes_t
     try:
         others = _others(path, own)
         in_use = sum(o.nbytes for o in others if o.in_use)
-        rows = max(bytes_to_use - in_use, 0) // row_bytes
+        share = bytes_to_use // replicas
+        rows = min(max(bytes_to_use - in_use, 0), share) // row_bytes
         if rows < 1:
             raise ValueError(
                 f"bytes_to_use: {bytes_to_use} bytes under {path!r} hold no row of {row_bytes} bytes"
+                + (f" in a share of {replicas} data-parallel replicas" if replicas > 1 else "")
                 + (f" beside the {in_use} bytes of stores other engines have open" if in_use else "")
             )
         wanted = rows * row_bytes
-        kept = _store_nbytes(own) if _store_nbytes(own) == wanted else 0  # the own store, reused as it is
+        existing = _store_nbytes(own)
+        kept = existing if 0 < existing <= wanted and existing % row_bytes == 0 else 0  # reused as it is
+        own_rows = kept // row_bytes if kept else rows
+        if own_rows < rows:
+            logger.info(
+                "kvcopy disk tier: the store in %s keeps its %d rows (the budget now allows %d); remove the folder "
+                "to grow it (its chunks go with it)",
+                own,
+                own_rows,
+                rows,
+            )
+        own_bytes = own_rows * row_bytes
         removable = [o for o in others if not o.in_use]
         removed, room = [], 0
         for other in removable:  # least recently opened first, until the budget holds the own store
-            if in_use + wanted + sum(o.nbytes for o in removable if o not in removed) <= bytes_to_use:
+            if in_use + own_bytes + sum(o.nbytes for o in removable if o not in removed) <= bytes_to_use:
                 break
             removed.append(other)
             room += other.nbytes
-        free = shutil.disk_usage(path).free + room + _store_nbytes(own) - kept
-        if wanted - kept > free:
+        free = shutil.disk_usage(path).free + room + existing  # (the own store's bytes, when it is made anew)
+        if own_bytes > free:
             raise ValueError(
                 f"bytes_to_use: {bytes_to_use} bytes, but the filesystem of {path!r} has room for "
-                f"{free + kept} (free space and the stores kvcopy would remove)"
+                f"{free} (free space, the own store and the stores kvcopy would remove)"
             )
         # checked: from here on, the path changes
         _say_what_differs(others, identity)
         for other in removed:
             shutil.rmtree(other.folder, ignore_errors=True)
             logger.info("kvcopy disk tier: removed %s (another identity's store) for room", other.folder)
-        store = _open_or_make(own, like, rows, identity, backend, reuse=kept > 0)
+        store = _open_or_make(own, like, own_rows, identity, backend, reuse=kept > 0)
         with open(os.path.join(own, IDENTITY_FILE), "w") as f:
             json.dump(identity.fields, f, indent=1, sort_keys=True)  # (its time: when it was last opened)
     except BaseException:
