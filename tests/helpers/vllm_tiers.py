@@ -390,7 +390,8 @@ class MemoryRowTier(SecondaryTierManager):
     keys): configured as ``{"type": "MemoryRowTier", "module_path": "helpers.vllm_tiers"}``. Its lookups answer
     at once; a job's copies run at submission and it is reported at the next ``get_finished_jobs``. ``corrupt``
     makes a key's promotion fail: the chunks before it in the job are loaded and reported in
-    ``successful_keys``, and the key is dropped (unless ``drop_failed`` is False), so later lookups of it miss."""
+    ``successful_keys``, and the key is dropped (unless ``drop_failed`` is False), so later lookups of it miss.
+    A promotion reports its bytes and seconds; ``medium`` ("STORAGE" by default) is vLLM's ``Medium``."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -401,8 +402,10 @@ class MemoryRowTier(SecondaryTierManager):
         tier_type: str,
         backpressure_detector: Any = None,
         drop_failed: bool = True,
+        medium: str = "STORAGE",
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.medium = Medium(medium)  # type: ignore[misc]  # (an instance's, not the class's)
         self.drop_failed = drop_failed  # False: a key whose promotion failed still answers HIT
         # memoryview cannot index a 2-D view by row (NotImplementedError); numpy's view of it can, zero-copy
         self._primary: np.ndarray | None = np.asarray(primary_kv_view)
@@ -423,6 +426,7 @@ class MemoryRowTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
+        started = time.perf_counter()
         for done, (key, chunk) in enumerate(zip(keys, job_metadata.chunk_ids.tolist(), strict=True)):
             if key in self.corrupted or key not in self.rows:
                 if self.drop_failed:
@@ -430,7 +434,8 @@ class MemoryRowTier(SecondaryTierManager):
                 self._done.append(JobResult(job_metadata.job_id, False, successful_keys=keys[:done] or None))
                 return
             self._primary_rows()[chunk] = np.frombuffer(self.rows[key], dtype=np.int8)
-        self._done.append(JobResult(job_metadata.job_id, True))
+        seconds, nbytes = time.perf_counter() - started, len(keys) * self._primary_rows().shape[1]
+        self._done.append(JobResult(job_metadata.job_id, True, transfer_time=seconds, transfer_bytes=nbytes))
 
     def get_finished_jobs(self) -> list[JobResult]:
         done, self._done = self._done, []

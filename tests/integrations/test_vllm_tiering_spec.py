@@ -39,6 +39,7 @@ from kvcopy.integrations.vllm.tiering import (
 
 from helpers.vllm import (
     BLOCK_TOKENS,
+    HEAD_DIM,
     PROMPT,
     SPEC_PATH,
     assert_blocks_hold,
@@ -64,11 +65,16 @@ def disk_tier(tmp_path) -> dict:
     }
 
 
-def kvcopy_rig(tmp_path, *, tiers=None, blocks_per_chunk: int = 1, **extra):
+def kvcopy_rig(tmp_path, *, tiers=None, blocks_per_chunk: int = 1, head_dim: int = HEAD_DIM, **extra):
     """A CPU engine on kvcopy's spec with ``tiers`` (a KVCopyDiskTier by default) and ``extra`` keys."""
     tiers = tiers if tiers is not None else [disk_tier(tmp_path)]
     return make_tiering_rig(
-        tmp_path, secondary_tiers=tiers, spec=SPEC_PATH, blocks_per_chunk=blocks_per_chunk, extra=extra
+        tmp_path,
+        secondary_tiers=tiers,
+        spec=SPEC_PATH,
+        blocks_per_chunk=blocks_per_chunk,
+        head_dim=head_dim,
+        extra=extra,
     )
 
 
@@ -373,5 +379,45 @@ def test_a_lookup_from_outside_the_scheduler_is_answered_and_not_judged(tmp_path
         )
         assert rig.manager.lookup(rig.offload_keys([*OTHER, *OTHER])[-1], peer) is LookupResult.MISS  # never stored
         assert len(rig.session.stats.decisions) == decisions
+    finally:
+        rig.close()
+
+
+def test_a_tiers_read_is_costed_at_the_rows_it_reads(tmp_path):
+    """A secondary tier reads whole rows of vLLM's region (every worker's slot, padded to 4 KiB), not the bytes
+    one worker loads of a chunk: at 12 dims a head, a chunk is 6 KiB and its row 8 KiB."""
+    disk_bytes_per_s = 1e6  # the read is all the prediction holds: loads and prefill are free
+    free_but_the_disk = write_profile(
+        tmp_path / "read.json",
+        "model",
+        load_alpha_s=0.0,
+        load_bytes_per_s=1e18,
+        prefill_flops_per_s=1e30,
+        disk=(0.0, disk_bytes_per_s),
+    )
+    rig = kvcopy_rig(tmp_path, kvcopy_profile=free_but_the_disk, kvcopy_policy="offload", head_dim=12)
+    try:
+        stored_on_disk_and_in_host(rig)
+        rig.rerun([*PROMPT, 5, 6, 7])
+        decision = rig.session.stats.decisions[-1]
+        chunks = len(PROMPT) // BLOCK_TOKENS
+        assert decision.action == "reload" and decision.prefix_tokens == chunks * BLOCK_TOKENS
+        assert decision.predicted_reload_s == pytest.approx(chunks * 8192 / disk_bytes_per_s, rel=1e-3)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(("medium", "learned"), [("STORAGE", 1), ("CPU", 0)])
+def test_only_a_storage_tiers_promotions_teach_the_disks_line(tmp_path, medium, learned):
+    """The Planner's one line for secondary tiers is the disk's: a tier in another medium (a peer's memory)
+    would teach it another link's speed."""
+    tier = {"type": "MemoryRowTier", "module_path": "helpers.vllm_tiers", "medium": medium}
+    rig = kvcopy_rig(tmp_path, tiers=[tier], kvcopy_profile=profile(tmp_path, disk_s=0.0))
+    try:
+        stored_on_disk_and_in_host(rig)
+        promotions = record_calls(rig.tiers[0], "submit_load")
+        rig.rerun([*PROMPT, 5, 6, 7])
+        assert len(promotions) == 1
+        assert rig.session.live.online.num_observations.get("f2h nixl_posix", 0) == learned
     finally:
         rig.close()

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     LookupResult,
+    Medium,
     OffloadingCounterMetadata,
     OffloadingHistogramMetadata,
     OffloadingManager,
@@ -110,13 +111,18 @@ class _Hit:
 class KVCopyTieringManager(TieringOffloadingManager):
     """vLLM's tiering manager whose lookups load only the prefix of a hit the Planner judges worth it (see the
     module). ``session`` decides and keeps the decisions; ``geometry`` maps keys to tokens and bytes (a chunk:
-    ``tokens_per_chunk`` tokens, ``chunk_bytes`` bytes). The other keywords are ``TieringOffloadingManager``'s."""
+    ``tokens_per_chunk`` tokens; ``chunk_bytes``, what one worker loads of it to its GPU; ``row_bytes``, what a
+    secondary tier reads of it: the region's row, every worker's slot and the padding). The other keywords are
+    ``TieringOffloadingManager``'s."""
 
-    def __init__(self, *, session: OffloadSession, geometry: HitGeometry, chunk_bytes: int, **tiering: Any) -> None:
+    def __init__(
+        self, *, session: OffloadSession, geometry: HitGeometry, chunk_bytes: int, row_bytes: int, **tiering: Any
+    ) -> None:
         super().__init__(**tiering)
         self.session = session
         self.geometry = geometry
         self.chunk_bytes = chunk_bytes
+        self.row_bytes = row_bytes
         self._verdicts: dict[str, TierVerdict] = {}  # this step's, per request
         self._recorded: dict[str, int] = {}  # the load end last recorded and counted, per request
         self._stats = OffloadingConnectorStats()
@@ -189,7 +195,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
 
         options: dict[str, tuple[int, float | None]] = {}  # name -> (load_end, predicted seconds)
         if planner is not None:
-            read = planner.disk.predict(tier_chunks * chunk_bytes) if planner.disk is not None and tier_chunks else 0.0
+            # a tier reads whole rows (every worker's slot); each worker then loads its own slot, all at once
+            rows = tier_chunks * self.row_bytes
+            read = planner.disk.predict(rows) if planner.disk is not None and tier_chunks else 0.0
             options["all"] = (end, read + planner.t_load_nbytes(len(hit.places) * chunk_bytes) + compute(new, end))
             if 0 < host_run < len(hit.places):
                 load = planner.t_load_nbytes(host_run * chunk_bytes)
@@ -268,6 +276,8 @@ class KVCopyTieringManager(TieringOffloadingManager):
         seconds, nbytes = completed_job.transfer_time, completed_job.transfer_bytes
         if not (completed_job.success and seconds and nbytes):
             return
+        if self.secondary_tiers[job_metadata.tier_idx].medium is not Medium.STORAGE:
+            return  # (another engine's memory, say: not the disk's line, which is the one the Planner holds)
         planner, _ = self.session.live.current()
         if planner is not None and planner.disk is not None:
             error = abs(planner.disk.predict(nbytes) / seconds - 1.0)
@@ -389,6 +399,7 @@ class KVCopyTieringSpec(TieringOffloadingSpec):
                 session=self._session,
                 geometry=hit_geometry(self),
                 chunk_bytes=config.worker_kv_bytes_per_block * self.blocks_per_chunk,
+                row_bytes=self.kv_bytes_per_chunk,
                 primary_tier=primary,
                 secondary_tiers=tiers,
                 tier_poll_interval_s=self.tier_poll_interval_s,
