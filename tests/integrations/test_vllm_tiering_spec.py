@@ -362,6 +362,14 @@ def test_the_tiered_specs_metrics_reach_vllms_logger(tmp_path):
         assert totals["vllm:kv_offload_kvcopy_disk_stored_blocks_total"] >= chunks
         assert totals["vllm:kv_offload_tiering_chunk_hits_total"] >= chunks  # vLLM's tiering manager's
         assert any(labels.get("tier") for labels in info_labels(registry)), info_labels(registry)
+        # the tier's own series, the judgment's and vLLM's tiering manager's carry one label for the tier
+        tiers = {
+            s.name: s.labels.get("tier")
+            for family in registry.collect()
+            for s in family.samples
+            if s.name.endswith("_total") and any(part in s.name for part in ("kvcopy_disk", "tier_hits", "read_bytes"))
+        }
+        assert set(tiers.values()) == {"1:KVCopyDiskTier"}, tiers
     finally:
         rig.close()
 

@@ -223,7 +223,7 @@ class KVCopyDiskTier(SecondaryTierManager):
             self._release_pool()
             raise
         try:
-            self._start(tier_type)
+            self._start(tier_type, _tier_label(offloading_spec, tier_type, path))
         except BaseException:  # vLLM never gets the tier, so never shuts it down: its store and lock go here
             try:
                 self._tier_store.close()
@@ -238,12 +238,12 @@ class KVCopyDiskTier(SecondaryTierManager):
             self._tier_store.folder,
         )
 
-    def _start(self, tier_type: str) -> None:
-        """The tier's state and its IO thread, started, over the store just opened."""
+    def _start(self, tier_type: str, label: str) -> None:
+        """The tier's state and its IO thread, started, over the store just opened; ``label``: its metrics'."""
         self.store = self._tier_store.store
         _warn_if_hashes_change_per_process()
         self._stats = OffloadingConnectorStats()
-        self._labels = (tier_type,)
+        self._labels = (label,)
         self._count("identity_refusals", len(self._tier_store.refused))
         self._lock = threading.Condition()
         self._loads: collections.deque[_Job] = collections.deque()  # queued, run before stores
@@ -470,6 +470,17 @@ class KVCopyDiskTier(SecondaryTierManager):
         with self._lock:
             self._finished.append(result)
             self._lock.notify_all()
+
+
+def _tier_label(offloading_spec: Any, tier_type: str, path: object) -> str:
+    """The tier's metric label as vLLM's tiering metrics name a tier, ``"<index + 1>:<type>"``: its place in the
+    spec's ``secondary_tiers``, found by its type and ``path``; the type alone where the spec has no such list
+    (a tier built outside vLLM's tiering spec)."""
+    configs = getattr(offloading_spec, "secondary_tier_configs", None)
+    for index, config in enumerate(configs if isinstance(configs, list) else []):
+        if isinstance(config, Mapping) and config.get("type") == tier_type and config.get("path") == path:
+            return f"{index + 1}:{tier_type}"
+    return tier_type
 
 
 def _warn_if_hashes_change_per_process() -> None:
