@@ -429,3 +429,26 @@ def test_only_a_storage_tiers_promotions_teach_the_disks_line(tmp_path, medium, 
         assert rig.session.live.online.num_observations.get("f2h nixl_posix", 0) == learned
     finally:
         rig.close()
+
+
+def test_a_key_between_chunk_ends_is_not_judged_and_does_not_cut_a_hit(tmp_path):
+    """vLLM places each chunk's key at the chunk's end; only a partial recurrent tail's boundary key (hybrid
+    models, where a hash block is shorter than a chunk) lies between: it answers MISS, judged never, and a hit
+    runs past it."""
+    rig = kvcopy_rig(tmp_path, kvcopy_policy="offload")
+    try:
+        stored_on_disk_and_in_host(rig)
+        keys, tail = rig.offload_keys(OTHER), rig.offload_keys(PROMPT)[0]
+        decisions = len(rig.session.stats.decisions)
+        boundary = ReqContext("tail")
+        boundary.set_offload_key_position(keys[0], BLOCK_TOKENS // 2)
+        assert rig.manager.lookup(keys[0], boundary) is LookupResult.MISS
+        assert len(rig.session.stats.decisions) == decisions
+        hit = ReqContext("hit")
+        for i in range(3):
+            hit.set_offload_key_position(keys[i], (i + 1) * BLOCK_TOKENS)
+        hit.set_offload_key_position(tail, 2 * BLOCK_TOKENS + BLOCK_TOKENS // 2)  # between the 2nd and 3rd ends
+        assert rig.manager.lookup(keys[0], hit) is LookupResult.HIT
+        assert rig.session.stats.decisions[-1].prefix_tokens == 3 * BLOCK_TOKENS
+    finally:
+        rig.close()

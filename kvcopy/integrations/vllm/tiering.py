@@ -163,7 +163,7 @@ class KVCopyTieringManager(TieringOffloadingManager):
         ends: list[int] = []
         places: list[int] = []
         for position, k in positions:
-            if position < first:
+            if position < first or position % per_chunk:  # (before the key; a partial tail's boundary)
                 continue
             if position != first + len(ends) * per_chunk or (cap is not None and position - start > cap):
                 break
@@ -247,6 +247,8 @@ class KVCopyTieringManager(TieringOffloadingManager):
         position = req_context.get_offload_key_position(key)
         if position is None:  # not the scheduler's request (a p2p peer's lookup, served by vLLM): nothing to judge
             return super().lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
+        if not _ends_a_chunk(position, self.geometry, key):
+            return LookupResult.MISS  # a partial recurrent tail's boundary: never judged, computed (docs/engines.md)
         request = req_context.req_id
         verdict = self._verdicts.get(request)
         if verdict is None and get_offload_group_idx(key) in self.geometry.full_groups:
@@ -297,6 +299,13 @@ class KVCopyTieringManager(TieringOffloadingManager):
             return mine
         stats.aggregate(mine)
         return stats
+
+
+def _ends_a_chunk(position: int, geometry: HitGeometry, key: OffloadKey) -> bool:
+    """Whether ``position`` ends one of its group's chunks: vLLM places a chunk's key at its end; only a partial
+    recurrent tail's boundary key (hybrid models) lies between chunk ends."""
+    per_chunk = geometry.tokens_per_chunk.get(get_offload_group_idx(key))
+    return per_chunk is None or position % per_chunk == 0
 
 
 def _max_load_tokens(req_context: ReqContext) -> int | None:
