@@ -558,9 +558,19 @@ def plane_over(
     Block b starts at byte ``offset + b * stride``. Made with ``set_`` rather
     than a chain of views so that every plane is a plain alias of the storage:
     torch.compile can then trace one op mutating several planes of one pool.
+    ValueError when the blocks would reach outside the storage (``set_`` would
+    grow it, moving it from under every other view) or start unaligned for
+    their dtype; ``index`` names the plane (``like.planes[index]``) in it.
     """
     itemsize = like.element_size()
-    empty_blocks = math.prod(like.shape[1:]) == 0  # nothing to align
+    block_nbytes = math.prod(like.shape[1:]) * itemsize
+    end = offset + (num_blocks - 1) * stride + block_nbytes if num_blocks else offset
+    if offset < 0 or stride < 0 or end > buffer.untyped_storage().nbytes():
+        raise ValueError(
+            f"buffer: expected room for like.planes[{index}]'s {num_blocks} blocks of {block_nbytes} bytes from byte "
+            f"{offset} every {stride}, up to byte {end}; got {buffer.untyped_storage().nbytes()} bytes"
+        )
+    empty_blocks = block_nbytes == 0  # nothing to align
     if not empty_blocks and (offset % itemsize or stride % itemsize):
         raise ValueError(
             f"like.planes[{index}]: its {like.dtype} blocks would start at byte offset {offset} with stride {stride}, "

@@ -256,3 +256,12 @@ def test_a_plane_over_a_buffer_misaligned_for_its_dtype_is_a_value_error():
     like = torch.zeros(2, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"like.planes\[3\].*byte offset 2"):
         kvcopy.layout.plane_over(torch.zeros(64, dtype=torch.uint8), like, 3, 2, 2, 16)
+
+
+@pytest.mark.parametrize(("offset", "stride"), [(0, 64), (-4, 16), (48, 16)])
+def test_a_plane_reaching_outside_its_buffer_is_a_value_error_and_leaves_it_as_it_was(offset, stride):
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    like = torch.zeros(2, 4, dtype=torch.float32)  # 16-byte blocks
+    with pytest.raises(ValueError, match=r"buffer: expected room for like.planes\[1\]'s 2 blocks"):
+        kvcopy.layout.plane_over(buffer, like, 1, 2, offset, stride)
+    assert buffer.untyped_storage().nbytes() == 64  # set_ would have grown it

@@ -259,6 +259,17 @@ def test_a_store_made_smaller_beside_another_engine_keeps_its_chunks_when_opened
     other.close()
 
 
+def test_a_store_smaller_than_a_raised_budget_is_made_anew_at_its_size(tmp_path):
+    model = model_dir(tmp_path)
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows, engine_config(model), bytes_to_use=3 * ROW_BYTES) as tier:
+        stored(tier, rows, n=2)
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # bytes_to_use: NUM_ROWS rows now
+        assert tier.store.num_blocks == NUM_ROWS
+        assert tier.lookup(key(0), REQUEST) is LookupResult.MISS  # (made anew: what it held went with it)
+    rows.close()
+
+
 def test_engines_starting_together_on_one_path_decide_one_after_the_other(tmp_path):
     """While one engine sizes, removes and opens stores under path (holding its PATH_LOCK), another waits."""
     rows = primary()

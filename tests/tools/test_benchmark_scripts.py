@@ -149,8 +149,9 @@ def test_bench_remote_checks_and_reports_each_way(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_remote_says_when_its_serving_process_dies(tmp_path: Path) -> None:
     pytest.importorskip("nixl_cu13", reason="the remote bench needs the nixl extra (pip install 'kvcopy[nixl]')")
-    # 1 TiB plane-blocks: the serving process fails to allocate its pool (16 TiB) and exits
-    result = _run("benchmarks/bench_remote.py", "--sizes", str(1 << 30), "--blocks", "1", "--repeats", "1")
+    # 128 TiB plane-blocks: the serving process's pool (2 PiB, past any x86-64 process's address space, whatever
+    # the kernel's overcommit policy) fails to allocate, and the process exits
+    result = _run("benchmarks/bench_remote.py", "--sizes", str(1 << 37), "--blocks", "1", "--repeats", "1")
     assert result.returncode == 1, _describe(result)
     assert "the serving process is gone" in result.stderr, _describe(result)
 

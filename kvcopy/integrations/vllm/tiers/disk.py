@@ -211,10 +211,10 @@ class KVCopyDiskTier(SecondaryTierManager):
         assert primary_kv_view.shape is not None  # (vLLM's view: rows of the primary tier)
         num_rows, row_bytes = primary_kv_view.shape[0], self.block_size_bytes
         like = PagedKV.from_planes([torch.empty((1, row_bytes), dtype=torch.uint8)])
-        self._pool: HostKVPool | None = HostKVPool.over(primary_kv_view, like, num_rows, pin_memory=False)
         identity = tier_identity(offloading_spec, row_bytes, keys.cache_key_extra)
         # one store per data-parallel replica (each an identity), each its share of bytes_to_use
         replicas = max(1, int(getattr(offloading_spec.config.parallel, "data_parallel_size", 1)))
+        self._pool: HostKVPool | None = HostKVPool.over(primary_kv_view, like, num_rows, pin_memory=False)
         try:
             self._tier_store: TierStore = open_tier_store(
                 keys.path, identity, self._pool, keys.bytes_to_use, keys.backend, replicas=replicas

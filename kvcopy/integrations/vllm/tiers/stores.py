@@ -6,15 +6,17 @@
   when another identity is found; its modification time is when an engine last opened the store;
 - ``lock``: held (``flock``) by the engine that has the store open, released by the kernel when that process
   ends, even by SIGKILL;
+- ``capped``: present when the store was made smaller than its share beside other engines' stores;
 - ``store/``: the :class:`~kvcopy.storage.DiskKVStore`, one block per row of vLLM's primary tier.
 
 ``bytes_to_use`` is the budget of ``path`` across identities. An engine's own store takes at most its share
-of it (``bytes_to_use`` over vLLM's data-parallel replicas, each an identity of its own) and at most what
-stores other engines hold open leave. It opens its own identity's store as it is when that fits (a store made
-smaller while another engine held room keeps its size, said in the log: remove its folder to grow it), else
-makes it anew, and removes the stores of other identities that no engine holds, least recently opened first,
-until its own fits. A store another engine holds open is never removed. Everything is checked before anything
-is removed or made, and engines starting together on one ``path`` decide one after the other (``PATH_LOCK``).
+of it (``bytes_to_use`` over vLLM's data-parallel replicas on every node, each an identity of its own) and at
+most what stores other engines hold open leave. It opens its own identity's store as it is when its size is
+the budget's, or smaller but made so beside other engines' stores (``capped``: it keeps its size, said in the
+log; remove its folder to grow it), else makes it anew, and removes the stores of other identities that no
+engine holds, least recently opened first, until its own fits. A store another engine holds open is never
+removed. Everything is checked before anything is removed or made, and engines starting together on one
+``path`` decide one after the other (``PATH_LOCK``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvcopy._checks import positive_int
 from kvcopy.host.pool import HostKVPool
 from kvcopy.integrations.vllm.tiers.identity import TierIdentity, differences
 from kvcopy.storage.files import DATA
@@ -40,6 +43,10 @@ logger = logging.getLogger("kvcopy.integrations.vllm")
 FOLDER_PREFIX = "kvcopy-"
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = "lock"
+# Present while the store is smaller than its share of the budget because stores other engines held open left
+# no more room when it was made: it then keeps its size (and chunks) when opened alone; without it, a store
+# smaller than the budget (bytes_to_use raised, fewer replicas) is made anew at the budget's size.
+CAPPED_FILE = "capped"
 # Held (flock) by an engine while it sizes, removes and opens stores under path, so that two engines starting
 # together never count the same room nor remove a folder the other is opening. Not a FOLDER_PREFIX name.
 PATH_LOCK = "kvcopy.lock"
@@ -101,18 +108,32 @@ def _lock(folder: str) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError as err:
+        os.close(fd)
+        raise _unlockable(os.path.dirname(folder), err) from None
     return fd
 
 
 @contextlib.contextmanager
 def _deciding(path: str) -> Iterator[None]:
-    """Holds ``path``'s PATH_LOCK (waiting for an engine that holds it) while the caller decides."""
-    fd = os.open(os.path.join(path, PATH_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    """Holds ``path``'s PATH_LOCK while the caller decides; waits, saying so, for an engine that holds it."""
+    lock = os.path.join(path, PATH_LOCK)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("kvcopy disk tier: waiting for another engine deciding under %s (it holds %s)", path, lock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            raise _unlockable(path, err) from None
         yield
     finally:
         os.close(fd)  # the lock goes with it
+
+
+def _unlockable(path: str, err: OSError) -> ValueError:
+    return ValueError(f"path: {path!r} is on a filesystem where kvcopy cannot take a lock (flock: {err})")
 
 
 def _others(path: str, own: str) -> list[_Other]:
@@ -167,6 +188,7 @@ def open_tier_store(
         raise ValueError(f"path: {path!r} is not a directory that can be made ({err})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"path: {path!r} is not a directory kvcopy can write")
+    replicas = positive_int("replicas", replicas)
     with _deciding(path):
         return _open_own(path, identity, like, bytes_to_use, backend, replicas)
 
@@ -193,12 +215,14 @@ def _open_own(
             )
         wanted = rows * row_bytes
         existing = _store_nbytes(own)
-        kept = existing if 0 < existing <= wanted and existing % row_bytes == 0 else 0  # reused as it is
+        capped = os.path.exists(os.path.join(own, CAPPED_FILE))  # made smaller beside other engines' stores
+        fits = 0 < existing <= wanted and existing % row_bytes == 0 and (existing == wanted or capped)
+        kept = existing if fits else 0  # reused as it is
         own_rows = kept // row_bytes if kept else rows
         if own_rows < rows:
-            logger.info(
-                "kvcopy disk tier: the store in %s keeps its %d rows (the budget now allows %d); remove the folder "
-                "to grow it (its chunks go with it)",
+            logger.warning(
+                "kvcopy disk tier: the store in %s keeps the %d rows it was made with beside other engines' stores "
+                "(the budget now allows %d); remove the folder to grow it (its chunks go with it)",
                 own,
                 own_rows,
                 rows,
@@ -223,6 +247,11 @@ def _open_own(
             shutil.rmtree(other.folder, ignore_errors=True)
             logger.info("kvcopy disk tier: removed %s (another identity's store) for room", other.folder)
         store = _open_or_make(own, like, own_rows, identity, backend, reuse=kept > 0)
+        if own_rows < share // row_bytes:
+            open(os.path.join(own, CAPPED_FILE), "w").close()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(own, CAPPED_FILE))
         with open(os.path.join(own, IDENTITY_FILE), "w") as f:
             json.dump(identity.fields, f, indent=1, sort_keys=True)  # (its time: when it was last opened)
     except BaseException:
