@@ -7,6 +7,7 @@ primary tier's memory let go at shutdown (the mmap then closes)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -309,6 +310,19 @@ def test_a_tier_that_fails_after_opening_its_store_lets_go_of_it(tmp_path, monke
     with tier_of(tmp_path / "tier", rows, config) as tier:  # the same identity: its store is free to open
         assert tier.store.num_blocks == NUM_ROWS
     rows.close()
+
+
+def test_a_path_on_a_filesystem_without_locks_is_a_value_error_naming_it(tmp_path, monkeypatch):
+    """NFS without lockd answers flock with ENOLCK: the tier cannot keep its store its own there."""
+    rows = primary()
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr("kvcopy.integrations.vllm.tiers.stores.fcntl.flock", no_locks)
+    with pytest.raises(ValueError, match=r"path: .* cannot take a lock"):
+        make_tier(rows, path=str(tmp_path / "tier"), bytes_to_use=NUM_ROWS * ROW_BYTES)
+    rows.close()  # nothing of the refused tier holds the memory
 
 
 def test_the_engines_config_is_found_where_vllms_connector_holds_it(tmp_path, caplog):
