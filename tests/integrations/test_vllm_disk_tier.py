@@ -52,6 +52,12 @@ def stored(tier, rows_of, n: int = CHUNKS) -> list[bytes]:
     return data
 
 
+def promoted(tier, rows_of) -> list[bytes]:
+    """Promotes chunks 0..CHUNKS-1 into rows 4..7 (asserting the job succeeded); returns those rows' bytes."""
+    assert run(tier, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
+    return [rows_of.rows[4 + i].tobytes() for i in range(CHUNKS)]
+
+
 def test_chunks_stored_and_loaded_back_are_bitwise_the_rows(tmp_path):
     rows = primary()
     with tier_of(tmp_path / "tier", rows) as tier:
@@ -102,8 +108,7 @@ def test_a_new_tier_of_the_same_identity_finds_what_was_stored(tmp_path):
     rows.rows[:] = 0
     with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
         assert all(tier.lookup(key(i), REQUEST) is LookupResult.HIT for i in range(CHUNKS))
-        assert run(tier, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
-        assert [rows.rows[4 + i].tobytes() for i in range(CHUNKS)] == data
+        assert promoted(tier, rows) == data
         stats = tier.get_stats()
         assert "vllm:kv_offload_kvcopy_disk_identity_refusals" not in stats.metric_sections()[1]
 
@@ -236,8 +241,7 @@ def test_data_parallel_replicas_on_one_path_each_take_their_share(tmp_path):
         data = stored(second, other)
         assert first.lookup(key(0), REQUEST) is LookupResult.MISS  # a store each
         other.rows[:] = 0
-        assert run(second, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
-        assert [other.rows[4 + i].tobytes() for i in range(CHUNKS)] == data
+        assert promoted(second, other) == data
     rows.close()
     other.close()
 
@@ -254,8 +258,7 @@ def test_a_store_made_smaller_beside_another_engine_keeps_its_chunks_when_opened
     rows.rows[:] = 0
     with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # alone now: the budget allows 8 rows
         assert tier.store.num_blocks == NUM_ROWS - 3  # kept as it is, with its chunks
-        assert run(tier, job([key(i) for i in range(CHUNKS)], [4, 5, 6, 7], promotion=True)).success
-        assert [rows.rows[4 + i].tobytes() for i in range(CHUNKS)] == data
+        assert promoted(tier, rows) == data
     rows.close()
     other.close()
 

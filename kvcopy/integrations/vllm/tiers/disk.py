@@ -213,7 +213,7 @@ class KVCopyDiskTier(SecondaryTierManager):
         like = PagedKV.from_planes([torch.empty((1, row_bytes), dtype=torch.uint8)])
         identity = tier_identity(offloading_spec, row_bytes, keys.cache_key_extra)
         # one store per data-parallel replica (each an identity), each its share of bytes_to_use
-        replicas = max(1, int(getattr(offloading_spec.config.parallel, "data_parallel_size", 1)))
+        replicas = offloading_spec.config.parallel.data_parallel_size
         self._pool: HostKVPool | None = HostKVPool.over(primary_kv_view, like, num_rows, pin_memory=False)
         try:
             self._tier_store: TierStore = open_tier_store(
