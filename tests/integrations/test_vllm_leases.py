@@ -6,12 +6,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy  # noqa: E402
-from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus  # noqa: E402
-from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy  # noqa: E402
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from kvcopy.integrations.vllm.leases import LeasedPolicy  # noqa: E402
+from kvcopy.integrations.vllm.leases import LeasedPolicy
 
 POLICIES = {"lru": LRUCachePolicy, "arc": ARCCachePolicy}
 
