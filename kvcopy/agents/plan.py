@@ -39,6 +39,8 @@ from kvcopy._checks import non_negative_number
 from kvcopy.planner.decision import seconds_text
 
 __all__ = [
+    "DEFAULT_MAX_LEASED_FRACTION",
+    "DEFAULT_MAX_SESSION_FRACTION",
     "GAP_POINTS",
     "LEASE_QUANTILE",
     "LEASE_SLACK_S",
@@ -52,6 +54,13 @@ __all__ = [
 ]
 
 Choice = Literal["keep", "demote", "drop"]
+
+# Leases (kvcopy.integrations.vllm.leases) hold at most half the host tier: the rest stays LRU's for the
+# traffic of the sessions that are running, which is what pays for the leases.
+DEFAULT_MAX_LEASED_FRACTION = 0.5
+# One session holds at most a tenth of the tier, so that a client that hints much cannot starve the others: ten
+# paused sessions fill the leased half only if each is large.
+DEFAULT_MAX_SESSION_FRACTION = 0.1
 
 # The gap's distribution is cut into GAP_POINTS bins of equal probability: a bin is whole on one side of every
 # candidate lease end and prefetch start (they are taken at the bins' edges), so the probability that a resume

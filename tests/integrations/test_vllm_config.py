@@ -65,6 +65,10 @@ BYTES = 1 << 22
         ({"cpu_bytes_to_use": "1G"}, "cpu_bytes_to_use: expected a number of bytes, got str"),
         ({"cpu_bytes_to_use": True}, "cpu_bytes_to_use: expected a number of bytes, got bool"),
         ({"cpu_bytes_to_use": None}, "cpu_bytes_to_use: expected a number of bytes, got NoneType"),
+        ({"kvcopy_agents": True}, "kvcopy_agents: expected one of \\('auto', 'off'\\), got bool"),
+        ({"kvcopy_agent_max_leased_fraction": "half"}, "kvcopy_agent_max_leased_fraction: expected a fraction"),
+        ({"kvcopy_agent_max_session_fraction": None}, "kvcopy_agent_max_session_fraction: expected a fraction"),
+        ({"kvcopy_agent_forecast": 3}, "kvcopy_agent_forecast: expected a path"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_a_type_error_naming_its_key(extra, message):
@@ -87,11 +91,33 @@ def test_a_value_of_the_wrong_type_is_a_type_error_naming_its_key(extra, message
         ({"cpu_bytes_to_use": 4096.25}, "cpu_bytes_to_use: expected a whole number of bytes, got 4096.25"),
         ({"cpu_bytes_to_use": math.inf}, "cpu_bytes_to_use: expected a whole number of bytes, got inf"),
         ({"cpu_bytes_to_use": -4096.0}, "cpu_bytes_to_use: expected a positive number of bytes, got -4096"),
+        ({"kvcopy_agents": "on"}, "kvcopy_agents: expected one of \\('auto', 'off'\\), got 'on'"),
+        ({"kvcopy_agent_max_leased_fraction": 1.5}, "kvcopy_agent_max_leased_fraction: .* in \\[0, 1\\], got 1.5"),
+        ({"kvcopy_agent_max_session_fraction": -0.1}, "kvcopy_agent_max_session_fraction: .*got -0.1"),
+        ({"kvcopy_agent_forecast": "."}, "kvcopy_agent_forecast: '.' is a directory"),
     ],
 )
 def test_a_wrong_value_is_a_value_error_naming_its_key(extra, message):
     with pytest.raises(ValueError, match=message):
         read_config({"cpu_bytes_to_use": BYTES, **extra})
+
+
+def test_the_agents_keys_are_read(tmp_path):
+    config = read_config({"cpu_bytes_to_use": BYTES})
+    assert (config.agents, config.max_leased_fraction, config.max_session_fraction) == ("auto", 0.5, 0.1)
+    assert config.forecast_path is None
+    path = tmp_path / "gaps.json"  # (need not exist yet: the forecaster is saved there)
+    config = read_config(
+        {
+            "cpu_bytes_to_use": BYTES,
+            "kvcopy_agents": "off",
+            "kvcopy_agent_max_leased_fraction": 1,
+            "kvcopy_agent_max_session_fraction": 0.25,
+            "kvcopy_agent_forecast": path,
+        }
+    )
+    assert (config.agents, config.max_leased_fraction, config.max_session_fraction) == ("off", 1.0, 0.25)
+    assert config.forecast_path == str(path)
 
 
 @pytest.mark.parametrize(

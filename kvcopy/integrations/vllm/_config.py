@@ -15,15 +15,29 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from kvcopy._checks import path_argument
+from kvcopy.agents.plan import DEFAULT_MAX_LEASED_FRACTION, DEFAULT_MAX_SESSION_FRACTION
 from kvcopy.methods import METHODS  # the copy methods a TransferEngine accepts, besides "auto"
 
-__all__ = ["KEYS", "POLICIES", "ProfileNotFoundError", "SpecConfig", "read_config", "suggestion"]
+__all__ = ["AGENTS", "KEYS", "POLICIES", "ProfileNotFoundError", "SpecConfig", "read_config", "suggestion"]
 
 Policy = Literal["auto", "offload"]
 POLICIES: tuple[Policy, ...] = ("auto", "offload")
 # kvcopy's own keys in kv_connector_extra_config; vLLM's (spec_name, blocks_per_chunk, eviction_policy, ...) pass
 # through to vLLM.
-KEYS = ("cpu_bytes_to_use", "kvcopy_policy", "kvcopy_profile", "kvcopy_method", "kvcopy_learn", "kvcopy_decode_share")
+KEYS = (
+    "cpu_bytes_to_use",
+    "kvcopy_policy",
+    "kvcopy_profile",
+    "kvcopy_method",
+    "kvcopy_learn",
+    "kvcopy_decode_share",
+    "kvcopy_agents",
+    "kvcopy_agent_max_leased_fraction",
+    "kvcopy_agent_max_session_fraction",
+    "kvcopy_agent_forecast",
+)
+Agents = Literal["auto", "off"]
+AGENTS: tuple[Agents, ...] = ("auto", "off")
 # A key that starts so (in any case) is meant for kvcopy: one that is not in KEYS is a typo, never ignored.
 _KVCOPY_PREFIX = "kvcopy"
 
@@ -35,7 +49,10 @@ class ProfileNotFoundError(FileNotFoundError, ValueError):
 @dataclass(frozen=True)
 class SpecConfig:
     """What the keys say. ``profile_path`` None: kvcopy's default profile. ``learn``: refine the profile from
-    the engine's own transfers and steps (kvcopy.integrations.vllm.KVCopyOffloadingConnector)."""
+    the engine's own transfers and steps (kvcopy.integrations.vllm.KVCopyOffloadingConnector). ``agents``: "auto"
+    decides at each pause of a session that hints or is learned (kvcopy.integrations.vllm.pauses), "off" never;
+    the two fractions bound the leases; ``forecast_path``: where the gap forecaster is loaded from (when there)
+    and saved to."""
 
     cpu_bytes_to_use: int
     policy: Policy = "auto"
@@ -43,6 +60,10 @@ class SpecConfig:
     method: str = "auto"
     learn: bool = True
     decode_share: float = 0.0
+    agents: Agents = "auto"
+    max_leased_fraction: float = DEFAULT_MAX_LEASED_FRACTION
+    max_session_fraction: float = DEFAULT_MAX_SESSION_FRACTION
+    forecast_path: str | None = None
 
 
 def suggestion(name: str, known: Iterable[str]) -> str:
@@ -111,17 +132,18 @@ def _bool(name: str, value: Any) -> bool:
     return value.lower() == "true"
 
 
-def _fraction(name: str, value: Any) -> float:
-    """``value`` as a float in [0, 1): the share of the link decode traffic keeps (all of it would leave
-    loads nothing)."""
+def _fraction(name: str, value: Any, *, whole: bool = False) -> float:
+    """``value`` as a float in [0, 1) (the share of the link decode traffic keeps: all of it would leave loads
+    nothing), or in [0, 1] with ``whole`` (a share of the host tier a lease may hold)."""
+    span = "[0, 1]" if whole else "[0, 1)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a fraction in [0, 1), got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected a fraction in {span}, got {type(value).__name__} {value!r}")
     try:
         share = float(value)
     except OverflowError:  # an int beyond any float: out of range all the same
         share = math.inf
-    if not 0 <= share < 1:  # NaN fails too
-        raise ValueError(f"{name}: expected a fraction in [0, 1), got {value!r:.80}")
+    if not (0 <= share <= 1 if whole else 0 <= share < 1):  # NaN fails too
+        raise ValueError(f"{name}: expected a fraction in {span}, got {value!r:.80}")
     return share
 
 
@@ -131,8 +153,9 @@ def read_config(extra: Mapping[str, Any]) -> SpecConfig:
     A value of the wrong type is a TypeError naming its key (``kvcopy_policy: 1``, ``kvcopy_method: null``,
     ``cpu_bytes_to_use: "lots"``); a wrong value a ValueError naming its key: ``cpu_bytes_to_use`` missing,
     not above 0 or not a whole number of bytes, an unknown ``kvcopy_policy`` or ``kvcopy_method``, a
-    ``kvcopy_decode_share`` outside [0, 1), and a ``kvcopy_*`` key kvcopy does not read (a typo, never
-    ignored). A ``kvcopy_profile`` that names no file is a :class:`ProfileNotFoundError` (a
+    ``kvcopy_decode_share`` outside [0, 1), an agent fraction outside [0, 1], a ``kvcopy_agents`` other than
+    "auto" or "off", a ``kvcopy_agent_forecast`` that is a directory, and a ``kvcopy_*`` key kvcopy does not
+    read (a typo, never ignored). A ``kvcopy_profile`` that names no file is a :class:`ProfileNotFoundError` (a
     FileNotFoundError and a ValueError).
     """
     if not isinstance(extra, Mapping):
@@ -147,6 +170,13 @@ def read_config(extra: Mapping[str, Any]) -> SpecConfig:
         if not os.path.isfile(path):
             raise ProfileNotFoundError(f"kvcopy_profile: no profile at {path!r} (write one with `kvcopy calibrate`)")
     share = _fraction("kvcopy_decode_share", extra.get("kvcopy_decode_share", 0.0))
+    forecast = extra.get("kvcopy_agent_forecast")
+    if forecast is not None:
+        forecast = os.fspath(path_argument("kvcopy_agent_forecast", forecast))
+        if os.path.isdir(forecast):
+            raise ValueError(f"kvcopy_agent_forecast: {forecast!r} is a directory; name the forecaster's file")
+    leased = "kvcopy_agent_max_leased_fraction"
+    per_session = "kvcopy_agent_max_session_fraction"
     return SpecConfig(
         cpu_bytes_to_use=size,
         policy=cast(Policy, policy),
@@ -154,4 +184,8 @@ def read_config(extra: Mapping[str, Any]) -> SpecConfig:
         method=method,
         learn=_bool("kvcopy_learn", extra.get("kvcopy_learn", True)),
         decode_share=share,
+        agents=cast(Agents, _choice(extra, "kvcopy_agents", "auto", AGENTS)),
+        max_leased_fraction=_fraction(leased, extra.get(leased, DEFAULT_MAX_LEASED_FRACTION), whole=True),
+        max_session_fraction=_fraction(per_session, extra.get(per_session, DEFAULT_MAX_SESSION_FRACTION), whole=True),
+        forecast_path=forecast,
     )

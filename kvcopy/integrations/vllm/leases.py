@@ -25,15 +25,9 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from kvcopy._checks import non_negative_number
+from kvcopy.agents.plan import DEFAULT_MAX_LEASED_FRACTION, DEFAULT_MAX_SESSION_FRACTION
 
-__all__ = ["DEFAULT_MAX_LEASED_FRACTION", "DEFAULT_MAX_SESSION_FRACTION", "LeasedPolicy"]
-
-# Half the host tier may be leased: the rest stays LRU's for the traffic of sessions that are running, which is
-# what pays for the leases (the default; docs/engines.md).
-DEFAULT_MAX_LEASED_FRACTION = 0.5
-# One session holds at most a tenth of the tier, so that a client that hints much cannot starve the others: ten
-# paused sessions fill the leased half only if each is large.
-DEFAULT_MAX_SESSION_FRACTION = 0.1
+__all__ = ["LeasedPolicy"]
 
 
 @dataclass
