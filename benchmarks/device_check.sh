@@ -164,8 +164,9 @@ if [ "$dry_run" = 1 ]; then
 else
   # Correctness first, each file in its own process; torch.compile tests after the benchmarks (inductor
   # compiles are slow).
-  pytest_step gpu_tests 120 -m gpu -k "not torch_compile" tests/core/test_copy_gpu.py
-  pytest_step engine_gpu_tests 90 -m gpu -k "not torch_compile" tests/engine/test_engine_gpu.py \
+  # -rs: why each skipped test skipped (the first run's log counted 10 in gpu_tests, without saying why).
+  pytest_step gpu_tests 120 -rs -m gpu -k "not torch_compile" tests/core/test_copy_gpu.py
+  pytest_step engine_gpu_tests 90 -rs -m gpu -k "not torch_compile" tests/engine/test_engine_gpu.py \
     tests/integrations/test_vllm_gpu.py
   calibrate=() bench=("${gpu_bench[@]}") overlap=()
   engine=(--dtype bfloat16 --hidden 1024 --layers 8)
