@@ -181,7 +181,8 @@ class TransferEngine:
     - ``kv``: the engine's cache (a PagedKV).
     - ``host``: the host pool its blocks go to (a HostKVPool laid out like ``kv``).
     - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks). A CUDA engine
-      never runs "torch", which would block the submitting thread (:func:`engine_method`).
+      never runs "torch", which would block the submitting thread, and runs "copy_engine" for an eager transfer
+      with host ids while another thread captures its transfers in a CUDA graph (:func:`engine_method`).
     - ``profile``: the calibrated Profile "auto" consults (default: kvcopy's default profile, see
       kvcopy.profile.default_profile).
     - ``debug`` (or ``KVCOPY_DEBUG=1``): raise TransferConflictError when the caller's own ``copy_blocks`` on

@@ -854,8 +854,9 @@ def test_close_waits_for_replays_of_captured_transfers(res):
     kv, pool = res.setup(seed=24)
     eng = res.engine(kv, pool)
     eng.reload([0], [1]).wait()
-    host_ids, block_ids = torch.tensor([0], device="cuda"), torch.tensor([6], device="cuda")  # not in a capture:
-    torch.cuda.synchronize()  # torch refuses a copy from pageable memory there
+    # Made outside the capture: inside one, torch refuses their copy from pageable memory.
+    host_ids, block_ids = torch.tensor([0], device="cuda"), torch.tensor([6], device="cuda")
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         eng.reload(host_ids, block_ids).wait_stream()
@@ -887,8 +888,9 @@ def test_a_host_wait_inside_a_capture_is_refused(res):
     kv, pool = res.setup(seed=26)
     eng = res.engine(kv, pool)
     eng.reload([0], [1]).wait()
-    host_ids, block_ids = torch.tensor([0], device="cuda"), torch.tensor([2], device="cuda")  # not in a capture:
-    torch.cuda.synchronize()  # torch refuses a copy from pageable memory there
+    # Made outside the capture: inside one, torch refuses their copy from pageable memory.
+    host_ids, block_ids = torch.tensor([0], device="cuda"), torch.tensor([2], device="cuda")
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         t = eng.reload(host_ids, block_ids)
