@@ -75,6 +75,13 @@ __all__ = ["COPY_STREAM_PRIORITY", "TransferConflictError", "TransferEngine", "e
 # at once. On CPU the copy runs on the engine's worker thread anyway, so it is allowed there.
 BLOCKING_METHOD = "torch"
 
+# The method an eager transfer with host ids runs while a CUDA graph capture of the engine's transfers is in
+# progress in another thread, in place of one that stages the ids on the GPU: staging goes through torch's
+# pinned-memory allocator, which queries CUDA events, and global capture mode (torch.cuda.graph's default)
+# forbids event queries from every thread: the staging call fails and the capture with it (seen on an H200,
+# 2026-12-04). The copy engines take host ids as they are, in the batch they submit.
+UNSTAGED_METHOD = "copy_engine"
+
 # The engine's queues (a copy stream each on CUDA, a worker thread each on CPU): stores, prefetch loads, and
 # expedited loads (which a step waits for), so that those never queue behind prefetch loads.
 LANES = ("offload", "reload", "expedited")
@@ -90,11 +97,16 @@ def engine_method(
     capturing: bool = False,
     num_blocks: int = 1,
     profile: Profile | None = None,
+    beside_capture: bool = False,
 ) -> CopyMethod:
     """The method a TransferEngine runs for this pair (``cuda``: the engine's cache is on a GPU).
 
     As kvcopy.dispatch.resolve, except that a CUDA engine never runs the host-blocking "torch" method: asked
-    for, it is a ValueError; "auto" chooses among the other methods, and is a ValueError when none can run."""
+    for, it is a ValueError; "auto" chooses among the other methods, and is a ValueError when none can run.
+    ``beside_capture``: an eager transfer while another thread captures this engine's transfers in a CUDA
+    graph; with host ids it runs "copy_engine" (UNSTAGED_METHOD) in place of a method that would stage them,
+    where "copy_engine" can run for the pair (it can wherever the SM kernels can and kvcopy's extension, which
+    tells a capture in progress, is built)."""
 
     def resolved() -> CopyMethod:
         return dispatch.resolve(
@@ -111,8 +123,25 @@ def engine_method(
             f"{asynchronous}"
         )
     chosen = resolved()
-    if chosen.name != BLOCKING_METHOD:
-        return chosen
+    if chosen.name == BLOCKING_METHOD:
+        chosen = _without_blocking_method(src, dst, asynchronous, host_ids, capturing, num_blocks, profile)
+    if beside_capture and host_ids and chosen.stages_ids and UNSTAGED_METHOD in asynchronous:
+        unstaged = registry.get(UNSTAGED_METHOD)
+        assert unstaged is not None  # available for the pair: registered
+        return unstaged
+    return chosen
+
+
+def _without_blocking_method(
+    src: PagedKV,
+    dst: PagedKV,
+    asynchronous: list[str],
+    host_ids: bool,
+    capturing: bool,
+    num_blocks: int,
+    profile: Profile | None,
+) -> CopyMethod:
+    """What "auto" runs in a CUDA engine when it would have run "torch"; ValueError when nothing else can run."""
     # "auto" fell back to torch (nothing else ranked, or a profile measured it fastest): choose without it
     name = choose_method(
         src,
@@ -152,7 +181,8 @@ class TransferEngine:
     - ``kv``: the engine's cache (a PagedKV).
     - ``host``: the host pool its blocks go to (a HostKVPool laid out like ``kv``).
     - ``method``: the copy method for both directions ("auto" by default, see kvcopy.copy_blocks). A CUDA engine
-      never runs "torch", which would block the submitting thread (:func:`engine_method`).
+      never runs "torch", which would block the submitting thread, and runs "copy_engine" for an eager transfer
+      with host ids while another thread captures its transfers in a CUDA graph (:func:`engine_method`).
     - ``profile``: the calibrated Profile "auto" consults (default: kvcopy's default profile, see
       kvcopy.profile.default_profile).
     - ``debug`` (or ``KVCOPY_DEBUG=1``): raise TransferConflictError when the caller's own ``copy_blocks`` on
@@ -242,7 +272,8 @@ class TransferEngine:
     def _capture_in_progress(self) -> bool:
         """Whether a caller stream is still capturing one of this engine's transfers. While one is
         (global capture mode), a cudaEventQuery from any thread would invalidate that capture, so the
-        engine's transfers answer done() with False and wait() waits for the capture to end."""
+        engine's transfers answer done() with False and wait() waits for the capture to end, and eager
+        transfers with host ids run UNSTAGED_METHOD."""
         if not self._captures:
             return False
         module = _ext.extension()
@@ -366,6 +397,7 @@ class TransferEngine:
             capturing=capturing,
             num_blocks=src_t.numel(),
             profile=self.profile,
+            beside_capture=self._cuda and not capturing and host_ids and self._capture_in_progress(),
         )
         # A captured transfer runs at replay, not now: it is neither tracked nor waited for at close.
         num_blocks = src_t.numel()

@@ -5,6 +5,7 @@ Every test here needs a CUDA GPU and is skipped without one.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,7 +15,7 @@ import torch
 import kvcopy
 from kvcopy.methods import HOST_MEMORY_CTA_BUDGET
 
-from helpers import HAS_CUDA, gpu, requires_gpu
+from helpers import HANG_TIMEOUT_S, HAS_CUDA, gpu, requires_gpu
 from helpers.copies import (
     as_id_list,
     assert_same_bytes,
@@ -568,7 +569,9 @@ def test_device_ids_outside_the_cache_are_skipped(method, direction):
         src, dst = kv, other
         guards += other_bases
     else:
-        pool = kvcopy.HostKVPool(kv, HOST_BLOCKS, pin_memory=True)
+        # Layer-first: the cache's 69-byte blocks (a bf16 plane, then 5 bytes) cannot be laid out page-first
+        # without padding, which a pool refuses (a bf16 plane would start at odd byte offsets).
+        pool = kvcopy.HostKVPool(kv, HOST_BLOCKS, layout="layer_first", pin_memory=True)
         fill_random_(pool, gen)
         src, dst = (kv, pool) if direction == "d2h" else (pool, kv)
     n_src, n_dst = paged(src).num_blocks, paged(dst).num_blocks
@@ -821,7 +824,9 @@ def test_other_python_threads_run_while_a_large_copy_is_planned():
     """The fast path releases the GIL while it plans and submits (2048 blocks x 64 planes into a page-first
     pool: 131k ranges): a Python thread keeps running meanwhile."""
     gen = _gen(48)
-    kv = make_vllm(32, 2048, 16, 8, 128, torch.bfloat16, gen, device="cuda")
+    # 256-byte plane-blocks (1 token x 1 head x 128 bf16): the ranges to plan are as many as at any block size,
+    # without 4 GiB of random bytes to make and pin.
+    kv, _ = make_vllm(32, 2048, 1, 1, 128, torch.bfloat16, gen, device="cuda")
     pool = kvcopy.HostKVPool(kv, 2048)
     ids = torch.randperm(2048).tolist()
     ticks, stop = [0], threading.Event()
@@ -857,7 +862,10 @@ def test_the_side_stream_of_a_thread_is_freed_when_the_thread_exits():
     src, dst, src_ids, dst_ids = _sides("h2d", "vllm", torch.bfloat16, _gen(49))
     before = fast.dma_side_streams_alive()
 
+    native_ids: list[int] = []
+
     def copy_on_the_default_stream() -> None:
+        native_ids.append(threading.get_native_id())
         kvcopy.copy_blocks(src, src_ids, dst, dst_ids, method="copy_engine")
         torch.cuda.synchronize()
 
@@ -865,4 +873,18 @@ def test_the_side_stream_of_a_thread_is_freed_when_the_thread_exits():
     for thread in threads:
         thread.start()
         thread.join()
+    for native_id in native_ids:
+        _wait_until_the_thread_has_exited(native_id)
     assert fast.dma_side_streams_alive() == before
+
+
+def _wait_until_the_thread_has_exited(native_id: int) -> None:
+    """Until the OS thread ``native_id`` of this process is gone. Thread.join() can return before that (Python
+    3.12, the GPU machine's, as 3.11): it waits for the thread's Python state to be deleted, and the thread's
+    C++ thread_local destructors, which free its side stream, run after that, as the OS thread exits. Tried on
+    3.11 with a thread_local whose destructor sleeps: still alive after join(), gone once the thread was."""
+    task = f"/proc/self/task/{native_id}"
+    deadline = time.monotonic() + HANG_TIMEOUT_S  # against a hang only
+    while os.path.exists(task):
+        assert time.monotonic() < deadline, f"thread {native_id} did not exit"
+        time.sleep(1e-3)

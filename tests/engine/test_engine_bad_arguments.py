@@ -174,3 +174,42 @@ def test_auto_in_a_cuda_engine_with_only_torch_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(engine_module, "available_methods", lambda src, dst: ["torch"])
     with pytest.raises(ValueError, match=r"method: 'auto' found no copy method for a CUDA TransferEngine but 'torch'"):
         engine_method("auto", kv, host, cuda=True, host_ids=True)
+
+
+# ----------------------------------------------------------------------------- eager transfers beside a capture
+# While another thread captures the engine's transfers (global capture mode), staging host ids on the GPU goes
+# through torch's pinned-memory allocator, whose event queries invalidate the capture (an H200, 2026-12-04).
+# The rule is tested with cuda=True on host tensors, the methods that can run stood in for as above;
+# tests/engine/test_engine_gpu.py runs it beside a real capture.
+
+_GPU_METHODS = ["torch", "triton", "cuda", "copy_engine"]  # what a pinned pool beside a GPU cache can run
+
+
+@pytest.mark.parametrize("method", ["auto", "cuda", "triton"])
+def test_an_eager_transfer_beside_a_capture_does_not_stage_its_host_ids(monkeypatch, method):
+    kv, host = _pair()
+    monkeypatch.setattr(dispatch, "available_methods", lambda src, dst: _GPU_METHODS)
+    monkeypatch.setattr(engine_module, "available_methods", lambda src, dst: _GPU_METHODS)
+    # "auto" as for small plane-blocks without a profile: the SM kernel, which stages host ids
+    monkeypatch.setattr(dispatch, "choose_method", lambda src, dst, available, **_: "cuda")
+    for src, dst in ((kv, host), (host, kv)):
+        alone = engine_method(method, src, dst, cuda=True, host_ids=True)
+        assert alone.stages_ids and alone.name == ("cuda" if method == "auto" else method)
+        beside = engine_method(method, src, dst, cuda=True, host_ids=True, beside_capture=True)
+        assert beside.name == "copy_engine" and not beside.stages_ids
+        # ids already on the GPU are not staged: the method stays
+        assert engine_method(method, src, dst, cuda=True, host_ids=False, beside_capture=True) is alone
+        # without a capture in progress nothing changes
+        assert engine_method(method, src, dst, cuda=True, host_ids=True, beside_capture=False) is alone
+
+
+def test_beside_a_capture_a_method_that_stages_nothing_stays(monkeypatch):
+    kv, host = _pair()
+    monkeypatch.setattr(dispatch, "available_methods", lambda src, dst: _GPU_METHODS)
+    monkeypatch.setattr(engine_module, "available_methods", lambda src, dst: _GPU_METHODS)
+    chosen = engine_method("copy_engine", kv, host, cuda=True, host_ids=True, beside_capture=True)
+    assert chosen.name == "copy_engine"
+    # where the copy engines cannot run, the method chosen runs as it would (nothing better to do)
+    monkeypatch.setattr(engine_module, "available_methods", lambda src, dst: ["torch", "cuda"])
+    monkeypatch.setattr(dispatch, "available_methods", lambda src, dst: ["torch", "cuda"])
+    assert engine_method("cuda", kv, host, cuda=True, host_ids=True, beside_capture=True).name == "cuda"

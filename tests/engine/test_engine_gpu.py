@@ -25,9 +25,9 @@ from helpers.engines import run_threads
 
 pytestmark = [gpu, requires_gpu]
 
-ENGINE_METHODS = ("cuda", "copy_engine", "triton", "torch", "auto")
-# Methods whose submission does not block the host ("torch" synchronises on its cross-device copies).
-ASYNC_METHODS = ("cuda", "copy_engine", "triton", "auto")
+# What a CUDA engine runs. Not "torch", whose copy to the device blocks the submitting thread: a CUDA engine
+# refuses it (test_a_cuda_engine_refuses_the_host_blocking_torch_method).
+ENGINE_METHODS = ("cuda", "copy_engine", "triton", "auto")
 CAPTURE_METHODS = ("auto", "cuda", "triton")
 LAYOUT_DTYPES = [("vllm", torch.bfloat16), ("flashinfer", torch.float8_e4m3fn), ("mla", torch.float16)]
 # ~100 ms of GPU time at ~2 GHz: far longer than the host work between queueing it and the checks.
@@ -102,6 +102,17 @@ def _fill_randn_(pool: kvcopy.HostKVPool, gen: torch.Generator) -> None:
     """Finite random values in every host plane (attention on random bytes would meet NaNs)."""
     for plane in pool.paged.planes:
         plane.copy_(torch.randn(plane.shape, generator=gen).to(plane.dtype))
+
+
+def _warm_up_producer(kv: kvcopy.PagedKV) -> None:
+    """Launches once the kernels a test's producer queues behind a sleep: the sleep, and a fill of every
+    plane's bytes. CUDA loads a kernel at its first launch (lazy loading, the default since CUDA 12.2), and a
+    load may wait for the work already on the device: a first fill queued behind the sleep could hold the host
+    until the sleep had ended, and the transfer after it would be done when the test asks (the likely cause of
+    the one parametrization that failed so on an H200, 2026-12-04: the first to fill bytes after a sleep)."""
+    torch.cuda._sleep(1)
+    for plane in kv.planes:
+        byte_rows(plane).fill_(0)
 
 
 def _attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> torch.Tensor:
@@ -180,6 +191,28 @@ def test_copy_engine_refuses_device_ids(res):
     assert_same_bytes(snapshot(kv), before)
 
 
+def test_a_cuda_engine_refuses_the_host_blocking_torch_method(res):
+    """A CUDA engine never runs "torch", whose copy to the device waits for the caller's queued work: asked
+    for, it is a ValueError naming the method; "auto" runs another method; and where only "torch" could copy
+    (an unpinned pool), "auto" is a ValueError too. Nothing is written by a refused engine."""
+    kv, pool = res.setup(seed=27)
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match=r"method: 'torch' cannot run in a CUDA TransferEngine: .*blocks"):
+        kvcopy.TransferEngine(kv, pool, method="torch")
+    unpinned = kvcopy.HostKVPool(kv, 4, pin_memory=False)
+    assert kvcopy.available_methods(kv, unpinned) == ["torch"]
+    with pytest.raises(ValueError, match=r"method: 'auto' found no copy method for a CUDA TransferEngine but"):
+        kvcopy.TransferEngine(kv, unpinned)
+    torch.cuda.synchronize()
+    assert_same_bytes(snapshot(pool), before)
+    eng = res.engine(kv, pool)  # "auto"
+    expected = reference_copy(kv, [1, 2], pool, [3, 4])
+    t = eng.offload([1, 2], [3, 4])
+    t.wait()
+    assert t.method in ENGINE_METHODS
+    assert_same_bytes(dst_bytes(pool), expected)
+
+
 def test_pinned_pool_defaults_on_a_gpu(res):
     kv, _ = res.setup(seed=5)
     pool = kvcopy.HostKVPool(kv, 7)  # pin_memory=None pins when CUDA is available
@@ -213,7 +246,7 @@ def test_pinned_pools_dropped_without_close_do_not_break_new_ones(res):
 # --------------------------------------------------------------------------- ordering with the caller's stream
 
 
-@pytest.mark.parametrize("method", ASYNC_METHODS)
+@pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_observer_gets_each_cuda_transfer_once_with_its_timings(res, method):
     """The observer on CUDA: called by whoever first finds a transfer done, once, with event timings."""
     kv, pool = res.setup(seed=11)
@@ -244,14 +277,14 @@ def test_offload_reads_after_the_producer_on_the_current_stream(res, method):
     eng = res.engine(kv, pool, method=method)
     block_ids, host_ids = [3, 9, 12], [0, 5, 11]
     eng.offload(block_ids, host_ids).wait()  # warm-up: compiles, caches, staging buffers
+    _warm_up_producer(kv)
     torch.cuda.synchronize()
     for value in (0x5A, 0xA5):
         torch.cuda._sleep(SLEEP_CYCLES)  # a slow producer...
         for plane in kv.planes:
             byte_rows(plane).fill_(value)  # ...that then writes every block, on the current stream
         t = eng.offload(block_ids, host_ids)  # right away, no synchronisation
-        if method != "torch":
-            assert not t.done(), "the offload finished before the producer it must wait for"
+        assert not t.done(), "the offload finished before the producer it must wait for"
         t.wait()
         for plane in pool.paged.planes:
             rows = byte_rows(plane)[host_ids]
@@ -272,8 +305,7 @@ def test_reload_writes_after_readers_of_the_old_contents(res, method):
     torch.cuda._sleep(SLEEP_CYCLES)
     readers = [byte_rows(p).index_select(0, ids) for p in kv.planes]  # the consumer, queued behind the sleep
     t = eng.reload(host_ids, block_ids)
-    if method != "torch":
-        assert not t.done()
+    assert not t.done()
     t.wait_stream()
     after = [byte_rows(p).clone() for p in kv.planes]  # on the current stream, after wait_stream
     torch.cuda.current_stream().synchronize()
@@ -283,7 +315,7 @@ def test_reload_writes_after_readers_of_the_old_contents(res, method):
 
 
 @pytest.mark.parametrize("direction", ["offload", "reload"])
-@pytest.mark.parametrize("method", ASYNC_METHODS)
+@pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_copies_run_on_their_own_streams(res, method, direction):
     kv, pool = res.setup(seed=8)
     eng = res.engine(kv, pool, method=method)
@@ -311,7 +343,7 @@ def test_copies_run_on_their_own_streams(res, method, direction):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("method", ASYNC_METHODS)
+@pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_offload_and_reload_streams_are_independent(res, method):
     kv, pool = res.setup(seed=9)
     eng = res.engine(kv, pool, method=method)
@@ -330,7 +362,7 @@ def test_offload_and_reload_streams_are_independent(res, method):
     off.wait()
 
 
-@pytest.mark.parametrize("method", ASYNC_METHODS)
+@pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_host_ids_are_taken_at_submit(res, method):
     """Reusing the host id buffers right after offload() returns does not change what is copied."""
     kv, pool = res.setup(seed=23)
@@ -427,7 +459,7 @@ def test_wait_layer_errors_on_gpu(res):
 # --------------------------------------------------------------------------- threads, close
 
 
-@pytest.mark.parametrize("method", ASYNC_METHODS)
+@pytest.mark.parametrize("method", ENGINE_METHODS)
 def test_many_transfers_in_flight_from_threads(res, method):
     num_threads, rounds, n = 4, 8, 3
     per_thread = rounds * 2 * n
@@ -739,12 +771,15 @@ def test_engine_orders_its_own_transfers_on_the_gpu(res):
     eng.offload([1], [2]).wait()  # warm-up
     torch.cuda.synchronize()
     first = [p[1].clone() for p in dst_bytes(kv)]  # device block 1 as the offload will read it
+    # Made before the sleep: a tensor made on the GPU from a list copies from pageable memory and waits for the
+    # current stream, so made after it, it would wait out the sleep.
+    opaque_host, opaque_block = torch.tensor([3], device="cuda"), torch.tensor([6], device="cuda")
     torch.cuda._sleep(SLEEP_CYCLES)
     t = eng.offload([1], [3])  # unfinished: its copy waits behind the sleep
     assert not t.done()
     back = eng.reload([3], [5])  # reads host block 3: must see what the offload writes
     over = eng.reload([0], [1])  # writes device block 1: only after the offload has read it
-    opaque = eng.reload(torch.tensor([3], device="cuda"), torch.tensor([6], device="cuda"))  # ids it cannot read
+    opaque = eng.reload(opaque_host, opaque_block)  # ids it cannot read
     assert not t.done(), "the sleep ended before the submissions"
     for transfer in (t, back, over, opaque):
         transfer.wait()
@@ -802,6 +837,9 @@ def test_eager_transfers_from_another_thread_during_a_capture_run_and_leave_it_v
         thread.start()
         thread.join()
     assert seen["done_during_capture"] is False
+    # Its host ids were not staged through torch's pinned-memory allocator, whose event queries the capture
+    # forbids: the copy engines took them as they were.
+    assert seen["transfer"].method == "copy_engine"
     seen["transfer"].wait()  # ran eagerly, outside the graph
     assert_same_bytes([p[3] for p in dst_bytes(pool)], [p[3] for p in expected_pool])
     expected_kv = reference_copy(pool, [0], kv, [5])
@@ -816,10 +854,12 @@ def test_close_waits_for_replays_of_captured_transfers(res):
     kv, pool = res.setup(seed=24)
     eng = res.engine(kv, pool)
     eng.reload([0], [1]).wait()
+    # Made outside the capture: inside one, torch refuses their copy from pageable memory.
+    host_ids, block_ids = torch.tensor([0], device="cuda"), torch.tensor([6], device="cuda")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        eng.reload(torch.tensor([0], device="cuda"), torch.tensor([6], device="cuda")).wait_stream()
+        eng.reload(host_ids, block_ids).wait_stream()
     replay_stream = torch.cuda.Stream()
     with torch.cuda.stream(replay_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -848,10 +888,12 @@ def test_a_host_wait_inside_a_capture_is_refused(res):
     kv, pool = res.setup(seed=26)
     eng = res.engine(kv, pool)
     eng.reload([0], [1]).wait()
+    # Made outside the capture: inside one, torch refuses their copy from pageable memory.
+    host_ids, block_ids = torch.tensor([0], device="cuda"), torch.tensor([2], device="cuda")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        t = eng.reload(torch.tensor([0], device="cuda"), torch.tensor([2], device="cuda"))
+        t = eng.reload(host_ids, block_ids)
         with pytest.raises(RuntimeError, match="use wait_stream"):
             t.wait()
         t.wait_stream()
