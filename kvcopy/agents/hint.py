@@ -94,11 +94,10 @@ def classify_hint_fault(exc: BaseException) -> str:
     raise TypeError(f"exc: expected the TypeError or ValueError of a pause hint, got {type(exc).__name__} {exc!r}")
 
 
-def _text(where: str, field: str, value: object, *, empty_kind: str) -> str:
+def _text(where: str, field: str, value: object, *, empty_kind: str, optional: bool = False) -> str:
     if not isinstance(value, str):
-        raise PauseHintTypeError(
-            f"{where}: expected a non-empty str, got {type(value).__name__} {value!r:.80}", field=field
-        )
+        expected = "a non-empty str" + (" or None" if optional else "")
+        raise PauseHintTypeError(f"{where}: expected {expected}, got {type(value).__name__} {value!r:.80}", field=field)
     if not value:
         raise PauseHintValueError(f"{where}: expected a non-empty str, got ''", field=field, kind=empty_kind)
     return value
@@ -149,7 +148,7 @@ class PauseHint:
         """Checks every field, ``name(field)`` naming it in errors; ``resume_in_s`` made a float."""
         _text(name("session"), "session", self.session, empty_kind="empty_session")
         if self.tool is not None:
-            _text(name("tool"), "tool", self.tool, empty_kind="value")
+            _text(name("tool"), "tool", self.tool, empty_kind="value", optional=True)
         object.__setattr__(self, "resume_in_s", _seconds(name("resume_in_s"), self.resume_in_s))
         if not isinstance(self.done, bool):
             raise PauseHintTypeError(

@@ -74,7 +74,7 @@ def test_constructor_keeps_fields_and_defaults():
         ({"session": 17}, TypeError, "session", "type", "PauseHint.session: expected a non-empty str, got int 17"),
         ({"session": None}, TypeError, "session", "type", "PauseHint.session"),
         ({"session": ""}, ValueError, "session", "empty_session", "PauseHint.session: expected a non-empty str"),
-        ({"session": "s", "tool": 3}, TypeError, "tool", "type", "PauseHint.tool"),
+        ({"session": "s", "tool": 3}, TypeError, "tool", "type", "PauseHint.tool: expected a non-empty str or None"),
         ({"session": "s", "tool": ""}, ValueError, "tool", "value", "PauseHint.tool"),
         ({"session": "s", "resume_in_s": "12"}, TypeError, "resume_in_s", "type", "PauseHint.resume_in_s"),
         ({"session": "s", "resume_in_s": True}, TypeError, "resume_in_s", "type", "got bool True"),
