@@ -1,6 +1,6 @@
 """When will a paused session come back? :class:`GapForecaster` learns pause lengths online and forecasts one.
 
-The model (docs/decisions.md, "Forecasting a pause"):
+The model (docs/decisions.md, "Agents' pauses: the hint and the forecast"):
 
 - **Levels, pooled from the specific to the general.** A pause with a tool named is forecast from
   (session, tool) -> tool -> all tool pauses; one with no tool from session -> all pauses with no tool named.
