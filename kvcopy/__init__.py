@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvcopy._checks import FileFormatError
 from kvcopy._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from kvcopy._version import __version__, deprecated_module
+from kvcopy.agents import GapForecast, GapForecaster, PauseHint
 from kvcopy.cachekey import BlockIndex, CacheKey
 from kvcopy.calibration import calibrate
 from kvcopy.engine import Transfer, TransferConflictError, TransferEngine
@@ -35,10 +36,13 @@ __all__ = [
     "CostLine",
     "Decision",
     "FileFormatError",
+    "GapForecast",
+    "GapForecaster",
     "HostKVPool",
     "ModelSpec",
     "OnlineProfile",
     "PagedKV",
+    "PauseHint",
     "Planner",
     "Profile",
     "Transfer",

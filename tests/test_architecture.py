@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"base"},
     "cachekey": {"base", "model"},
     "planner": {"base", "model"},
+    "agents": {"base", "planner"},
     "online": {"base", "model", "calibration"},
     "nixl": {"base", "host", "engine"},
     "remote": {"base", "host", "core", "model", "cachekey", "nixl"},
@@ -48,13 +49,14 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "cachekey",
         "planner",
+        "agents",
         "online",
         "calibration",
         "nixl",
         "remote",
         "storage",
     },
-    "integrations": {"base", "host", "core", "engine", "model", "cachekey", "planner", "online", "storage"},
+    "integrations": {"base", "host", "core", "engine", "model", "cachekey", "planner", "agents", "online", "storage"},
 }
 # A file holds one concept: past WARN_LINES it is worth a look, past MAX_LINES it must be cut by concept.
 WARN_LINES, MAX_LINES = 600, 800

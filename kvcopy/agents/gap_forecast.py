@@ -1,0 +1,210 @@
+"""One pause's forecast: :class:`GapForecast`, the distribution of its length that
+:class:`~kvcopy.agents.GapForecaster` pooled for it, with its CDF, its quantiles and what it was made from.
+
+The distribution lives in log-space, y = ln(seconds). It is a mixture of
+
+- logistic kernels of scale KERNEL_SCALE, one per remembered pause (a smoothed empirical CDF: continuous, so
+  quantiles move continuously with q, and cheap: a logistic's CDF is closed form);
+- normal components (a prior's log-normal laws, or the one log-normal of a forecast that weighed a client's
+  estimate).
+
+Its CDF is monotone by construction (a positively weighted sum of monotone terms, added in a fixed order). A
+quantile is found by Newton's method safeguarded by bisection inside a bracket that is exact: a mixture's
+q-quantile lies between the smallest and the largest of its components' q-quantiles, each in closed form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+__all__ = [
+    "KERNEL_SCALE",
+    "QUANTILE_LOG_TOLERANCE",
+    "EstimateCorrection",
+    "GapForecast",
+    "PooledLevel",
+]
+
+# The smoothing kernel's scale in ln-seconds (a logistic's; its standard deviation is pi / sqrt(3) times it,
+# 0.09): a remembered pause of 10 s counts as one spread over about 9.1 to 11 s. Gaps are measured to a
+# millisecond, and a retention decision turns on factors, not percents; a wider kernel would blur a tool
+# whose pauses are tight (a fast read's 0.1 s), and the smoothing's own variance (0.008) stays far below a
+# tool's spread (TraceLab's sigma ~3).
+KERNEL_SCALE = 0.05
+# A quantile is found to this width in ln-seconds: a relative error of 1e-10 in seconds.
+QUANTILE_LOG_TOLERANCE = 1e-10
+# Newton's steps, each falling back to bisection when it would leave the bracket: it converges in about ten;
+# the bound (bisection alone halves a bracket of at most ~100 in log-space to the tolerance in ~40) only
+# guards against a pathological mixture.
+MAX_QUANTILE_STEPS = 200
+# The kernel's variance in log-space: a logistic of scale s has variance s^2 pi^2 / 3.
+_KERNEL_VARIANCE = (KERNEL_SCALE * math.pi) ** 2 / 3.0
+_STANDARD = NormalDist()
+# e^z is clipped to e^700, within a float64: past it a logistic's CDF is below 1e-304 or above 1 - 1e-16.
+_EXP_LIMIT = 700.0
+
+
+@dataclass(frozen=True)
+class PooledLevel:
+    """One level a forecast drew on: its ``name`` in words ("tool 'run_tests'", "all tool pauses", "prior:
+    ..."), the ``pauses`` it holds (for a prior, the pseudo-observations it counts as) and the ``weight`` of
+    its distribution in the forecast (the weights of a forecast's levels sum to 1)."""
+
+    name: str
+    pauses: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class EstimateCorrection:
+    """How a client's ``resume_in_s`` entered a forecast: the learned log-ratio r = ln(actual) - ln(estimate)
+    (its pooled ``mean`` and ``sigma``, from ``pairs`` observed estimates), the estimate's corrected law
+    (log-normal with median ``resume_in_s * exp(mean)`` and log-sigma ``sigma``) and the ``share`` of its
+    precision in the forecast, which is the precision-weighted product of that law and the history's."""
+
+    resume_in_s: float
+    mean: float
+    sigma: float
+    pairs: int
+    share: float
+
+    @property
+    def corrected_s(self) -> float:
+        """The estimate corrected by the learned bias: ``resume_in_s * exp(mean)``."""
+        return self.resume_in_s * math.exp(self.mean)
+
+
+class GapForecast:
+    """The forecast distribution of one pause's length, in seconds.
+
+    A mixture in y = ln(seconds) of logistic kernels (scale KERNEL_SCALE) at ``centres`` with
+    ``centre_weights``, and of normal components ``normals`` given as (weight, mu, sigma); all weights >= 0,
+    summing to 1. ``levels`` and ``estimate`` say what it was pooled from (:meth:`explain`). Made by
+    :class:`~kvcopy.agents.GapForecaster`; immutable, so a decision can ask it many questions at the cost of
+    one pooling.
+    """
+
+    __slots__ = ("_centres", "_normals", "_weights", "estimate", "levels")
+
+    def __init__(
+        self,
+        *,
+        centres: np.ndarray,
+        centre_weights: np.ndarray,
+        normals: Sequence[tuple[float, float, float]],
+        levels: Sequence[PooledLevel] = (),
+        estimate: EstimateCorrection | None = None,
+    ) -> None:
+        keep = centre_weights > 0
+        self._centres = np.ascontiguousarray(centres[keep], dtype=np.float64)
+        self._weights = np.ascontiguousarray(centre_weights[keep], dtype=np.float64)
+        self._normals = tuple((float(w), float(mu), float(sigma)) for w, mu, sigma in normals if w > 0)
+        if not (len(self._centres) or self._normals):
+            raise ValueError("GapForecast: expected at least one component of positive weight")
+        self.levels = tuple(levels)
+        self.estimate = estimate
+
+    # ------------------------------------------------------------------ the distribution in log-space
+
+    def _cdf_and_density(self, y: float) -> tuple[float, float]:
+        """F(y) and its derivative dF/dy, y = ln(seconds)."""
+        cdf = density = 0.0
+        if len(self._centres):
+            # a logistic's CDF p = 1 / (1 + e^-z), accurate to its last digits in the lower tail too (low
+            # quantiles matter: a prefetch is timed to one); its density p (1 - p) / s = e^-z p^2 / s
+            e = np.exp(np.clip((self._centres - y) * (1.0 / KERNEL_SCALE), -_EXP_LIMIT, _EXP_LIMIT))
+            p = 1.0 / (1.0 + e)
+            cdf = float(self._weights @ p)
+            density = float(self._weights @ (e * p * p)) * (1.0 / KERNEL_SCALE)
+        for weight, mu, sigma in self._normals:
+            z = (y - mu) / sigma
+            cdf += weight * 0.5 * math.erfc(-z / math.sqrt(2.0))
+            density += weight * math.exp(-0.5 * z * z) / (sigma * math.sqrt(2.0 * math.pi))
+        return cdf, density
+
+    def log_moments(self) -> tuple[float, float]:
+        """The mean and variance of ln(seconds) under this distribution (a kernel adds its own variance)."""
+        means = [float(self._weights @ self._centres)] + [w * mu for w, mu, _ in self._normals]
+        mean = sum(means)
+        variance = float(self._weights @ (np.square(self._centres - mean) + _KERNEL_VARIANCE))
+        variance += sum(w * (sigma * sigma + (mu - mean) ** 2) for w, mu, sigma in self._normals)
+        return mean, variance
+
+    def _log_quantile(self, q: float) -> float:
+        # the bracket: the components' own q-quantiles, in closed form
+        logit = math.log(q) - math.log1p(-q)
+        ends = [mu + sigma * _STANDARD.inv_cdf(q) for _, mu, sigma in self._normals]
+        if len(self._centres):
+            ends += [
+                float(self._centres.min()) + KERNEL_SCALE * logit,
+                float(self._centres.max()) + KERNEL_SCALE * logit,
+            ]
+        lo, hi = min(ends), max(ends)
+        y = 0.5 * (lo + hi)
+        for _ in range(MAX_QUANTILE_STEPS):
+            if hi - lo <= QUANTILE_LOG_TOLERANCE:
+                break
+            cdf, density = self._cdf_and_density(y)
+            if cdf == q:
+                return y
+            if cdf < q:
+                lo = y
+            else:
+                hi = y
+            step = y - (cdf - q) / density if density > 0 else math.nan
+            if not lo < step < hi:
+                step = 0.5 * (lo + hi)
+            if abs(step - y) <= QUANTILE_LOG_TOLERANCE:
+                return step
+            y = step
+        return 0.5 * (lo + hi)
+
+    # ------------------------------------------------------------------ seconds
+
+    def cdf(self, t_s: float) -> float:
+        """P(pause <= ``t_s`` seconds): 0 at 0, 1 at infinity, non-decreasing. ``t_s`` is taken as checked
+        (GapForecaster.cdf checks it)."""
+        if t_s <= 0:
+            return 0.0
+        if math.isinf(t_s):
+            return 1.0
+        return min(1.0, max(0.0, self._cdf_and_density(math.log(t_s))[0]))
+
+    def quantile(self, q: float) -> float:
+        """The pause length in seconds that the pause stays under with probability ``q`` (in (0, 1), taken as
+        checked): ``cdf(quantile(q)) == q`` to within the quantile's tolerance."""
+        return math.exp(self._log_quantile(q))
+
+    @property
+    def median_s(self) -> float:
+        return self.quantile(0.5)
+
+    def explain(self) -> str:
+        """In words: the forecast's median and 10-90% band, and what it was pooled from."""
+        p10, p50, p90 = (self.quantile(q) for q in (0.1, 0.5, 0.9))
+        pooled = ", ".join(f"{lv.name} ({lv.pauses} pauses, weight {lv.weight:.2f})" for lv in self.levels)
+        words = f"median {_seconds(p50)} (10-90%: {_seconds(p10)} to {_seconds(p90)}) from {pooled or 'nothing'}"
+        if self.estimate is not None:
+            e = self.estimate
+            words += (
+                f"; the client's estimate {_seconds(e.resume_in_s)}, corrected x{math.exp(e.mean):.2f} to "
+                f"{_seconds(e.corrected_s)} (log-sigma {e.sigma:.2f}, {e.pairs} estimates seen), weighs "
+                f"{e.share:.0%} by precision"
+            )
+        return words
+
+    def __repr__(self) -> str:
+        return f"GapForecast({self.explain()})"
+
+
+def _seconds(value: float) -> str:
+    if value < 60:
+        return f"{value:.3g} s"
+    if value < 3600:
+        return f"{value / 60:.3g} min"
+    return f"{value / 3600:.3g} h"
