@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvcopy._checks import FileFormatError
 from kvcopy._ext import build_info  # importing _ext loads the compiled ops and their fakes
 from kvcopy._version import __version__, deprecated_module
-from kvcopy.agents import GapForecast, GapForecaster, PauseHint
+from kvcopy.agents import GapForecast, GapForecaster, PauseHint, PausePlan, plan_pause
 from kvcopy.cachekey import BlockIndex, CacheKey
 from kvcopy.calibration import calibrate
 from kvcopy.engine import Transfer, TransferConflictError, TransferEngine
@@ -43,6 +43,7 @@ __all__ = [
     "OnlineProfile",
     "PagedKV",
     "PauseHint",
+    "PausePlan",
     "Planner",
     "Profile",
     "Transfer",
@@ -55,6 +56,7 @@ __all__ = [
     "copy_blocks",
     "copy_ranges",
     "gather",
+    "plan_pause",
     "scatter",
     "set_default_profile",
 ]

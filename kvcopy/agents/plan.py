@@ -55,7 +55,7 @@ __all__ = [
 
 Choice = Literal["keep", "demote", "drop"]
 
-# Leases (kvcopy.integrations.vllm.leases) hold at most half the host tier: the rest stays LRU's for the
+# Leases (kvcopy.integrations.vllm.agents.leases) hold at most half the host tier: the rest stays LRU's for the
 # traffic of the sessions that are running, which is what pays for the leases.
 DEFAULT_MAX_LEASED_FRACTION = 0.5
 # One session holds at most a tenth of the tier, so that a client that hints much cannot starve the others: ten
@@ -208,11 +208,13 @@ def plan_pause(
         read = costs.read_s
         plans["demote"] = (fallback, None, None, 0.0)  # left in the tier, never read back ahead
         options["demote"] = fallback
+        starts = np.empty(0)
         if may_hold:
-            # read back from P: released before P, in flight on [P, P + read), held from P until the resume
-            # or the cap; every breakpoint (a bin's edge, or an edge less the read) is a candidate.
             starts = np.concatenate(([0.0], edges, edges - read))
             starts = np.unique(starts[(starts >= 0.0) & (starts + read < cap)])  # (landing by the cap)
+        if len(starts):
+            # read back from P: released before P, in flight on [P, P + read), held from P until the resume
+            # or the cap; every breakpoint (a bin's edge, or an edge less the read) is a candidate.
             p, gg = starts[:, None], g[None, :]
             held = price * (np.minimum(gg, cap) - p)
             cost = np.where(
@@ -221,7 +223,7 @@ def plan_pause(
                 np.where(gg < p + read, p + read - gg + host + held, np.where(gg < cap, host, fallback) + held),
             ).mean(axis=1)
             best = int(np.argmin(cost))  # (on a tie, the earlier read: the more margin)
-            if len(starts) and cost[best] < fallback:
+            if cost[best] < fallback:
                 in_host = ((gg >= p + read) & (gg < cap))[best].mean()
                 plans["demote"] = (float(cost[best]), cap, float(starts[best]), float(in_host))
                 options["demote"] = float(cost[best])

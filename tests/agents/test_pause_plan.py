@@ -208,3 +208,10 @@ def test_bad_arguments_are_named() -> None:
         plan_pause(gaps, costs, hold_price=0.0, room_bytes=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gaps"):
         plan_pause(LogNormal(-1.0, 1.0), costs, hold_price=0.0)
+
+
+def test_a_read_longer_than_the_lease_cap_is_never_started_ahead() -> None:
+    gaps = LogNormal(0.3, 0.2)  # back within a second and a half, surely; the read takes 5 s
+    costs = PauseCosts(0.05, 8.0, GIB, tier_s=5.1, read_s=5.0)
+    plan = plan_pause(gaps, costs, hold_price=1e-9)
+    assert plan.prefetch_at_s is None and plan.choice in ("keep", "demote")

@@ -1,4 +1,4 @@
-"""Leases on vLLM's host tier (kvcopy.integrations.vllm.leases) over vLLM's own LRU and ARC policies."""
+"""Leases on vLLM's host tier (kvcopy.integrations.vllm.agents.leases) over vLLM's own LRU and ARC policies."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from kvcopy.integrations.vllm.leases import LeasedPolicy
+from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
 
 POLICIES = {"lru": LRUCachePolicy, "arc": ARCCachePolicy}
 

@@ -50,7 +50,7 @@ class ProfileNotFoundError(FileNotFoundError, ValueError):
 class SpecConfig:
     """What the keys say. ``profile_path`` None: kvcopy's default profile. ``learn``: refine the profile from
     the engine's own transfers and steps (kvcopy.integrations.vllm.KVCopyOffloadingConnector). ``agents``: "auto"
-    decides at each pause of a session that hints or is learned (kvcopy.integrations.vllm.pauses), "off" never;
+    decides at each pause of a session that hints or is learned (kvcopy.integrations.vllm.agents.pauses), "off" never;
     the two fractions bound the leases; ``forecast_path``: where the gap forecaster is loaded from (when there)
     and saved to."""
 

@@ -63,6 +63,7 @@ from kvcopy.integrations.common.offload_stats import OffloadDecision
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
+from kvcopy.integrations.vllm.agents.pauses import AgentPauses, agent_metric_definitions
 from kvcopy.integrations.vllm.manager import HitGeometry
 from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
 from kvcopy.integrations.vllm.tiers.disk import KVCopyDiskTier, check_tier_config
@@ -116,7 +117,14 @@ class KVCopyTieringManager(TieringOffloadingManager):
     ``TieringOffloadingManager``'s."""
 
     def __init__(
-        self, *, session: OffloadSession, geometry: HitGeometry, chunk_bytes: int, row_bytes: int, **tiering: Any
+        self,
+        *,
+        session: OffloadSession,
+        geometry: HitGeometry,
+        chunk_bytes: int,
+        row_bytes: int,
+        settings: SpecConfig | None = None,
+        **tiering: Any,
     ) -> None:
         super().__init__(**tiering)
         self.session = session
@@ -126,6 +134,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
         self._verdicts: dict[str, TierVerdict] = {}  # this step's, per request
         self._recorded: dict[str, int] = {}  # the load end last recorded and counted, per request
         self._stats = OffloadingConnectorStats()
+        # the decisions at agents' pauses (kvcopy_agents "auto"; None when "off")
+        self.pauses = AgentPauses(self, settings) if settings is not None and settings.agents == "auto" else None
+        self._arrived: set[str] = set()  # live requests the pauses have seen arrive
 
     # ------------------------------------------------------------------ the hit
 
@@ -250,6 +261,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
         if not _ends_a_chunk(position, self.geometry, key):
             return LookupResult.MISS  # a partial recurrent tail's boundary: never judged, computed (docs/engines.md)
         request = req_context.req_id
+        if self.pauses is not None and request not in self._arrived:
+            self._arrived.add(request)
+            self.pauses.arrived(req_context)  # (a resume ends its session's lease before the hit is judged)
         verdict = self._verdicts.get(request)
         if verdict is None and get_offload_group_idx(key) in self.geometry.full_groups:
             self._maybe_process_finished_jobs()  # (as vLLM's lookup: promotions finished since count as host)
@@ -266,15 +280,31 @@ class KVCopyTieringManager(TieringOffloadingManager):
     def on_request_finished(self, req_context: ReqContext, *, exclude_tier_idx: int | None = None) -> None:
         self._recorded.pop(req_context.req_id, None)
         super().on_request_finished(req_context, exclude_tier_idx=exclude_tier_idx)
+        if self.pauses is not None:  # (after the host tier took the request's recency: the plan acts on it)
+            self._arrived.discard(req_context.req_id)
+            self.pauses.finished(req_context)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._verdicts.clear()  # the next step judges again, on what is where and learned by then
+        if self.pauses is not None:
+            self.pauses.start_due()  # (their promotions are submitted with the step's, just below)
         super().on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        """vLLM's (jobs in flight, cascades parked), or a prefetch due now."""
+        return super().has_pending_work() or (self.pauses is not None and self.pauses.due_now())
+
+    def shutdown(self) -> None:
+        if self.pauses is not None:
+            self.pauses.shutdown()
+        super().shutdown()
 
     # ------------------------------------------------------------------ learning and metrics
 
     def _complete_promotion(self, job_metadata: Any, completed_job: JobResult) -> None:
         super()._complete_promotion(job_metadata, completed_job)
+        if self.pauses is not None and completed_job.success:
+            self.pauses.landed(job_metadata.transfer_job.keys)
         seconds, nbytes = completed_job.transfer_time, completed_job.transfer_bytes
         if not (completed_job.success and seconds and nbytes):
             return
@@ -293,6 +323,8 @@ class KVCopyTieringManager(TieringOffloadingManager):
         """vLLM's tiering metrics, plus the judgment's counters and prediction errors since the last call."""
         stats = super().get_stats()
         mine, self._stats = self._stats, OffloadingConnectorStats()
+        if self.pauses is not None:
+            mine.aggregate(self.pauses.take_stats())
         if mine.is_empty():
             return stats
         if stats is None:
@@ -335,6 +367,7 @@ class KVCopyTieringSpec(TieringOffloadingSpec):
             labelnames=(TIER_LABEL,),
             buckets=PREDICTION_ERROR_BUCKETS,
         )
+        definitions.update(agent_metric_definitions())
         return definitions
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -409,6 +442,7 @@ class KVCopyTieringSpec(TieringOffloadingSpec):
                 geometry=hit_geometry(self),
                 chunk_bytes=config.worker_kv_bytes_per_block * self.blocks_per_chunk,
                 row_bytes=self.kv_bytes_per_chunk,
+                settings=self.settings,
                 primary_tier=primary,
                 secondary_tiers=tiers,
                 tier_poll_interval_s=self.tier_poll_interval_s,

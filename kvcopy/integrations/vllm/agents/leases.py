@@ -12,7 +12,8 @@ an out-of-tree one) and answers every call as it does, except ``evict``:
 
 Bounds: all leases together hold at most ``max_leased_fraction`` of the tier's chunks, and one session at most
 ``max_session_fraction`` (:meth:`LeasedPolicy.room`); a lease asked beyond its room is cut to it. Clock:
-``time.monotonic`` seconds, as the tiering manager's own.
+``time.monotonic`` seconds, as the tiering manager's own; ``on_evict``, when given, is told how many chunks
+each eviction took.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LeasedPolicy(CachePolicy):
         max_leased_fraction: float = DEFAULT_MAX_LEASED_FRACTION,
         max_session_fraction: float = DEFAULT_MAX_SESSION_FRACTION,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(inner.cache_capacity)
         for name, fraction in (
@@ -58,6 +60,7 @@ class LeasedPolicy(CachePolicy):
         self.max_leased = int(inner.cache_capacity * max_leased_fraction)
         self.max_per_session = int(inner.cache_capacity * max_session_fraction)
         self.clock = clock
+        self.on_evict = on_evict  # told how many chunks each eviction took (what prices a lease)
         self._leases: dict[str, _Lease] = {}
         self._demoted: dict[OffloadKey, None] = {}  # (insertion-ordered: the first demoted go first)
         self.displaced = 0  # leases ended early to give a request room
@@ -152,6 +155,8 @@ class LeasedPolicy(CachePolicy):
             del self._demoted[key]
         for key, _ in rest or ():
             self._demoted.pop(key, None)
+        if self.on_evict is not None:
+            self.on_evict(n)
         return first + (rest or [])
 
     # ------------------------------------------------------------------ the rest, as the inner policy

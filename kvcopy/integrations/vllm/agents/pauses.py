@@ -1,0 +1,384 @@
+"""The pause of an agent session, acted on in kvcopy's tiered vLLM spec: leases, demotions and prefetches.
+
+:class:`AgentPauses` is the part of :class:`~kvcopy.integrations.vllm.tiering.KVCopyTieringManager` that
+looks ahead. At a request's finish (the pause edge) it reads the request's pause hint (``kv_transfer_params``'
+``"kvcopy"`` or a ``kvcopy.pause`` action of vLLM's ``kv_hints``), finds its session (named by the hint, or
+learned by prefix continuation: kvcopy.agents.sessions), forecasts the pause (kvcopy.agents.GapForecaster) and
+plans it (kvcopy.agents.plan_pause) over the chunks the request left in host RAM:
+
+- **keep**: the host tier's eviction policy leases them until the plan's lease end (kvcopy.integrations.vllm
+  .leases: bounded, displaced before they keep a request from room, LRU's again once expired);
+- **demote**: they go first when room is needed (vLLM's tiering has already cascaded them to the secondary
+  tiers); with a prefetch, a promotion job reads them back from the plan's prefetch time, started at the step
+  that reaches it (``on_schedule_end``, while ``has_pending_work``) or, while the engine is idle, by a timer
+  under the manager's lock, then leased until the plan's lease end;
+- **drop**: they go first; the resume recomputes what the resume's own judgment will not load.
+
+At the next request of the session (its first lookup: the resume edge) the lease ends and an unstarted prefetch
+is cancelled; a prefetch still in flight makes the lookups answer HIT_PENDING (vLLM's own answer for a chunk
+being written), so the request waits on it and no second read starts. A session with no hint and not yet
+learned is left to LRU: with no pauses, every decision is as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    get_offload_group_idx,
+)
+
+from kvcopy.agents import GapForecast, GapForecaster, PauseHint, read_pause_hint
+from kvcopy.agents.plan import PauseCosts, PausePlan, hold_price, plan_pause
+from kvcopy.agents.sessions import PauseTracker
+from kvcopy.integrations.common.online_planner import forward_seconds
+from kvcopy.integrations.vllm._config import SpecConfig
+from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
+
+if TYPE_CHECKING:
+    from kvcopy.integrations.vllm.tiering import KVCopyTieringManager
+
+__all__ = ["AGENT_METRICS", "AgentPauses", "agent_metric_definitions"]
+
+logger = logging.getLogger("kvcopy.integrations.vllm")
+
+_PREFIX = "vllm:kv_offload_kvcopy_agent_"
+PAUSES = f"{_PREFIX}pauses"
+RESUMES = f"{_PREFIX}resumes"
+PREFETCHES = f"{_PREFIX}prefetches"
+LEASED_BYTES = f"{_PREFIX}leased_bytes"
+HINT_FAULTS = f"{_PREFIX}hint_faults"
+FORECAST_ERROR = f"{_PREFIX}forecast_error"
+RESUMES_IN_BAND = f"{_PREFIX}resumes_in_band"
+AGENT_METRICS: dict[str, tuple[str, str]] = {  # name -> (documentation, label)
+    PAUSES: ("Pauses of agent sessions, by the decision kvcopy took for their chunks.", "decision"),
+    RESUMES: ("Resumes of paused sessions, by where their chunks were (host, prefetch, tier, none).", "where"),
+    PREFETCHES: ("Prefetches of demoted chunks, by outcome (started, in_time, late, unused).", "outcome"),
+    LEASED_BYTES: ("Host bytes leased to paused sessions (each lease counted once, when made).", "decision"),
+    HINT_FAULTS: ("Malformed pause hints (served, the hint ignored), by kind of fault.", "kind"),
+    RESUMES_IN_BAND: ("Resumes inside (yes) or outside (no) the forecast's 10-90% band.", "inside"),
+}
+# |forecast median / actual gap - 1|: from a close forecast to one off by 100x.
+FORECAST_ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0)
+# A timer that wakes for a prefetch sleeps at most this long, so that a shutdown or an earlier prefetch planned
+# meanwhile is seen within it.
+_TIMER_MAX_SLEEP_S = 0.5
+
+
+def agent_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The agents' metrics, declared as vLLM's frontend declares a spec's (build_metric_definitions)."""
+    definitions: dict[str, OffloadingMetricMetadata] = {
+        name: OffloadingCounterMetadata(documentation=doc, labelnames=(label,))
+        for name, (doc, label) in AGENT_METRICS.items()
+    }
+    definitions[FORECAST_ERROR] = OffloadingHistogramMetadata(
+        documentation="|forecast median / actual gap - 1| of resumed sessions.",
+        labelnames=(),
+        buckets=FORECAST_ERROR_BUCKETS,
+    )
+    return definitions
+
+
+@dataclass
+class _Prefetch:
+    """A demoted session's read back: due at ``due`` (the clock's seconds), then leased until ``until``."""
+
+    session: str
+    keys: tuple[OffloadKey, ...]
+    context: ReqContext
+    due: float
+    until: float
+    waiting: set[OffloadKey] = field(default_factory=set)  # promoted, not landed yet
+    started: bool = False
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a pause's plan forecast, kept to score it at the resume."""
+
+    plan: PausePlan
+    median: float
+    band: tuple[float, float]
+    prefetched: bool = False
+
+
+class AgentPauses:
+    """The pauses of one tiering manager's sessions (see the module). ``settings``: the spec's (its
+    ``kvcopy_agent_*`` keys); ``clock``: ``time.monotonic``, as the leases'."""
+
+    def __init__(
+        self, manager: KVCopyTieringManager, settings: SpecConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.manager = manager
+        self.clock = clock
+        primary = manager.primary_tier
+        # (vLLM 0.33's CPUOffloadingManager keeps its policy here; kvcopy.integrations.vllm._compat pins it)
+        self.policy = LeasedPolicy(
+            primary._policy,
+            max_leased_fraction=settings.max_leased_fraction,
+            max_session_fraction=settings.max_session_fraction,
+            clock=clock,
+            on_evict=self.evicted,
+        )
+        primary._policy = self.policy
+        self.forecast_path = settings.forecast_path
+        if self.forecast_path is not None and os.path.exists(self.forecast_path):
+            self.forecaster = GapForecaster.load(self.forecast_path)
+        else:
+            self.forecaster = GapForecaster()
+        self.tracker = PauseTracker(self.forecaster, clock=clock)
+        self.stats = OffloadingConnectorStats()
+        self._hints: dict[str, PauseHint | None] = {}  # by live request, parsed at its first sight
+        self._planned: dict[str, _Planned] = {}  # by paused session
+        self._prefetches: dict[str, _Prefetch] = {}  # by paused session
+        self._warned: set[str] = set()  # the kinds of hint fault already logged
+        self._evictions: list[tuple[float, int]] = []  # (when, chunks) of recent evictions: the tier's turnover
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._timer = threading.Thread(target=self._timer_loop, name="kvcopy-agent-prefetch", daemon=True)
+        self._timer.start()
+
+    # ------------------------------------------------------------------ the edges
+
+    def hint_of(self, context: ReqContext) -> PauseHint | None:
+        """The request's pause hint, parsed once; a malformed one is counted, warned of once per kind of fault
+        and ignored (the request is served)."""
+        if context.req_id in self._hints:
+            return self._hints[context.req_id]
+        reading = read_pause_hint(context.kv_transfer_params, context.kv_hints)
+        if reading.fault is not None:
+            self.stats.increase_counter(HINT_FAULTS, 1, (reading.fault,))
+            if reading.fault not in self._warned:
+                self._warned.add(reading.fault)
+                logger.warning(
+                    "kvcopy: a pause hint ignored (%s); the request is served, later faults of this kind counted",
+                    reading.message,
+                )
+        self._hints[context.req_id] = reading.hint
+        return reading.hint
+
+    def arrived(self, context: ReqContext) -> None:
+        """The request's first lookup: if it resumes a paused session, the session's lease ends, an unstarted
+        prefetch is cancelled, and the pause is scored (where the chunks were, the forecast's error)."""
+        hint = self.hint_of(context)
+        keys = [key for _, key in _ordered_keys(context)]
+        found = self.tracker.resumed(context.req_id, None if hint is None else hint.session, keys)
+        if found is None:
+            return
+        pause, gap = found
+        session = pause.session
+        held = self.policy.keys_of(session)
+        self.policy.release(session)
+        prefetch = self._prefetches.pop(session, None)
+        planned = self._planned.pop(session, None)
+        where = "none"
+        if prefetch is not None and prefetch.started:
+            outcome = "late" if prefetch.waiting else "in_time"
+            self.stats.increase_counter(PREFETCHES, 1, (outcome,))
+            where = "prefetch"
+        elif held and all(self.manager.primary_tier.lookup(key, context) is LookupResult.HIT for key in held):
+            where = "host"
+        elif pause.last_key is not None and self._in_a_tier(pause.last_key, context):
+            where = "tier"
+        self.stats.increase_counter(RESUMES, 1, (where,))
+        if planned is not None and gap > 0:
+            self.stats.observe_histogram(FORECAST_ERROR, abs(planned.median / gap - 1.0))
+            low, high = planned.band
+            self.stats.increase_counter(RESUMES_IN_BAND, 1, ("yes" if low <= gap <= high else "no",))
+
+    def finished(self, context: ReqContext) -> PausePlan | None:
+        """The request finished: its session pauses, and the plan for its chunks in host RAM is acted on.
+        None when nothing was planned (no session, or nothing in host RAM)."""
+        hint = self.hint_of(context)
+        self._hints.pop(context.req_id, None)
+        chunks = [key for _, key in _ordered_keys(context) if self.policy.get(key) is not None]
+        learned_before = context.req_id in self.tracker._session_of  # (a learned session's later turn)
+        pause = self.tracker.paused(context.req_id, hint, chunks[-1] if chunks else None)
+        if pause is None:  # done: nothing of it is needed again
+            self._end(hint.session if hint is not None else "")
+            self.policy.demote(chunks)
+            self.stats.increase_counter(PAUSES, 1, ("done",))
+            return PausePlan.released("the client said done")
+        if (hint is None and not learned_before) or not chunks:
+            return None  # a session not hinted and not learned yet: LRU's, as without agents
+        self._end(pause.session)
+        plan = self._plan(pause.session, hint, chunks)
+        now = self.clock()
+        nbytes = len(chunks) * self.manager.row_bytes
+        if plan.choice == "keep" and plan.lease_end_s is not None:
+            leased = self.policy.lease(pause.session, chunks, now + plan.lease_end_s)
+            self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("keep",))
+        else:
+            self.policy.demote(chunks)
+            if plan.prefetch_at_s is not None and plan.lease_end_s is not None:
+                self._prefetches[pause.session] = _Prefetch(
+                    pause.session, tuple(chunks), context, now + plan.prefetch_at_s, now + plan.lease_end_s
+                )
+                self._notify()
+        self.stats.increase_counter(PAUSES, 1, (plan.choice,))
+        forecast = self._forecast(pause.session, hint)
+        self._planned[pause.session] = _Planned(
+            plan, forecast.quantile(0.5), (forecast.quantile(0.1), forecast.quantile(0.9))
+        )
+        logger.debug("kvcopy: session %s paused over %d bytes: %s", pause.session, nbytes, plan.explanation)
+        return plan
+
+    # ------------------------------------------------------------------ prefetches
+
+    def start_due(self) -> int:
+        """Starts the prefetches due by now (the caller holds the manager's lock); returns how many started."""
+        now = self.clock()
+        started = 0
+        for prefetch in list(self._prefetches.values()):
+            if prefetch.started or prefetch.due > now:
+                continue
+            prefetch.started = True
+            started += 1
+            self.stats.increase_counter(PREFETCHES, 1, ("started",))
+            for key in prefetch.keys:
+                if self.manager.primary_tier.lookup(key, prefetch.context) is not LookupResult.MISS:
+                    continue  # still (or already again) in host RAM
+                tier = self._tier_holding(key, prefetch.context)
+                if tier is None:
+                    break  # (its chunks past this one would not be a prefix: left to the resume)
+                if not self.manager._initiate_promotion(tier, key, prefetch.context):
+                    break  # the host tier is full: the rest waits for the resume
+                prefetch.waiting.add(key)
+            if not prefetch.waiting:
+                self._lease_prefetched(prefetch)
+        return started
+
+    def due_now(self) -> bool:
+        """Whether a prefetch is due and not started: the engine should step (``has_pending_work``)."""
+        now = self.clock()
+        return any(not p.started and p.due <= now for p in self._prefetches.values())
+
+    def landed(self, keys: Sequence[OffloadKey]) -> None:
+        """A promotion landed ``keys``: a prefetch whose every chunk is in leases its chunks until its end."""
+        for prefetch in list(self._prefetches.values()):
+            if prefetch.waiting:
+                prefetch.waiting.difference_update(keys)
+                if not prefetch.waiting:
+                    self._lease_prefetched(prefetch)
+
+    def _lease_prefetched(self, prefetch: _Prefetch) -> None:
+        leased = self.policy.lease(prefetch.session, prefetch.keys, prefetch.until)
+        self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("prefetch",))
+
+    def _end(self, session: str) -> None:
+        """Ends what a session's earlier pause left: its lease, its prefetch (counted unused if it landed)."""
+        self.policy.release(session)
+        prefetch = self._prefetches.pop(session, None)
+        if prefetch is not None and prefetch.started and not prefetch.waiting:
+            self.stats.increase_counter(PREFETCHES, 1, ("unused",))
+        self._planned.pop(session, None)
+
+    def _timer_loop(self) -> None:
+        """While the engine is idle nothing steps: this starts due prefetches under the manager's lock and
+        submits them (vLLM's flush of pending promotions)."""
+        while True:
+            with self._wake:
+                if self._stopping:
+                    return
+                now = self.clock()
+                due = min((p.due for p in self._prefetches.values() if not p.started), default=math.inf)
+                if due > now:
+                    self._wake.wait(min(_TIMER_MAX_SLEEP_S, due - now))
+                    continue
+            with self.manager.lock:
+                if self.start_due():
+                    self.manager._flush_pending_promotions()
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    # ------------------------------------------------------------------ costs
+
+    def _plan(self, session: str, hint: PauseHint | None, chunks: list[OffloadKey]) -> PausePlan:
+        manager = self.manager
+        planner, _ = manager.session.live.current()
+        n = len(chunks)
+        rows = n * manager.row_bytes
+        if planner is None:  # no profile: keep while the leases allow, as LRU would have kept them at best
+            costs = PauseCosts(host_s=0.0, recompute_s=1.0, nbytes=rows)
+            return plan_pause(self._forecast(session, hint), costs, hold_price=0.0)
+        group = get_offload_group_idx(chunks[0])
+        tokens = n * manager.geometry.tokens_per_chunk[group]
+        host = planner.t_load_nbytes(n * manager.chunk_bytes)
+        recompute = forward_seconds(planner, tokens, 0, manager.geometry.max_forward_tokens)
+        read = planner.disk.predict(rows) if planner.disk is not None and manager.secondary_tiers else None
+        costs = PauseCosts(
+            host_s=host,
+            recompute_s=recompute,
+            nbytes=rows,
+            tier_s=None if read is None else read + host,
+            read_s=read,
+        )
+        price = hold_price(turnover_per_s=self._turnover(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
+        room = self.policy.room(session) * manager.row_bytes
+        return plan_pause(self._forecast(session, hint), costs, hold_price=price, room_bytes=room)
+
+    def _forecast(self, session: str, hint: PauseHint | None) -> GapForecast:
+        """The pause's forecast: its session's, under its tool, with its client's estimate."""
+        if hint is None:
+            return self.forecaster.forecast(session=session)
+        return self.forecaster.forecast(session=session, tool=hint.tool, resume_in_s=hint.resume_in_s)
+
+    def evicted(self, count: int) -> None:
+        """The host tier evicted ``count`` chunks now (what prices a lease: kvcopy.agents.hold_price)."""
+        if count:
+            self._evictions.append((self.clock(), count))
+
+    def _turnover(self) -> float:
+        """The fraction of the host tier evicted per second over the last minute."""
+        now = self.clock()
+        self._evictions = [(t, c) for t, c in self._evictions if now - t <= 60.0]
+        if not self._evictions:
+            return 0.0
+        span = max(now - self._evictions[0][0], 1.0)
+        return sum(c for _, c in self._evictions) / span / max(self.policy.cache_capacity, 1)
+
+    def _tier_holding(self, key: OffloadKey, context: ReqContext) -> int | None:
+        for i, tier in enumerate(self.manager.secondary_tiers):
+            if tier.lookup(key, context) is LookupResult.HIT:
+                return i
+        return None
+
+    def _in_a_tier(self, key: OffloadKey, context: ReqContext) -> bool:
+        return self._tier_holding(key, context) is not None
+
+    def take_stats(self) -> OffloadingConnectorStats:
+        stats, self.stats = self.stats, OffloadingConnectorStats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Stops the timer and saves the forecaster (where ``kvcopy_agent_forecast`` names a file)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._timer.join(timeout=5.0)
+        if self.forecast_path is not None:
+            try:
+                self.forecaster.save(self.forecast_path)
+            except OSError as err:
+                logger.warning("kvcopy: the gap forecaster could not be saved to %s (%s)", self.forecast_path, err)
+
+
+def _ordered_keys(context: ReqContext) -> list[tuple[int, OffloadKey]]:
+    """The request's keys with their end positions, head first (vLLM 0.33 records them before any lookup)."""
+    return sorted((position, key) for key, position in context._offload_key_positions.items())

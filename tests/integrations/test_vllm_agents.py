@@ -1,0 +1,194 @@
+"""Agents' pauses in kvcopy's tiered vLLM spec (kvcopy.integrations.vllm.agents.pauses), under vLLM's real Scheduler and
+tiering manager on the CPU (tests/helpers/vllm_tiers.py).
+
+What is checked: a hinted session whose chunks LRU would evict while other requests run comes back to a host hit,
+loaded bitwise, where agents "off" recomputes it; ``done`` frees the session's chunks at once; malformed hints in
+both carriers are served, ignored and counted by kind; without hints, a resume is found by prefix continuation
+and its gap learned; agents "off" builds no pauses and leaves the host tier's policy vLLM's own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
+pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
+
+from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
+from kvcopy.integrations.vllm.agents.pauses import HINT_FAULTS, PAUSES, RESUMES
+
+from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, write_profile
+from helpers.vllm_tiers import make_tiering_rig, record_calls
+
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
+ROW_BYTES = 2 * 2 * BLOCK_TOKENS * 2 * 16 * 4  # a primary row: two layers of K and V, 16 tokens x 2 heads x 16 x fp32
+CHUNKS = len(PROMPT) // BLOCK_TOKENS  # PROMPT's complete chunks (one block each)
+OTHER = [(3 * i + 7) % 250 for i in range(len(PROMPT))]
+THIRD = [(5 * i + 11) % 250 for i in range(len(PROMPT))]
+HINT = {"kvcopy": {"session": "s-17", "tool": "run_tests", "resume_in_s": 30.0}}
+
+
+def agents_rig(tmp_path, *, agents: str = "auto", primary_chunks: int = 2 * CHUNKS + 2, **extra):
+    """kvcopy's tiered spec over a KVCopyDiskTier whose reads are far slower than recomputing (a chunk not in
+    host RAM is computed), with a host tier of ``primary_chunks`` chunks that one session may lease whole."""
+    profile = write_profile(
+        tmp_path / "slow_disk.json",
+        "model",
+        load_alpha_s=0.0,
+        load_bytes_per_s=1e15,
+        prefill_flops_per_s=1e3,
+        disk=(1e9, 1e15),
+    )
+    tier = {"type": "KVCopyDiskTier", "module_path": "kvcopy.integrations.vllm", "path": str(tmp_path / "tier")}
+    return make_tiering_rig(
+        tmp_path,
+        secondary_tiers=[{**tier, "bytes_to_use": 1 << 22}],
+        spec=SPEC_PATH,
+        cpu_bytes_to_use=primary_chunks * ROW_BYTES,
+        extra={
+            "kvcopy_profile": profile,
+            "kvcopy_learn": False,
+            "kvcopy_agents": agents,
+            "kvcopy_agent_max_leased_fraction": 1.0,
+            "kvcopy_agent_max_session_fraction": 1.0,
+            **extra,
+        },
+    )
+
+
+def counted(rig) -> dict[str, dict]:
+    """The agents' counters vLLM's stats collected from now on, summed by label."""
+    seen: dict[str, dict] = {}
+    get_stats = rig.manager.get_stats
+
+    def collecting():
+        stats = get_stats()
+        if stats is not None:
+            for name, by_label in stats.metric_sections()[1].items():
+                if name in (PAUSES, RESUMES, HINT_FAULTS):
+                    for labels, value in by_label.items():
+                        seen.setdefault(name, {})[labels] = seen.get(name, {}).get(labels, 0) + value
+        return stats
+
+    rig.manager.get_stats = collecting
+    return seen
+
+
+def in_primary(rig, tokens) -> list[bool]:
+    context = ReqContext("probe")
+    return [rig.manager.primary_tier.lookup(k, context) is LookupResult.HIT for k in rig.offload_keys(tokens)]
+
+
+def run_one(rig, request_id: str, tokens, params=None) -> None:
+    rig.add(request_id, list(tokens), kv_transfer_params=params)
+    rig.run()
+    rig.drain()
+
+
+def pause_then_crowd(rig, params) -> None:
+    """Session s-17's turn over PROMPT pauses; two other prompts then need more host room than is free."""
+    run_one(rig, "turn-1", PROMPT, params)
+    for name, tokens in (("other", OTHER), ("third", THIRD)):
+        run_one(rig, name, tokens)
+    rig.reset_prefix_cache(zero=True)
+
+
+@pytest.mark.parametrize("agents", ["auto", "off"])
+def test_a_hinted_session_comes_back_to_a_host_hit_that_lru_would_have_evicted(tmp_path, agents):
+    rig = agents_rig(tmp_path, agents=agents)
+    try:
+        seen = counted(rig)
+        pause_then_crowd(rig, HINT)
+        loads = record_calls(rig.tiers[0], "submit_load")
+        tokens = [*PROMPT, 5, 6, 7]
+        hit = CHUNKS * BLOCK_TOKENS
+        rig.add("turn-2", tokens, max_tokens=4, kv_transfer_params=HINT)
+        rig.run_until_prefilled("turn-2")
+        computed = sum(f.get("turn-2", 0) for f in rig.forwards)
+        assert loads == []  # never from the (slow) disk
+        if agents == "off":
+            assert rig.manager.pauses is None
+            assert computed == len(tokens)  # LRU evicted the session's chunks: all recomputed
+            return
+        assert computed == len(tokens) - hit  # the leased chunks loaded from host RAM
+        assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS)) == 2 * CHUNKS
+        assert not any(in_primary(rig, OTHER)[: CHUNKS - 2])  # the crowd's own chunks gave way
+        rig.run()
+        assert seen[PAUSES][("keep",)] >= 1
+        assert seen[RESUMES][("host",)] == 1
+    finally:
+        rig.close()
+
+
+def test_done_frees_the_sessions_chunks_first(tmp_path):
+    rig = agents_rig(tmp_path)
+    try:
+        seen = counted(rig)
+        done = {"kvcopy": {"session": "s-17", "done": True}}
+        run_one(rig, "turn-1", PROMPT, done)
+        run_one(rig, "other", OTHER)
+        assert all(in_primary(rig, PROMPT)) and rig.manager.pauses.policy.leased() == 0
+        run_one(rig, "third", THIRD)
+        # the crowd needed CHUNKS - 2 slots: the done session's chunks went, the other request's stayed
+        assert not any(in_primary(rig, PROMPT)[: CHUNKS - 2]) and all(in_primary(rig, OTHER))
+        assert seen[PAUSES][("done",)] == 1
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(
+    ("params", "hints", "kind"),
+    [
+        ({"kvcopy": {"session": "s", "resume_in_s": -1.0}}, None, "value"),
+        ({"kvcopy": {"session": "s", "resume_in": 3.0}}, None, "unknown_key"),
+        ({"kvcopy": {"session": ""}}, None, "empty_session"),
+        ({"kvcopy": "s-17"}, None, "type"),
+        (None, [KvHintAction("a1", "kvcopy.pause", "2", {"session": "s"})], "version"),
+        (None, [KvHintAction("a1", "kvcopy.pause", "1", {"session": 17})], "type"),
+    ],
+    ids=["negative_gap", "unknown_key", "empty_session", "not_a_mapping", "action_version", "hint_session_type"],
+)
+def test_a_malformed_hint_is_served_ignored_and_counted(tmp_path, params, hints, kind):
+    rig = agents_rig(tmp_path)
+    try:
+        seen = counted(rig)
+        request = rig.add("turn-1", list(PROMPT), kv_transfer_params=params)
+        if hints is not None:
+            request.kv_hints = KvHintsEnvelope(protocol_version="1", message_id="m1", actions=hints)
+        rig.run()
+        rig.drain()
+        assert rig.requests["turn-1"].is_finished()  # served
+        assert rig.manager.pauses.policy.leased() == 0  # the hint ignored
+        assert seen[HINT_FAULTS] == {(kind,): 1}
+    finally:
+        rig.close()
+
+
+def test_without_hints_a_resume_is_learned_by_prefix_continuation(tmp_path):
+    rig = agents_rig(tmp_path)
+    try:
+        pauses = rig.manager.pauses
+        run_one(rig, "turn-1", PROMPT)
+        assert pauses.policy.leased() == 0  # a session not learned yet is LRU's
+        turn2 = [*PROMPT, *range(1, 2 * BLOCK_TOKENS + 1)]
+        run_one(rig, "turn-2", turn2)
+        # turn-2 continued turn-1 (its prompt holds turn-1's last chunk): a resume, its gap learned
+        assert pauses.forecaster.observations(session="~turn-1") == 1
+        assert pauses.policy.leased("~turn-1") > 0  # and the learned session's next pause is planned
+        run_one(rig, "turn-3", [*turn2, 9, 9, 9])
+        assert pauses.forecaster.observations(session="~turn-1") == 2
+    finally:
+        rig.close()
+
+
+def test_agents_off_leaves_vllms_policy_as_it_is(tmp_path):
+    rig = agents_rig(tmp_path, agents="off")
+    try:
+        assert rig.manager.pauses is None
+        assert not isinstance(rig.manager.primary_tier._policy, LeasedPolicy)
+    finally:
+        rig.close()
