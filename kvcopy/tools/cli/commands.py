@@ -319,10 +319,13 @@ _NIXL_LOG_LEVEL = "WARN"
 
 
 def need_nixl(option: str) -> None:
-    """CliError for ``option`` unless NIXL imports (its log level set to the CLI's first)."""
+    """CliError for ``option`` unless NIXL imports (its log level set to the CLI's first, and UCX's modules
+    chosen as every kvcopy agent has them: ``kvcopy.nixl.agent.nixl_module``)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", _NIXL_LOG_LEVEL)
+    from kvcopy.nixl.agent import nixl_module
+
     try:
-        import nixl_cu13  # noqa: F401
+        nixl_module()
     except ImportError:
         raise CliError(f"{option}: needs NIXL: pip install 'kvcopy[nixl]'") from None
 
