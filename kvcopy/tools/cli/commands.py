@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcopy._ext import build_info
-from kvcopy.tools.cli.parser import CliError, check_folder, check_plot, device_arg, load_model, load_profile
+from kvcopy.tools.cli.parser import (
+    CliError,
+    check_folder,
+    check_output_file,
+    check_plot,
+    device_arg,
+    load_model,
+    load_profile,
+)
 
 if TYPE_CHECKING:
     from kvcopy.profile import Profile
@@ -380,7 +388,7 @@ def print_remote_link(profile: Profile) -> None:
 
 def peer(args: argparse.Namespace) -> int:
     """Serves a calibration pool: writes its descriptor to --descriptor, then waits (Ctrl-C, or --seconds)."""
-    check_folder("--descriptor", args.descriptor, make=True)
+    check_output_file("--descriptor", args.descriptor)  # before the agent starts, not in a traceback after it
     need_nixl("kvcopy peer")
     from kvcopy.calibration.network import serve_calibration_peer
     from kvcopy.host.pool import HostKVPool
