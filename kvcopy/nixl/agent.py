@@ -1,7 +1,7 @@
 """NIXL itself, imported only when an agent is made: importing kvcopy never needs it. Before it loads, UCX is
 told to leave its InfiniBand modules out on a machine with no RDMA device (and only where the user has not
-chosen UCX's modules): loaded there for nothing, they pull in a second libnl-route that crashes the process at
-exit (docs/limits.md, "kvcopy.remote")."""
+chosen UCX's modules): loaded there for nothing, wherever the system's RDMA providers are installed they pull
+in a second libnl-route, and the process crashes at exit (docs/limits.md, "kvcopy.remote")."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ RDMA_DEVICES = Path("/sys/class/infiniband")
 # UCX's modules that reach RDMA through libibverbs: "ib" (with the mlx5 and efa modules it loads) and
 # "rdmacm", the RDMA connection manager; "^" makes UCX_MODULES the list of modules UCX leaves out. Loaded,
 # libibverbs opens the system's RDMA providers, which bring the system's libnl-route beside the copy NIXL's
-# wheel bundles: the two unregister each other's traffic classes at exit, and the process ends in SIGSEGV.
+# wheel bundles, and the process ends in SIGSEGV at exit (in rtnl_tc_unregister, run from _dl_fini).
 UCX_MODULES_WITHOUT_RDMA = "^ib,rdmacm"
 
 
@@ -43,8 +43,8 @@ def ucx_modules_chosen(
         return None
     environ["UCX_MODULES"] = UCX_MODULES_WITHOUT_RDMA
     logger.info(
-        "kvcopy: no RDMA device in %s, so UCX_MODULES=%s (UCX's InfiniBand modules would crash this process "
-        "at exit); set UCX_MODULES yourself to choose otherwise",
+        "kvcopy: no RDMA device in %s, so UCX_MODULES=%s: UCX's InfiniBand modules, with nothing to use here, "
+        "can crash the process at exit (docs/limits.md); set UCX_MODULES yourself to choose otherwise",
         rdma_devices,
         UCX_MODULES_WITHOUT_RDMA,
     )
