@@ -16,6 +16,7 @@ __all__ = [
     "FileFormatError",
     "boolean",
     "file_field",
+    "nearest_existing",
     "non_negative_int",
     "non_negative_number",
     "path_argument",
@@ -144,6 +145,14 @@ def path_argument(name: str, value: object) -> Path:
     raise TypeError(f"{name}: expected a path (str or os.PathLike), got {type(value).__name__} {value!r:.80}")
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` where it exists, else the nearest folder above it that does (the root at worst): where a path
+    that cannot be made is stopped, a file standing where a directory must be."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def writable_file_path(name: str, value: object) -> Path:
     """``value`` as the Path of a file kvcopy will write later (its missing directories made then): TypeError
     unless it is a path; ValueError naming ``name`` when it is a directory, when a file stands where one of its
@@ -161,9 +170,7 @@ def writable_file_path(name: str, value: object) -> Path:
         except OSError as err:
             raise ValueError(f"{name}: cannot write {path} ({err.strerror})") from err
         return path
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(path.parent)
     if not ancestor.is_dir():
         raise ValueError(f"{name}: {path} lies under {ancestor}, which is a file, not a directory")
     try:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvcopy._checks import Described, FileFormatError, path_argument
+from kvcopy._checks import Described, FileFormatError, path_argument, writable_file_path
 from kvcopy._version import warn_renamed
 
 __all__ = [
@@ -291,13 +291,15 @@ class Profile:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the profile as JSON at ``path`` (its folders made). TypeError naming ``path`` unless it is a
-        path; ValueError, before anything is written, for a profile that :meth:`load` would refuse."""
+        path; ValueError, before anything is written, for a profile that :meth:`load` would refuse, and for a
+        ``path`` that cannot be written: a directory, one under a file (named), or one without permission."""
         path = path_argument("path", path)
         data = self.to_dict()
         try:
             _ProfileReader("the profile to save").profile(json.loads(json.dumps(data)))
         except FileFormatError as err:
             raise ValueError(f"Profile.save: would not load back from {path}: {err}") from None
+        writable_file_path("path", path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1) + "\n")
 

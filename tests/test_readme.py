@@ -4,16 +4,14 @@ that is not meant to run is fenced as ```text, ```bash or ```console, never ```p
 
 from __future__ import annotations
 
-import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 import kvcopy
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.docs import ROOT, python_block, python_blocks
 
 # The README is read in five minutes: at most this many lines, its first code within the first few.
 README_MAX_LINES, FIRST_CODE_WITHIN = 250, 60
@@ -28,29 +26,6 @@ PYTHON_BLOCKS = {
 }
 
 
-def _python_blocks(name: str) -> list[tuple[str, str]]:
-    """(the heading above it, the code) of every ```python block of ROOT / name, in order."""
-    blocks, heading, fence, code = [], "", None, []
-    for line in (ROOT / name).read_text().splitlines(keepends=True):
-        if fence is None and line.startswith("```"):
-            fence, code = line[3:].strip(), []
-        elif fence is not None and line.startswith("```"):
-            if fence == "python":
-                blocks.append((heading, "".join(code)))
-            fence = None
-        elif fence is not None:
-            code.append(line)
-        elif re.match(r"#+ ", line):  # a heading, not a comment inside a block
-            heading = line.strip()
-    return blocks
-
-
-def _block(name: str, index: int, heading: str) -> str:
-    found_heading, code = _python_blocks(name)[index]
-    assert found_heading == heading, f"{name}'s python block {index} moved: it now sits under {found_heading!r}"
-    return code
-
-
 def _run(name: str, code: str, monkeypatch) -> dict:
     monkeypatch.chdir(ROOT)
     namespace: dict = {"__name__": "readme"}
@@ -60,7 +35,7 @@ def _run(name: str, code: str, monkeypatch) -> dict:
 
 def test_every_python_block_is_tested_here():
     files = ["README.md", *sorted(f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md"))]
-    found = {name: len(_python_blocks(name)) for name in files}
+    found = {name: len(python_blocks(name)) for name in files}
     assert {name: n for name, n in found.items() if n} == PYTHON_BLOCKS
 
 
@@ -69,7 +44,7 @@ def test_every_python_block_is_tested_here():
 
 @pytest.mark.slow
 def test_the_readme_example_runs(monkeypatch, capsys):
-    code = _block("README.md", 0, "## One example")
+    code = python_block("README.md", 0, "## One example")
     namespace = _run("README.md", code, monkeypatch)
     kv, host = namespace["kv"], namespace["host"]
     assert kv.num_planes == 64
@@ -83,7 +58,7 @@ def test_the_readme_example_runs(monkeypatch, capsys):
 
 
 def test_the_errors_example_runs(monkeypatch):
-    code = _block("README.md", 1, "## Errors")
+    code = python_block("README.md", 1, "## Errors")
     namespace = _run("README.md", code, monkeypatch)
     a, b = namespace["a"], namespace["b"]
     assert a is not b and a.planes[0].data_ptr() == b.planes[0].data_ptr()  # refused by memory, not identity
@@ -94,7 +69,7 @@ def test_the_errors_example_runs(monkeypatch):
 
 
 def test_the_api_example_runs(monkeypatch):
-    code = _block("docs/guide.md", 0, "## The API in one example")
+    code = python_block("docs/guide.md", 0, "## The API in one example")
     namespace = _run("docs/guide.md", code, monkeypatch)
     kv, host = namespace["kv"], namespace["host"]
     assert host.num_free == host.num_blocks  # every host block it allocated went back
@@ -103,7 +78,7 @@ def test_the_api_example_runs(monkeypatch):
 
 @pytest.mark.slow
 def test_the_planner_and_cache_key_example_runs(monkeypatch, capsys):
-    code = _block("docs/guide.md", 1, "## The API in one example")
+    code = python_block("docs/guide.md", 1, "## The API in one example")
     namespace = _run("docs/guide.md", code, monkeypatch)
     assert namespace["hits"] == [10, 11, 12, 13]  # the 4 full blocks the two prompts share
     assert namespace["decision"].prefix_tokens == 64
@@ -116,7 +91,7 @@ def test_the_planner_and_cache_key_example_runs(monkeypatch, capsys):
 @pytest.mark.slow
 def test_the_transformers_example_runs(monkeypatch):
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
-    code = _block("docs/engines.md", 0, "## Hugging Face transformers (continuous batching)")
+    code = python_block("docs/engines.md", 0, "## Hugging Face transformers (continuous batching)")
     namespace = _run("docs/engines.md", code, monkeypatch)
     stats = namespace["stats"]
     assert stats.decisions, "the example's cache is meant to be too small: transformers should preempt"
@@ -127,7 +102,7 @@ def test_the_transformers_example_runs(monkeypatch):
 
 
 def test_the_engine_example_runs(monkeypatch):
-    code = _block("docs/engines.md", 1, "## Any other engine")
+    code = python_block("docs/engines.md", 1, "## Any other engine")
     namespace = _run("docs/engines.md", code, monkeypatch)
     kv, host = namespace["kv"], namespace["host"]
     assert host.num_free == host.num_blocks
@@ -142,7 +117,7 @@ def test_the_engine_example_runs(monkeypatch):
 
 def test_the_between_nodes_example_runs(monkeypatch):
     pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
-    code = _block("docs/engines.md", 2, "## Between nodes (NIXL)")
+    code = python_block("docs/engines.md", 2, "## Between nodes (NIXL)")
     namespace = _run("docs/engines.md", code, monkeypatch)
     kv, host, prefill_host = namespace["kv"], namespace["host"], namespace["prefill_host"]
     assert namespace["decision"].action == "fetch"  # the CPU VM's loopback profile: fetching wins
@@ -158,7 +133,7 @@ def test_the_between_nodes_example_runs(monkeypatch):
 
 def test_the_remote_example_runs(monkeypatch, capsys):
     pytest.importorskip("nixl_cu13", reason="kvcopy.remote needs the nixl extra (pip install 'kvcopy[nixl]')")
-    code = _block("docs/remote.md", 0, "## Peers")
+    code = python_block("docs/remote.md", 0, "## Peers")
     namespace = _run("docs/remote.md", code, monkeypatch)
     assert namespace["fetch"].num_descriptors == 1
     printed = capsys.readouterr().out.splitlines()
@@ -173,7 +148,7 @@ def test_the_remote_example_runs(monkeypatch, capsys):
 
 def test_the_disk_store_example_runs(monkeypatch, capsys):
     pytest.importorskip("nixl_cu13", reason="kvcopy.storage needs the nixl extra (pip install 'kvcopy[nixl]')")
-    code = _block("docs/storage.md", 0, "## An example")
+    code = python_block("docs/storage.md", 0, "## An example")
     shutil.rmtree(ROOT / "out" / "disk_store", ignore_errors=True)
     namespace = _run("docs/storage.md", code, monkeypatch)
     assert namespace["put"].num_descriptors == 1

@@ -132,6 +132,11 @@ class OnlineProfile:
         nbytes = positive_int("nbytes", nbytes)
         seconds = checked_seconds(seconds)
         num_blocks = positive_int("num_blocks", num_blocks)
+        if num_blocks > nbytes:  # a block holds at least one byte
+            raise ValueError(
+                f"num_blocks: expected at most nbytes ({nbytes}) blocks, as a block holds at least one byte; "
+                f"got {num_blocks}"
+            )
         key = (direction, method)
         stream = self._copies.get(key) or self._copies.setdefault(key, Stream(self._window))
         stream.append(nbytes, num_blocks, seconds)

@@ -20,11 +20,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcopy._checks import Described, FileFormatError, file_field
+from kvcopy._checks import Described, FileFormatError, file_field, nearest_existing
 from kvcopy.layout import PLANE_BLOCK_BYTES, PagedKV
 from kvcopy.model.dtypes import torch_name
 from kvcopy.storage.commit_log import CommitLog
@@ -134,6 +135,15 @@ def read_header(path: str) -> dict[str, Any]:
             raw = f.read(MAX_HEADER_BYTES + 1)
     except FileNotFoundError:
         raise FileNotFoundError(f"path: no disk store at {path} (no {HEADER})") from None
+    except NotADirectoryError:  # a file where the store's directory, or a folder above it, should be
+        blocker = nearest_existing(Path(path))
+        if blocker == Path(path):
+            raise NotADirectoryError(
+                f"path: {path} is a file, not a disk store (a store is a directory that DiskKVStore.create makes)"
+            ) from None
+        raise NotADirectoryError(
+            f"path: no disk store at {path}: it lies under {blocker}, which is a file, not a directory"
+        ) from None
     if len(raw) > MAX_HEADER_BYTES:
         raise FileFormatError(
             name, "(the file)", f"a header of at most {MAX_HEADER_BYTES} bytes", Described("a longer file")

@@ -181,8 +181,9 @@ class DiskKVStore:
         CacheKey context or another block layout than ``like``'s, naming what differs; FileFormatError (a
         ValueError) naming the file and the field when its files are not what a store writes or disagree (a
         header whose block count is not the data file's, a log with a slot beyond it, a missing log), with
-        nothing changed. Opening cuts off only a torn tail of the log (records a crash left unchecked). The
-        parameters are :meth:`create`'s."""
+        nothing changed. FileNotFoundError naming ``path`` where there is no store; NotADirectoryError naming it
+        where it is a file (or lies under one), not a store. Opening cuts off only a torn tail of the log
+        (records a crash left unchecked). The parameters are :meth:`create`'s."""
         path = os.fspath(path_argument("path", path))
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)

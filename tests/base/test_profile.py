@@ -429,6 +429,22 @@ def test_save_and_load_of_a_path_that_is_not_one_name_path(tmp_path, bad):
         Profile.load(bad)
 
 
+def test_save_under_a_file_names_the_path_and_the_file_and_writes_nothing(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    path = blocker / "sub" / "profile.json"
+    message = rf"^path: {re.escape(str(path))} lies under {re.escape(str(blocker))}, which is a file, not a directory$"
+    with pytest.raises(ValueError, match=message):
+        synthetic_profile().save(path)
+    assert blocker.read_text() == "not a folder" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_save_to_a_directory_is_refused_naming_path(tmp_path):
+    with pytest.raises(ValueError, match=rf"^path: {re.escape(str(tmp_path))} is a directory"):
+        synthetic_profile().save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_refuses_a_profile_that_would_not_load_back_before_writing(tmp_path):
     profile = synthetic_profile()
     profile.peaks["h2h"] = float("nan")  # JSON would write NaN, which load refuses

@@ -138,6 +138,28 @@ def test_calibrate_remote_refuses_a_bad_descriptor_before_measuring(monkeypatch,
     assert "not as a calibration peer's" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["read-only", "under a file", "a folder"])
+def test_peer_refuses_a_descriptor_it_cannot_write_before_its_agent_starts(monkeypatch, tmp_path, capsys, where):
+    from kvcopy.calibration import network
+
+    if where == "read-only" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc: no directory where no one, root included, can create a file")
+    started = []  # the agent, were it made: a descriptor it could not write would leave it serving for nothing
+    monkeypatch.setattr(network, "serve_calibration_peer", lambda *a, **k: started.append("peer"))
+    monkeypatch.setattr("kvcopy.remote.peer.nixl_module", lambda: started.append("agent"))
+    (tmp_path / "afile").write_text("kept")
+    descriptor, said = {
+        "read-only": ("/proc/kvcopy-peer.desc", "cannot write /proc/kvcopy-peer.desc: cannot create files in /proc"),
+        "under a file": (str(tmp_path / "afile" / "peer.desc"), "which is a file, not a directory"),
+        "a folder": (str(tmp_path), "is a directory"),
+    }[where]
+    assert cli.main(["peer", "--descriptor", descriptor, "--seconds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcopy peer: --descriptor: ") and said in err and len(err.splitlines()) == 1, err
+    assert started == []
+    assert (tmp_path / "afile").read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def _with_link(profile: Profile) -> Profile:
     profile.directions[REMOTE_DIRECTION] = {
         REMOTE_METHOD: MethodProfile(CostLine(alpha_s=1e-4, beta_bytes_per_s=1e9, r2=0.99, max_abs_residual=0.1))

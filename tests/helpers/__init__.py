@@ -9,7 +9,9 @@ only fixtures and hooks. Here: the facts of this machine the tests branch on, an
 - ``vllm_tiers``: the same with vLLM's stock TieringOffloadingSpec, its worker replaced by a CPU stand-in;
 - ``remote``: a kvcopy peer in another process;
 - ``netns``: a peer process in each of two network namespaces (``netns_peer`` is what runs there);
-- ``storage``: disk stores and the pools they are filled from.
+- ``storage``: disk stores and the pools they are filled from;
+- ``docs``: the ```python blocks of the README and docs/*.md;
+- ``exit_status``: a script run in a process of its own, to see how it ends.
 """
 
 from __future__ import annotations

@@ -182,6 +182,14 @@ def test_a_missing_profile_path_fails_when_the_spec_is_built(tmp_path):
     assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, ValueError)
 
 
+def test_a_profile_path_that_is_a_directory_is_named_a_directory(tmp_path):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"^kvcopy_profile: '.*profiles' is a directory; expected a profile's file"):
+        read_config({"cpu_bytes_to_use": BYTES, "kvcopy_profile": str(folder)})
+    assert list(folder.iterdir()) == []
+
+
 @pytest.mark.parametrize("version", ["0.32.2", "0.34.0", "1.0.0"])
 def test_a_vllm_outside_the_tested_range_is_a_runtime_error(tmp_path, monkeypatch, version):
     import vllm

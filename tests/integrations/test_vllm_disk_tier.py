@@ -39,6 +39,7 @@ from helpers.disk_tier import (
     run,
     tier_of,
 )
+from helpers.exit_status import assert_ucx_modules_chosen_for_this_machine, run_python
 
 CHUNKS = 4
 REQUEST = ReqContext("r")
@@ -360,3 +361,23 @@ def test_a_hash_that_changes_with_each_process_is_said_once(tmp_path, caplog, mo
     said = [r.getMessage() for r in caplog.records if "cannot hit across restarts" in r.getMessage()]
     assert len(said) == 1 and "PYTHONHASHSEED" in said[0]
     rows.close()
+
+
+@pytest.mark.slow
+def test_a_process_that_used_the_tier_exits_with_status_0(tmp_path):
+    code = f"""
+        from helpers.disk_tier import job, key, primary, run, tier_of
+        rows = primary()
+        with tier_of({str(tmp_path / "tier")!r}, rows) as tier:
+            data = [rows.fill(i, seed=100 + i) for i in range(2)]
+            stored = run(tier, job([key(0), key(1)], [0, 1], promotion=False)).success
+            rows.rows[:] = 0
+            loaded = run(tier, job([key(0), key(1)], [3, 2], promotion=True)).success
+            back = [rows.rows[3].tobytes(), rows.rows[2].tobytes()]
+            print("stored and loaded back:", stored and loaded and back == data)
+        rows.close()
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.described
+    assert "stored and loaded back: True" in result.stdout, result.described
+    assert_ucx_modules_chosen_for_this_machine(result)

@@ -523,6 +523,7 @@ BAD_OBSERVATIONS = [
     ("copy", dict(seconds=float("-inf")), ValueError),
     ("copy", dict(direction="x2y"), ValueError),
     ("copy", dict(direction="d2h", nbytes=0), ValueError),  # a link not seen yet, refused: not created
+    ("copy", dict(nbytes=4, num_blocks=5), ValueError),  # more blocks than bytes
     # copies: wrong types -> TypeError
     ("copy", dict(nbytes=1.5), TypeError),
     ("copy", dict(nbytes="8"), TypeError),
@@ -588,6 +589,14 @@ def test_a_bad_observation_raises_and_changes_nothing(kind, bad, error):
     assert online.num_observations == counts
     assert online.profile().to_dict() == snapshot
     assert online.refits == refits  # nothing new: not refitted either
+
+
+def test_more_blocks_than_bytes_is_refused_naming_both():
+    online = OnlineProfile(LLAMA, Profile.load(CPU_PROFILE))
+    online.observe_copy("h2h", "cpu", 5, 1e-3, num_blocks=5)  # one byte a block: the least a block holds
+    with pytest.raises(ValueError, match=r"^num_blocks: expected at most nbytes \(5\) blocks.*got 6$"):
+        online.observe_copy("h2h", "cpu", 5, 1e-3, num_blocks=6)
+    assert online.num_observations["h2h cpu"] == 1
 
 
 # --------------------------------------------------------------------------- lazy fits, concurrent observing

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,19 @@ def test_open_refuses_a_wrong_path_or_backend(tmp_path):
         DiskKVStore.open(123, pool, cache_key=key())
     with pytest.raises(TypeError, match="backend: expected one of"):
         DiskKVStore.open(tmp_path / "store", pool, cache_key=key(), backend=None)
+
+
+def test_open_of_a_file_says_it_is_a_file_not_a_store_and_changes_nothing(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"not a store")
+    pool = filled_pool(layout(), 1)
+    with pytest.raises(NotADirectoryError, match=rf"^path: {re.escape(str(afile))} is a file, not a disk store"):
+        DiskKVStore.open(afile, pool, cache_key=key())
+    under = afile / "store"
+    message = f"^path: no disk store at {re.escape(str(under))}: it lies under {re.escape(str(afile))}, which is a"
+    with pytest.raises(NotADirectoryError, match=message):
+        DiskKVStore.open(under, pool, cache_key=key())
+    assert afile.read_bytes() == b"not a store" and list(tmp_path.iterdir()) == [afile]
 
 
 def test_a_pool_of_another_layout_is_told_what_differs(tmp_path):

@@ -26,6 +26,7 @@ from kvcopy.storage.gpu_blocks import paged_block_bytes, paged_checksums
 from kvcopy.storage.store import CorruptBlockError, DiskKVStore
 
 from helpers import HAS_CUDA
+from helpers.exit_status import assert_ucx_modules_chosen_for_this_machine, run_python
 from helpers.storage import filled_pool, hashes, key, layout
 
 NUM_BLOCKS = 16
@@ -70,6 +71,24 @@ def test_a_store_survives_its_process(tmp_path):
         store.get(slots, dst, list(range(8, 16))).wait()
     for i in range(8):
         assert torch.equal(src.block_bytes(i), dst.block_bytes(8 + i))
+
+
+@pytest.mark.slow
+def test_a_process_that_used_a_store_exits_with_status_0(tmp_path):
+    code = f"""
+        import torch
+        from helpers.storage import filled_pool, hashes, key, layout
+        from kvcopy.storage import DiskKVStore
+        src, dst = filled_pool(layout(), 1), filled_pool(layout(), 2)
+        with DiskKVStore.create({str(tmp_path / "store")!r}, src, 8, cache_key=key()) as store:
+            store.put(hashes(4), src, [0, 1, 2, 3]).wait()
+            store.get(store.match(hashes(4)), dst, [4, 5, 6, 7]).wait()
+        print("read back:", all(torch.equal(src.block_bytes(i), dst.block_bytes(4 + i)) for i in range(4)))
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.described
+    assert "read back: True" in result.stdout, result.described
+    assert_ucx_modules_chosen_for_this_machine(result)
 
 
 def test_another_cache_key_or_layout_is_refused(tmp_path):

@@ -449,6 +449,7 @@ BAD_VALUES = {
     "calibrate --disk": ("calibrate", "--disk", "/dev/null"),  # a file, not a folder
     "plan --from-disk": ("plan", "--model", "llama-3.1-8b", "--from-disk"),  # a profile without a disk link
     "peer --seconds": ("peer", "--descriptor", "peer.desc", "--seconds", "0"),
+    "peer --descriptor": ("peer", "--descriptor", "/proc/kvcopy-peer.desc"),  # no one can create files there
 }
 
 

@@ -156,7 +156,7 @@ def read_config(extra: Mapping[str, Any]) -> SpecConfig:
     ``kvcopy_decode_share`` outside [0, 1), an agent fraction outside [0, 1], a ``kvcopy_agents`` other than
     "auto" or "off", a ``kvcopy_agent_forecast`` that is a directory, and a ``kvcopy_*`` key kvcopy does not
     read (a typo, never ignored). A ``kvcopy_profile`` that names no file is a :class:`ProfileNotFoundError` (a
-    FileNotFoundError and a ValueError).
+    FileNotFoundError and a ValueError); one that names a directory a ValueError saying so.
     """
     if not isinstance(extra, Mapping):
         raise TypeError(f"kv_connector_extra_config: expected a mapping of keys, got {type(extra).__name__}")
@@ -167,6 +167,10 @@ def read_config(extra: Mapping[str, Any]) -> SpecConfig:
     path = extra.get("kvcopy_profile")
     if path is not None:
         path = os.fspath(path_argument("kvcopy_profile", path))
+        if os.path.isdir(path):
+            raise ValueError(
+                f"kvcopy_profile: {path!r} is a directory; expected a profile's file (`kvcopy calibrate --out <file>`)"
+            )
         if not os.path.isfile(path):
             raise ProfileNotFoundError(f"kvcopy_profile: no profile at {path!r} (write one with `kvcopy calibrate`)")
     share = _fraction("kvcopy_decode_share", extra.get("kvcopy_decode_share", 0.0))

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcopy._ext import build_info
-from kvcopy.tools.cli.parser import CliError, check_folder, check_plot, device_arg, load_model, load_profile
+from kvcopy.tools.cli.parser import (
+    CliError,
+    check_folder,
+    check_output_file,
+    check_plot,
+    device_arg,
+    load_model,
+    load_profile,
+)
 
 if TYPE_CHECKING:
     from kvcopy.profile import Profile
@@ -319,10 +327,13 @@ _NIXL_LOG_LEVEL = "WARN"
 
 
 def need_nixl(option: str) -> None:
-    """CliError for ``option`` unless NIXL imports (its log level set to the CLI's first)."""
+    """CliError for ``option`` unless NIXL imports (its log level set to the CLI's first, and UCX's modules
+    chosen as every kvcopy agent has them: ``kvcopy.nixl.agent.nixl_module``)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", _NIXL_LOG_LEVEL)
+    from kvcopy.nixl.agent import nixl_module
+
     try:
-        import nixl_cu13  # noqa: F401
+        nixl_module()
     except ImportError:
         raise CliError(f"{option}: needs NIXL: pip install 'kvcopy[nixl]'") from None
 
@@ -377,7 +388,7 @@ def print_remote_link(profile: Profile) -> None:
 
 def peer(args: argparse.Namespace) -> int:
     """Serves a calibration pool: writes its descriptor to --descriptor, then waits (Ctrl-C, or --seconds)."""
-    check_folder("--descriptor", args.descriptor, make=True)
+    check_output_file("--descriptor", args.descriptor)  # before the agent starts, not in a traceback after it
     need_nixl("kvcopy peer")
     from kvcopy.calibration.network import serve_calibration_peer
     from kvcopy.host.pool import HostKVPool

@@ -17,6 +17,7 @@ __all__ = [
     "Parser",
     "build_parser",
     "check_folder",
+    "check_output_file",
     "check_plot",
     "device_arg",
     "fraction",
@@ -93,6 +94,18 @@ def check_folder(option: str, path: str, *, make: bool = False) -> None:
         raise CliError(f"{option}: no such directory: {folder}")
     if Path(path).is_dir():
         raise CliError(f"{option}: {path} is a folder; expected a file path")
+
+
+def check_output_file(option: str, path: str) -> None:
+    """Before any work: ``path`` is a file this process can write, tried rather than guessed
+    (kvcopy._checks.writable_file_path: not a folder, under no file, with permission), its folders then made."""
+    from kvcopy._checks import writable_file_path
+
+    try:
+        writable_file_path(option, path)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    check_folder(option, path, make=True)
 
 
 def device_arg(text: str | None) -> str | None:
