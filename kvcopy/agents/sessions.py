@@ -82,10 +82,12 @@ class PauseTracker:
             self._forget(next(iter(self._paused)))
         return pause
 
-    def resumed(self, request_id: str, session: str | None, keys: Iterable[Hashable]) -> tuple[Pause, float] | None:
+    def resumed(
+        self, request_id: str, session: str | None, keys: Iterable[Hashable], *, at: float | None = None
+    ) -> tuple[Pause, float] | None:
         """``request_id`` arrived (with its hint's ``session``, None without a hint; ``keys``: its prompt's
-        chunks). Returns the pause it ends and the gap in seconds (which the forecaster has learned), or None
-        when it resumes no pause."""
+        chunks; ``at``: when it arrived, the clock's seconds, if not now). Returns the pause it ends and the gap
+        in seconds (which the forecaster has learned), or None when it resumes no pause."""
         pause = None
         if session is not None:
             pause = self._paused.get(session)
@@ -100,7 +102,7 @@ class PauseTracker:
         self._forget(pause.session)
         if pause.learned:
             self._session_of[request_id] = pause.session
-        gap = max(0.0, self.clock() - pause.since)
+        gap = max(0.0, (self.clock() if at is None else at) - pause.since)
         if self.forecaster is not None:
             self.forecaster.observe(  # type: ignore[attr-defined]
                 gap, session=pause.session, tool=pause.tool, resume_in_s=pause.resume_in_s

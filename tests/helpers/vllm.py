@@ -188,10 +188,16 @@ class Rig:
         return self.scheduler.connector.connector_scheduler.manager
 
     def add(
-        self, request_id: str, tokens: list[int], max_tokens: int = 1, kv_transfer_params: dict | None = None
+        self,
+        request_id: str,
+        tokens: list[int],
+        max_tokens: int = 1,
+        kv_transfer_params: dict | None = None,
+        kv_hints: object | None = None,
     ) -> Request:
         """Adds a request (``kv_transfer_params``: vLLM's per-request connector parameters, max_load_tokens,
-        kv_load_tiers, ...)."""
+        kv_load_tiers, ...; ``kv_hints``: vLLM's hint envelope, as ``AsyncLLM.generate(..., kv_hints=)`` passes
+        it)."""
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         request = Request(
@@ -200,6 +206,7 @@ class Rig:
             sampling_params=params,
             pooling_params=None,
             block_hasher=self._hasher,
+            kv_hints=kv_hints,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)

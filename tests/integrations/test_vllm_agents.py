@@ -112,11 +112,12 @@ def test_a_hinted_session_comes_back_to_a_host_hit_that_lru_would_have_evicted(t
         assert loads == []  # never from the (slow) disk
         if agents == "off":
             assert rig.manager.pauses is None
-            assert computed == len(tokens)  # LRU evicted the session's chunks: all recomputed
+            # LRU evicted the session's chunks, tails first (vLLM's order): only its first two loaded
+            assert computed == len(tokens) - 2 * BLOCK_TOKENS
             return
         assert computed == len(tokens) - hit  # the leased chunks loaded from host RAM
         assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS)) == 2 * CHUNKS
-        assert not any(in_primary(rig, OTHER)[: CHUNKS - 2])  # the crowd's own chunks gave way
+        assert sum(in_primary(rig, OTHER)) == 2  # the crowd's own chunks gave way
         rig.run()
         assert seen[PAUSES][("keep",)] >= 1
         assert seen[RESUMES][("host",)] == 1
@@ -156,9 +157,8 @@ def test_a_malformed_hint_is_served_ignored_and_counted(tmp_path, params, hints,
     rig = agents_rig(tmp_path)
     try:
         seen = counted(rig)
-        request = rig.add("turn-1", list(PROMPT), kv_transfer_params=params)
-        if hints is not None:
-            request.kv_hints = KvHintsEnvelope(protocol_version="1", message_id="m1", actions=hints)
+        envelope = None if hints is None else KvHintsEnvelope(protocol_version="1", message_id="m1", actions=hints)
+        rig.add("turn-1", list(PROMPT), kv_transfer_params=params, kv_hints=envelope)
         rig.run()
         rig.drain()
         assert rig.requests["turn-1"].is_finished()  # served
@@ -172,15 +172,17 @@ def test_without_hints_a_resume_is_learned_by_prefix_continuation(tmp_path):
     rig = agents_rig(tmp_path)
     try:
         pauses = rig.manager.pauses
+        learned = record_calls(pauses.forecaster, "observe")
         run_one(rig, "turn-1", PROMPT)
         assert pauses.policy.leased() == 0  # a session not learned yet is LRU's
+        run_one(rig, "unrelated", OTHER)
         turn2 = [*PROMPT, *range(1, 2 * BLOCK_TOKENS + 1)]
         run_one(rig, "turn-2", turn2)
         # turn-2 continued turn-1 (its prompt holds turn-1's last chunk): a resume, its gap learned
-        assert pauses.forecaster.observations(session="~turn-1") == 1
+        assert len(learned) == 1 and learned[0][0] > 0
         assert pauses.policy.leased("~turn-1") > 0  # and the learned session's next pause is planned
         run_one(rig, "turn-3", [*turn2, 9, 9, 9])
-        assert pauses.forecaster.observations(session="~turn-1") == 2
+        assert len(learned) == 2
     finally:
         rig.close()
 

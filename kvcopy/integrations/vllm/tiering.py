@@ -136,7 +136,6 @@ class KVCopyTieringManager(TieringOffloadingManager):
         self._stats = OffloadingConnectorStats()
         # the decisions at agents' pauses (kvcopy_agents "auto"; None when "off")
         self.pauses = AgentPauses(self, settings) if settings is not None and settings.agents == "auto" else None
-        self._arrived: set[str] = set()  # live requests the pauses have seen arrive
 
     # ------------------------------------------------------------------ the hit
 
@@ -261,9 +260,8 @@ class KVCopyTieringManager(TieringOffloadingManager):
         if not _ends_a_chunk(position, self.geometry, key):
             return LookupResult.MISS  # a partial recurrent tail's boundary: never judged, computed (docs/engines.md)
         request = req_context.req_id
-        if self.pauses is not None and request not in self._arrived:
-            self._arrived.add(request)
-            self.pauses.arrived(req_context)  # (a resume ends its session's lease before the hit is judged)
+        if self.pauses is not None:
+            self.pauses.seen(req_context)  # (a resume ends its session's lease before the hit is judged)
         verdict = self._verdicts.get(request)
         if verdict is None and get_offload_group_idx(key) in self.geometry.full_groups:
             self._maybe_process_finished_jobs()  # (as vLLM's lookup: promotions finished since count as host)
@@ -281,8 +279,17 @@ class KVCopyTieringManager(TieringOffloadingManager):
         self._recorded.pop(req_context.req_id, None)
         super().on_request_finished(req_context, exclude_tier_idx=exclude_tier_idx)
         if self.pauses is not None:  # (after the host tier took the request's recency: the plan acts on it)
-            self._arrived.discard(req_context.req_id)
             self.pauses.finished(req_context)
+
+    def on_new_request(self, req_context: ReqContext, *, exclude_tier_idx: int | None = None) -> Any:
+        if self.pauses is not None:
+            self.pauses.arrived(req_context)
+        return super().on_new_request(req_context, exclude_tier_idx=exclude_tier_idx)
+
+    def prepare_store(self, keys: Any, req_context: ReqContext) -> Any:
+        if self.pauses is not None:
+            self.pauses.seen(req_context)
+        return super().prepare_store(keys, req_context)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._verdicts.clear()  # the next step judges again, on what is where and learned by then

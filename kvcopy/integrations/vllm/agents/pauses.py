@@ -14,7 +14,8 @@ plans it (kvcopy.agents.plan_pause) over the chunks the request left in host RAM
   under the manager's lock, then leased until the plan's lease end;
 - **drop**: they go first; the resume recomputes what the resume's own judgment will not load.
 
-At the next request of the session (its first lookup: the resume edge) the lease ends and an unstarted prefetch
+At the next request of the session (its arrival, vLLM's ``on_new_request``, for a hinted session; the first
+time its keys are seen, for a learned one: the resume edge) the lease ends and an unstarted prefetch
 is cancelled; a prefetch still in flight makes the lookups answer HIT_PENDING (vLLM's own answer for a chunk
 being written), so the request waits on it and no second read starts. A session with no hint and not yet
 learned is left to LRU: with no pauses, every decision is as it was.
@@ -27,9 +28,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -44,7 +45,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvcopy.agents import GapForecast, GapForecaster, PauseHint, read_pause_hint
 from kvcopy.agents.plan import PauseCosts, PausePlan, hold_price, plan_pause
-from kvcopy.agents.sessions import PauseTracker
+from kvcopy.agents.sessions import Pause, PauseTracker
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._config import SpecConfig
 from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
@@ -143,6 +144,7 @@ class AgentPauses:
         self.tracker = PauseTracker(self.forecaster, clock=clock)
         self.stats = OffloadingConnectorStats()
         self._hints: dict[str, PauseHint | None] = {}  # by live request, parsed at its first sight
+        self._arrivals: dict[str, float] = {}  # live requests whose resume is not looked for yet: when they came
         self._planned: dict[str, _Planned] = {}  # by paused session
         self._prefetches: dict[str, _Prefetch] = {}  # by paused session
         self._warned: set[str] = set()  # the kinds of hint fault already logged
@@ -172,11 +174,26 @@ class AgentPauses:
         return reading.hint
 
     def arrived(self, context: ReqContext) -> None:
-        """The request's first lookup: if it resumes a paused session, the session's lease ends, an unstarted
-        prefetch is cancelled, and the pause is scored (where the chunks were, the forecast's error)."""
+        """A request arrived (vLLM's ``on_new_request``): when it resumes a session its hint names, that
+        session's pause ends now; without a hint, the pause it may continue is found once its keys are known
+        (:meth:`seen`), with this arrival's time."""
+        self._arrivals[context.req_id] = self.clock()
         hint = self.hint_of(context)
+        if hint is not None:
+            self._resume(context, self.tracker.resumed(context.req_id, hint.session, ()))
+
+    def seen(self, context: ReqContext) -> None:
+        """The manager sees the request with its keys (a lookup, a store, its finish): a request without a hint
+        that continues a paused request's prompt resumes that request's session."""
+        at = self._arrivals.pop(context.req_id, None)
+        if at is None or self._hints.get(context.req_id) is not None:
+            return
         keys = [key for _, key in _ordered_keys(context)]
-        found = self.tracker.resumed(context.req_id, None if hint is None else hint.session, keys)
+        self._resume(context, self.tracker.resumed(context.req_id, None, keys, at=at))
+
+    def _resume(self, context: ReqContext, found: tuple[Pause, float] | None) -> None:
+        """A paused session resumed: its lease ends, an unstarted prefetch is cancelled, and the pause is scored
+        (where the chunks were, the forecast's error)."""
         if found is None:
             return
         pause, gap = found
@@ -203,13 +220,16 @@ class AgentPauses:
     def finished(self, context: ReqContext) -> PausePlan | None:
         """The request finished: its session pauses, and the plan for its chunks in host RAM is acted on.
         None when nothing was planned (no session, or nothing in host RAM)."""
+        self.seen(context)
         hint = self.hint_of(context)
         self._hints.pop(context.req_id, None)
         chunks = [key for _, key in _ordered_keys(context) if self.policy.get(key) is not None]
         learned_before = context.req_id in self.tracker._session_of  # (a learned session's later turn)
         pause = self.tracker.paused(context.req_id, hint, chunks[-1] if chunks else None)
         if pause is None:  # done: nothing of it is needed again
-            self._end(hint.session if hint is not None else "")
+            assert hint is not None
+            self._end(hint.session)
+            self.forecaster.end_session(hint.session)
             self.policy.demote(chunks)
             self.stats.increase_counter(PAUSES, 1, ("done",))
             return PausePlan.released("the client said done")
@@ -359,8 +379,8 @@ class AgentPauses:
                 return i
         return None
 
-    def _in_a_tier(self, key: OffloadKey, context: ReqContext) -> bool:
-        return self._tier_holding(key, context) is not None
+    def _in_a_tier(self, key: Hashable, context: ReqContext) -> bool:
+        return self._tier_holding(cast(OffloadKey, key), context) is not None  # (the tracker keeps vLLM's keys)
 
     def take_stats(self) -> OffloadingConnectorStats:
         stats, self.stats = self.stats, OffloadingConnectorStats()
