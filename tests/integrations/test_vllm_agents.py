@@ -17,8 +17,9 @@ pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip i
 from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+from kvcopy.agents import PausePlan
 from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
-from kvcopy.integrations.vllm.agents.pauses import HINT_FAULTS, PAUSES, RESUMES
+from kvcopy.integrations.vllm.agents.pauses import HINT_FAULTS, PAUSES, PREFETCHES, RESUMES
 
 from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, write_profile
 from helpers.vllm_tiers import make_tiering_rig, record_calls
@@ -32,16 +33,17 @@ THIRD = [(5 * i + 11) % 250 for i in range(len(PROMPT))]
 HINT = {"kvcopy": {"session": "s-17", "tool": "run_tests", "resume_in_s": 30.0}}
 
 
-def agents_rig(tmp_path, *, agents: str = "auto", primary_chunks: int = 2 * CHUNKS + 2, **extra):
-    """kvcopy's tiered spec over a KVCopyDiskTier whose reads are far slower than recomputing (a chunk not in
-    host RAM is computed), with a host tier of ``primary_chunks`` chunks that one session may lease whole."""
+def agents_rig(tmp_path, *, agents: str = "auto", primary_chunks: int = 2 * CHUNKS + 2, disk_s: float = 1e9, **extra):
+    """kvcopy's tiered spec over a KVCopyDiskTier whose reads take ``disk_s`` a call (by default far slower than
+    recomputing: a chunk not in host RAM is computed), with a host tier of ``primary_chunks`` chunks that one
+    session may lease whole."""
     profile = write_profile(
-        tmp_path / "slow_disk.json",
+        tmp_path / f"disk_{disk_s:g}.json",
         "model",
         load_alpha_s=0.0,
         load_bytes_per_s=1e15,
         prefill_flops_per_s=1e3,
-        disk=(1e9, 1e15),
+        disk=(disk_s, 1e15),
     )
     tier = {"type": "KVCopyDiskTier", "module_path": "kvcopy.integrations.vllm", "path": str(tmp_path / "tier")}
     return make_tiering_rig(
@@ -69,7 +71,7 @@ def counted(rig) -> dict[str, dict]:
         stats = get_stats()
         if stats is not None:
             for name, by_label in stats.metric_sections()[1].items():
-                if name in (PAUSES, RESUMES, HINT_FAULTS):
+                if name in (PAUSES, RESUMES, HINT_FAULTS, PREFETCHES):
                     for labels, value in by_label.items():
                         seen.setdefault(name, {})[labels] = seen.get(name, {}).get(labels, 0) + value
         return stats
@@ -192,5 +194,127 @@ def test_agents_off_leaves_vllms_policy_as_it_is(tmp_path):
     try:
         assert rig.manager.pauses is None
         assert not isinstance(rig.manager.primary_tier._policy, LeasedPolicy)
+    finally:
+        rig.close()
+
+
+class Clock:
+    """The pauses' clock, moved by the test (the leases', the tracker's and the prefetches' alike)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def demoted_with_prefetch(rig, monkeypatch, *, at_s: float) -> Clock:
+    """The pauses' clock made the test's, and every plan a demotion read back ``at_s`` after the pause (the plan
+    itself is tests/agents/test_pause_plan.py's: here, what the engine does with one)."""
+    pauses = rig.manager.pauses
+    clock = Clock(1000.0)
+    pauses.clock = pauses.policy.clock = pauses.tracker.clock = clock
+    plan = PausePlan("demote", 600.0, at_s, 0.1, 1.0, 0.9, "demote, read back (the test's plan)")
+    monkeypatch.setattr(pauses, "_plan", lambda *args, **kwargs: plan)
+    return clock
+
+
+def crowded_out(rig) -> None:
+    """Session s-17's turn over PROMPT pauses (demoted: its chunks go first); two other prompts take its room."""
+    pause_then_crowd(rig, HINT)
+    assert not any(in_primary(rig, PROMPT))  # the demoted chunks went first
+    assert all(in_primary(rig, OTHER)) and all(in_primary(rig, THIRD))
+
+
+def test_a_demoted_sessions_prefetch_lands_before_its_resume(tmp_path, monkeypatch):
+    rig = agents_rig(tmp_path, disk_s=0.0, primary_chunks=2 * CHUNKS)
+    try:
+        seen = counted(rig)
+        clock = demoted_with_prefetch(rig, monkeypatch, at_s=5.0)
+        crowded_out(rig)
+        loads = record_calls(rig.tiers[0], "submit_load")
+        rig.step()
+        assert loads == []  # not due yet
+        clock.now += 5.0
+        assert rig.manager.has_pending_work()  # a prefetch due: the engine steps with no request
+        rig.drain()
+        assert len(loads) == 1 and all(in_primary(rig, PROMPT))  # read back into host RAM, and leased
+        assert rig.manager.pauses.policy.leased("s-17") == CHUNKS
+        tokens = [*PROMPT, 5, 6, 7]
+        rig.add("turn-2", tokens, max_tokens=4, kv_transfer_params=HINT)
+        rig.run_until_prefilled("turn-2")
+        assert len(loads) == 1  # the resume's hit was in host RAM: no promotion of its own
+        assert sum(f.get("turn-2", 0) for f in rig.forwards) == len(tokens) - CHUNKS * BLOCK_TOKENS
+        assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS)) == 2 * CHUNKS
+        rig.run()
+        assert seen[RESUMES] == {("prefetch",): 1}
+        assert seen[PREFETCHES] == {("started",): 1, ("in_time",): 1}
+    finally:
+        rig.close()
+
+
+def test_a_resume_during_its_prefetch_waits_on_it_without_a_second_read(tmp_path, monkeypatch):
+    rig = agents_rig(tmp_path, disk_s=0.0, primary_chunks=2 * CHUNKS)
+    try:
+        seen = counted(rig)
+        clock = demoted_with_prefetch(rig, monkeypatch, at_s=5.0)
+        crowded_out(rig)
+        tier = rig.tiers[0]
+        loads = record_calls(tier, "submit_load")
+        finished, held = tier.get_finished_jobs, []
+        release = False
+
+        def withheld():  # the tier's read lands only when the test says so
+            held.extend(finished())
+            if not release:
+                return []
+            out = list(held)
+            held.clear()
+            return out
+
+        monkeypatch.setattr(tier, "get_finished_jobs", withheld)
+        clock.now += 5.0
+        rig.step()
+        assert len(loads) == 1  # the prefetch is in flight
+        tokens = [*PROMPT, 5, 6, 7]
+        rig.add("turn-2", tokens, max_tokens=4, kv_transfer_params=HINT)
+        for _ in range(5):
+            rig.step()
+        assert sum(f.get("turn-2", 0) for f in rig.forwards) == 0  # waiting on the prefetch (HIT_PENDING)
+        assert len(loads) == 1  # and no second read
+        release = True
+        rig.run_until_prefilled("turn-2")
+        assert len(loads) == 1
+        assert sum(f.get("turn-2", 0) for f in rig.forwards) == len(tokens) - CHUNKS * BLOCK_TOKENS
+        assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS)) == 2 * CHUNKS
+        rig.run()
+        assert seen[PREFETCHES] == {("started",): 1, ("late",): 1}
+    finally:
+        rig.close()
+
+
+def test_a_lease_holds_no_more_than_its_share(tmp_path):
+    rig = agents_rig(tmp_path, kvcopy_agent_max_leased_fraction=0.5, kvcopy_agent_max_session_fraction=0.1)
+    try:
+        run_one(rig, "turn-1", PROMPT, HINT)
+        policy = rig.manager.pauses.policy
+        share = int(policy.cache_capacity * 0.1)
+        assert 0 < policy.leased("s-17") == share < CHUNKS  # the leading chunks, to its share
+        assert policy.keys_of("s-17") == tuple(rig.offload_keys(PROMPT)[:share])
+    finally:
+        rig.close()
+
+
+def test_a_burst_of_new_requests_still_gets_host_room(tmp_path):
+    rig = agents_rig(tmp_path, primary_chunks=2 * CHUNKS)
+    try:
+        run_one(rig, "turn-1", PROMPT, HINT)
+        policy = rig.manager.pauses.policy
+        assert policy.leased("s-17") == CHUNKS
+        burst = [*OTHER, *THIRD]  # as many chunks as the host tier holds: half of them only the lease can give
+        run_one(rig, "burst", burst)
+        # the host tier is the burst's: the lease gave way rather than keep a store from room
+        assert all(in_primary(rig, burst))
+        assert policy.displaced == 1 and policy.leased("s-17") == 0
     finally:
         rig.close()

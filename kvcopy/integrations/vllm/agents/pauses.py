@@ -236,25 +236,24 @@ class AgentPauses:
         if (hint is None and not learned_before) or not chunks:
             return None  # a session not hinted and not learned yet: LRU's, as without agents
         self._end(pause.session)
-        plan = self._plan(pause.session, hint, chunks)
+        held = chunks[: self.policy.room(pause.session)]  # (a session holds its leading chunks, to its share)
+        plan = self._plan(pause.session, hint, held or chunks, room=bool(held))
         now = self.clock()
-        nbytes = len(chunks) * self.manager.row_bytes
+        self.policy.demote(chunks[len(held) :] if plan.choice == "keep" else chunks)
         if plan.choice == "keep" and plan.lease_end_s is not None:
-            leased = self.policy.lease(pause.session, chunks, now + plan.lease_end_s)
+            leased = self.policy.lease(pause.session, held, now + plan.lease_end_s)
             self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("keep",))
-        else:
-            self.policy.demote(chunks)
-            if plan.prefetch_at_s is not None and plan.lease_end_s is not None:
-                self._prefetches[pause.session] = _Prefetch(
-                    pause.session, tuple(chunks), context, now + plan.prefetch_at_s, now + plan.lease_end_s
-                )
-                self._notify()
+        elif plan.prefetch_at_s is not None and plan.lease_end_s is not None:
+            self._prefetches[pause.session] = _Prefetch(
+                pause.session, tuple(held), context, now + plan.prefetch_at_s, now + plan.lease_end_s
+            )
+            self._notify()
         self.stats.increase_counter(PAUSES, 1, (plan.choice,))
         forecast = self._forecast(pause.session, hint)
         self._planned[pause.session] = _Planned(
             plan, forecast.quantile(0.5), (forecast.quantile(0.1), forecast.quantile(0.9))
         )
-        logger.debug("kvcopy: session %s paused over %d bytes: %s", pause.session, nbytes, plan.explanation)
+        logger.debug("kvcopy: session %s paused over %d chunks: %s", pause.session, len(chunks), plan.explanation)
         return plan
 
     # ------------------------------------------------------------------ prefetches
@@ -329,14 +328,16 @@ class AgentPauses:
 
     # ------------------------------------------------------------------ costs
 
-    def _plan(self, session: str, hint: PauseHint | None, chunks: list[OffloadKey]) -> PausePlan:
+    def _plan(self, session: str, hint: PauseHint | None, chunks: list[OffloadKey], *, room: bool) -> PausePlan:
+        """The plan for ``chunks`` (the session's leading chunks in host RAM, within its share); ``room``: False
+        when the session may lease nothing now (it is then demoted or dropped)."""
         manager = self.manager
         planner, _ = manager.session.live.current()
         n = len(chunks)
         rows = n * manager.row_bytes
         if planner is None:  # no profile: keep while the leases allow, as LRU would have kept them at best
             costs = PauseCosts(host_s=0.0, recompute_s=1.0, nbytes=rows)
-            return plan_pause(self._forecast(session, hint), costs, hold_price=0.0)
+            return plan_pause(self._forecast(session, hint), costs, hold_price=0.0, room_bytes=None if room else 0)
         group = get_offload_group_idx(chunks[0])
         tokens = n * manager.geometry.tokens_per_chunk[group]
         host = planner.t_load_nbytes(n * manager.chunk_bytes)
@@ -350,8 +351,7 @@ class AgentPauses:
             read_s=read,
         )
         price = hold_price(turnover_per_s=self._turnover(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
-        room = self.policy.room(session) * manager.row_bytes
-        return plan_pause(self._forecast(session, hint), costs, hold_price=price, room_bytes=room)
+        return plan_pause(self._forecast(session, hint), costs, hold_price=price, room_bytes=None if room else 0)
 
     def _forecast(self, session: str, hint: PauseHint | None) -> GapForecast:
         """The pause's forecast: its session's, under its tool, with its client's estimate."""
