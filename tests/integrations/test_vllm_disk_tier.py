@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import threading
 
@@ -22,8 +23,9 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 
 from kvcopy.integrations.vllm import KVCopyDiskTier
 from kvcopy.integrations.vllm.tiers.disk import PROMOTION_LATENCY, store_hash
-from kvcopy.integrations.vllm.tiers.stores import PATH_LOCK
+from kvcopy.integrations.vllm.tiers.stores import PATH_LOCK, stores_nbytes
 from kvcopy.storage.files import DATA
+from kvcopy.storage.store import DiskKVStore
 
 from helpers import HANG_TIMEOUT_S
 from helpers.disk_tier import (
@@ -58,6 +60,54 @@ def promoted(tier, rows_of) -> list[bytes]:
     return [rows_of.rows[4 + i].tobytes() for i in range(CHUNKS)]
 
 
+class HeldIO:
+    """The tier's IO thread, watched and held through its store: each job it posts is recorded in order
+    (``posted``: ("cascade" | "promotion", the job's store hashes)); its first put waits for ``release_put``
+    (``put_entered`` says it is there); NIXL reports every transfer of the store in flight, so nothing is
+    committed, until ``release_done`` (``polled`` says the IO thread has polled a put it posted).
+    ``release()`` lets everything go."""
+
+    def __init__(self, tier, monkeypatch) -> None:
+        store = tier.store
+        self.posted: list[tuple[str, list[str]]] = []
+        self.put_entered, self.release_put = threading.Event(), threading.Event()
+        self.polled, self.release_done = threading.Event(), threading.Event()
+        real_put, real_match, real_state = store.put, store.match, store._agent.check_xfer_state
+
+        def put(block_hashes, pool, pool_ids):
+            self.posted.append(("cascade", list(block_hashes)))
+            if len(self.posted) == 1:
+                self.put_entered.set()
+                assert self.release_put.wait(HANG_TIMEOUT_S)
+            return _PolledTransfer(real_put(block_hashes, pool, pool_ids), self.polled)
+
+        def match(block_hashes):  # (the IO thread's first call for a promotion)
+            self.posted.append(("promotion", list(block_hashes)))
+            return real_match(block_hashes)
+
+        def state(handle):
+            return real_state(handle) if self.release_done.is_set() else "PROC"
+
+        monkeypatch.setattr(store, "put", put)
+        monkeypatch.setattr(store, "match", match)
+        monkeypatch.setattr(store._agent, "check_xfer_state", state)
+
+    def release(self) -> None:
+        self.release_put.set()
+        self.release_done.set()
+
+
+class _PolledTransfer:
+    """A put's transfer that says when the IO thread polls it."""
+
+    def __init__(self, transfer, polled: threading.Event) -> None:
+        self._transfer, self._polled = transfer, polled
+
+    def done(self) -> bool:
+        self._polled.set()
+        return self._transfer.done()
+
+
 def test_chunks_stored_and_loaded_back_are_bitwise_the_rows(tmp_path):
     rows = primary()
     with tier_of(tmp_path / "tier", rows) as tier:
@@ -85,6 +135,66 @@ def test_chunks_stored_and_loaded_back_are_bitwise_the_rows(tmp_path):
         assert len(values[PROMOTION_LATENCY][("KVCopyDiskTier",)]) == 1
         assert tier.get_stats() is None  # taken: nothing new since
     rows.close()  # the tier let go of every view of it
+
+
+def test_a_chunk_is_a_miss_until_its_cascade_is_committed(tmp_path, monkeypatch):
+    """``lookup`` answers from what the store has committed: a chunk whose cascade is queued behind another, or
+    whose put is in flight, is a MISS (a HIT would have vLLM count it stored, and promote a chunk the disk does
+    not hold yet); a HIT once the put is committed."""
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        io = HeldIO(tier, monkeypatch)
+        first, second = [key(0), key(1)], [key(2), key(3)]
+        data = [rows.fill(i, seed=200 + i) for i in range(4)]
+        jobs = [job(first, [0, 1], promotion=False), job(second, [2, 3], promotion=False)]
+        try:
+            tier.submit_store(jobs[0])
+            assert io.put_entered.wait(HANG_TIMEOUT_S)  # the IO thread posts the first cascade...
+            tier.submit_store(jobs[1])  # ... and the second waits in the queue behind it
+            assert [tier.lookup(k, REQUEST) for k in first + second] == [LookupResult.MISS] * 4
+            io.release_put.set()
+            assert io.polled.wait(HANG_TIMEOUT_S)  # the first put in flight, not done: nothing committed
+            assert [tier.lookup(k, REQUEST) for k in first + second] == [LookupResult.MISS] * 4
+        finally:
+            io.release()
+        tier.drain_jobs()
+        assert all(r.success for r in tier.get_finished_jobs())
+        assert [tier.lookup(k, REQUEST) for k in first + second] == [LookupResult.HIT] * 4
+        rows.rows[:] = 0
+        assert promoted(tier, rows) == data
+    rows.close()
+
+
+def test_a_promotion_queued_behind_cascades_is_posted_before_them(tmp_path, monkeypatch):
+    """A resumed request waits on its promotion, nobody on a cascade: the IO thread posts a queued promotion
+    before the cascades queued ahead of it."""
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        data = stored(tier, rows, n=2)
+        io = HeldIO(tier, monkeypatch)
+        for i in (2, 3, 4):
+            rows.fill(i, seed=300 + i)
+        promotion = job([key(0), key(1)], [6, 7], promotion=True)
+        try:
+            tier.submit_store(job([key(2)], [2], promotion=False))
+            assert io.put_entered.wait(HANG_TIMEOUT_S)  # the IO thread busy with a cascade...
+            tier.submit_store(job([key(3)], [3], promotion=False))  # ... a backlog of cascades queued...
+            tier.submit_store(job([key(4)], [4], promotion=False))
+            tier.submit_load(promotion)  # ... and a promotion behind them
+        finally:
+            io.release()
+        tier.drain_jobs()
+        hashes = [store_hash(key(i)) for i in range(5)]
+        assert io.posted == [
+            ("cascade", [hashes[2]]),
+            ("promotion", hashes[:2]),
+            ("cascade", [hashes[3]]),
+            ("cascade", [hashes[4]]),
+        ]
+        results = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert len(results) == 4 and all(r.success for r in results.values())
+        assert [rows.rows[6].tobytes(), rows.rows[7].tobytes()] == data
+    rows.close()
 
 
 def test_a_chunk_stored_again_keeps_the_bytes_first_stored(tmp_path):
@@ -135,6 +245,32 @@ def test_a_tier_whose_only_change_is_rope_scaling_or_the_kv_dtype_finds_nothing(
     assert ("rope" if "hf_overrides" in changed else "cache_dtype") in said[0]
     # the old identity's store was removed for the new one's room (the budget is one store's)
     assert len([n for n in os.listdir(tmp_path / "tier") if n.startswith("kvcopy-")]) == 1
+
+
+@pytest.mark.parametrize(("entry", "value"), [("rope_theta", 500000.0), ("num_hidden_layers", 3)])
+def test_a_tier_whose_only_change_is_the_models_own_config_json_finds_nothing(tmp_path, entry, value, caplog):
+    """The model's config.json edited in place (same path, no hf_overrides): the config vLLM resolves is part
+    of the identity, so the chunks stored before are not served; unchanged, they are."""
+    model = model_dir(tmp_path)
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
+        stored(tier, rows)
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # the same config: served
+        assert all(tier.lookup(key(i), REQUEST) is LookupResult.HIT for i in range(CHUNKS))
+    config_path = os.path.join(model, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    assert config.get(entry) != value
+    with open(config_path, "w") as f:
+        json.dump({**config, entry: value}, f)
+    with (
+        caplog.at_level("WARNING", logger="kvcopy.integrations.vllm"),
+        tier_of(tmp_path / "tier", rows, engine_config(model)) as tier,
+    ):
+        assert all(tier.lookup(key(i), REQUEST) is LookupResult.MISS for i in range(CHUNKS))
+    said = [r.getMessage() for r in caplog.records if "another identity" in r.getMessage()]
+    assert len(said) == 1 and "engine.hf_config." in said[0] and entry in said[0]
+    rows.close()
 
 
 def test_a_flipped_byte_is_refused_and_dropped_while_the_other_chunks_load(tmp_path):
@@ -295,6 +431,72 @@ def test_engines_starting_together_on_one_path_decide_one_after_the_other(tmp_pa
     assert len(built) == 1 and built[0].store.num_blocks == NUM_ROWS
     built[0].shutdown()
     rows.close()
+
+
+def test_two_engines_starting_at_once_on_one_path_never_count_the_same_room(tmp_path, monkeypatch, caplog):
+    """Two engines of different identities start together on one path whose budget holds one store: the
+    second decides only once the first has made its store (the path's lock is exclusive), so together they
+    never hold more than bytes_to_use. The first is held inside its decision (its room counted, its store not
+    made yet) until the second is seen waiting for it, or has started."""
+    budget = NUM_ROWS * ROW_BYTES
+    rows = [primary(), primary()]
+    first_deciding, release_first = threading.Event(), threading.Event()
+    second_waits_or_ended = threading.Event()
+    real_create = DiskKVStore.create
+
+    def create(*args, **kwargs):
+        if not first_deciding.is_set():  # the first engine's store, made once it has counted the room
+            first_deciding.set()
+            assert release_first.wait(HANG_TIMEOUT_S)
+        return real_create(*args, **kwargs)
+
+    class Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for another engine deciding" in record.getMessage():
+                second_waits_or_ended.set()
+
+    monkeypatch.setattr(DiskKVStore, "create", create)
+    outcomes: list[object] = [None, None]
+
+    def start(index: int) -> None:
+        try:
+            outcomes[index] = make_tier(rows[index], path=str(tmp_path / "tier"), bytes_to_use=budget,
+                                        cache_key_extra=f"engine {index}")  # fmt: skip
+        except Exception as err:
+            err.__traceback__ = None  # (its frames hold the primary's view: rows[index] could not be closed)
+            outcomes[index] = err
+        finally:
+            if index == 1:
+                second_waits_or_ended.set()
+
+    engines = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    logger = logging.getLogger("kvcopy.integrations.vllm")
+    waiting = Waiting()
+    logger.addHandler(waiting)
+    try:
+        with caplog.at_level("INFO", logger="kvcopy.integrations.vllm"):
+            engines[0].start()
+            assert first_deciding.wait(HANG_TIMEOUT_S)
+            engines[1].start()
+            assert second_waits_or_ended.wait(HANG_TIMEOUT_S)
+            release_first.set()
+            for engine in engines:
+                engine.join(HANG_TIMEOUT_S)
+    finally:
+        release_first.set()
+        logger.removeHandler(waiting)
+    started = [tier for tier in outcomes if isinstance(tier, KVCopyDiskTier)]
+    try:
+        assert started, outcomes
+        for refused in (o for o in outcomes if not isinstance(o, KVCopyDiskTier)):
+            assert isinstance(refused, ValueError) and "bytes_to_use" in str(refused), refused
+        assert sum(tier.store.num_blocks for tier in started) * ROW_BYTES <= budget
+        assert stores_nbytes(str(tmp_path / "tier")) <= budget
+    finally:
+        for tier in started:
+            tier.shutdown()
+    for r in rows:
+        r.close()
 
 
 def test_a_tier_that_fails_after_opening_its_store_lets_go_of_it(tmp_path, monkeypatch):
