@@ -1,8 +1,10 @@
 """KVCopyDiskTier on its own, built as vLLM's SecondaryTierFactory builds an out-of-tree tier and driven with
 the jobs vLLM's tiering manager makes: rows of a primary tier (an mmap, as vLLM's shared region) stored and
-loaded back bitwise; lookups from the index; a new tier of the same identity finding what was stored, and one
-whose only change is rope scaling or the KV-cache dtype finding nothing; a flipped byte refused and dropped
-while the chunks around it load; eviction within ``bytes_to_use``; every bad key named at build; and the
+loaded back bitwise; lookups from the committed index (a chunk whose cascade is queued or in flight is a MISS);
+a promotion posted before the cascades queued ahead of it; a new tier of the same identity finding what was
+stored, and one whose only change is rope scaling, the KV-cache dtype or the model's own config.json finding
+nothing; a flipped byte refused and dropped while the chunks around it load; eviction within ``bytes_to_use``;
+engines starting together on one path never counting the same room; every bad key named at build; and the
 primary tier's memory let go at shutdown (the mmap then closes)."""
 
 from __future__ import annotations
