@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import logging
 import os
 import threading
 
@@ -27,7 +26,6 @@ from kvcopy.integrations.vllm import KVCopyDiskTier
 from kvcopy.integrations.vllm.tiers.disk import PROMOTION_LATENCY, store_hash
 from kvcopy.integrations.vllm.tiers.stores import PATH_LOCK, stores_nbytes
 from kvcopy.storage.files import DATA
-from kvcopy.storage.store import DiskKVStore
 
 from helpers import HANG_TIMEOUT_S
 from helpers.disk_tier import (
@@ -435,70 +433,83 @@ def test_engines_starting_together_on_one_path_decide_one_after_the_other(tmp_pa
     rows.close()
 
 
-def test_two_engines_starting_at_once_on_one_path_never_count_the_same_room(tmp_path, monkeypatch, caplog):
-    """Two engines of different identities start together on one path whose budget holds one store: the
-    second decides only once the first has made its store (the path's lock is exclusive), so together they
-    never hold more than bytes_to_use. The first is held inside its decision (its room counted, its store not
-    made yet) until the second is seen waiting for it, or has started."""
+def test_two_engines_starting_at_once_on_one_path_never_count_the_same_room(tmp_path, monkeypatch):
+    """Two engines of different identities start together on one path, each cascading a budget's worth of
+    chunks: whichever decides second does so only once the first has taken its room (the path's lock is
+    exclusive), so together they never hold more than ``bytes_to_use``, in chunks served or in bytes on the
+    disk. The first is held as it takes room on the disk (the first fallocate, after it counted the room, under
+    the path's lock, which it then holds alone) until the second is seen blocked on a lock, or has ended."""
     budget = NUM_ROWS * ROW_BYTES
-    rows = [primary(), primary()]
-    first_deciding, release_first = threading.Event(), threading.Event()
-    second_waits_or_ended = threading.Event()
-    real_create = DiskKVStore.create
+    primaries = [primary(), primary()]
+    first_taking, release_first, second_blocked_or_ended = threading.Event(), threading.Event(), threading.Event()
+    engines: list[threading.Thread] = []
+    real_fallocate, real_flock = os.posix_fallocate, fcntl.flock
 
-    def create(*args, **kwargs):
-        if not first_deciding.is_set():  # the first engine's store, made once it has counted the room
-            first_deciding.set()
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if not first_taking.is_set():  # the first room taken: the first engine's (the second is not started)
+            first_taking.set()
             assert release_first.wait(HANG_TIMEOUT_S)
-        return real_create(*args, **kwargs)
+        real_fallocate(fd, offset, length)
 
-    class Waiting(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "waiting for another engine deciding" in record.getMessage():
-                second_waits_or_ended.set()
+    def flock(fd: int, operation: int) -> None:
+        if first_taking.is_set() and not release_first.is_set() and not operation & (fcntl.LOCK_NB | fcntl.LOCK_UN):
+            second_blocked_or_ended.set()  # (the first engine is held) the second is about to wait for a lock
+        real_flock(fd, operation)
 
-    monkeypatch.setattr(DiskKVStore, "create", create)
     outcomes: list[object] = [None, None]
 
     def start(index: int) -> None:
+        """An engine's tier, started; then a cascade of a budget's worth of chunks into it."""
         try:
-            outcomes[index] = make_tier(rows[index], path=str(tmp_path / "tier"), bytes_to_use=budget,
-                                        cache_key_extra=f"engine {index}")  # fmt: skip
+            tier = make_tier(primaries[index], path=str(tmp_path / "tier"), bytes_to_use=budget,
+                             cache_key_extra=f"engine {index}")  # fmt: skip
         except Exception as err:
-            err.__traceback__ = None  # (its frames hold the primary's view: rows[index] could not be closed)
+            err.__traceback__ = None  # (its frames hold the primary's view, which could then not be closed)
             outcomes[index] = err
+        else:
+            outcomes[index] = tier
+            for row in range(NUM_ROWS):
+                primaries[index].fill(row, seed=1000 * index + row)
+            run(tier, job([key(i) for i in range(NUM_ROWS)], list(range(NUM_ROWS)), promotion=False))
         finally:
-            if index == 1:
-                second_waits_or_ended.set()
+            (first_taking if index == 0 else second_blocked_or_ended).set()  # (ended: no wait for it hangs)
 
-    engines = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-    logger = logging.getLogger("kvcopy.integrations.vllm")
-    waiting = Waiting()
-    logger.addHandler(waiting)
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    engines.extend(threading.Thread(target=start, args=(i,)) for i in range(2))
     try:
-        with caplog.at_level("INFO", logger="kvcopy.integrations.vllm"):
-            engines[0].start()
-            assert first_deciding.wait(HANG_TIMEOUT_S)
-            engines[1].start()
-            assert second_waits_or_ended.wait(HANG_TIMEOUT_S)
-            release_first.set()
-            for engine in engines:
-                engine.join(HANG_TIMEOUT_S)
+        engines[0].start()
+        assert first_taking.wait(HANG_TIMEOUT_S) and engines[0].is_alive(), outcomes  # held taking its room
+        probe = os.open(tmp_path / "tier" / PATH_LOCK, os.O_RDWR)
+        try:  # it holds the path's lock: does anyone else (a reader, even) get it meanwhile?
+            real_flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            shared = True
+        except BlockingIOError:
+            shared = False
+        finally:
+            os.close(probe)  # (and the probe's lock, if it got it)
+        engines[1].start()
+        assert second_blocked_or_ended.wait(HANG_TIMEOUT_S)
     finally:
         release_first.set()
-        logger.removeHandler(waiting)
+        for engine in engines:
+            if engine.ident is not None:  # (started)
+                engine.join(HANG_TIMEOUT_S)
+    monkeypatch.undo()
     started = [tier for tier in outcomes if isinstance(tier, KVCopyDiskTier)]
     try:
         assert started, outcomes
         for refused in (o for o in outcomes if not isinstance(o, KVCopyDiskTier)):
             assert isinstance(refused, ValueError) and "bytes_to_use" in str(refused), refused
-        assert sum(tier.store.num_blocks for tier in started) * ROW_BYTES <= budget
+        served = sum(tier.lookup(key(i), REQUEST) is LookupResult.HIT for tier in started for i in range(NUM_ROWS))
+        assert 0 < served * ROW_BYTES <= budget
         assert stores_nbytes(str(tmp_path / "tier")) <= budget
+        assert not shared, "the path's lock was shared while an engine held it to take room"
     finally:
         for tier in started:
             tier.shutdown()
-    for r in rows:
-        r.close()
+    for rows in primaries:
+        rows.close()
 
 
 def test_a_tier_that_fails_after_opening_its_store_lets_go_of_it(tmp_path, monkeypatch):
