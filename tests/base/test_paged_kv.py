@@ -265,3 +265,24 @@ def test_a_plane_reaching_outside_its_buffer_is_a_value_error_and_leaves_it_as_i
     with pytest.raises(ValueError, match=r"buffer: expected room for like.planes\[1\]'s 2 blocks"):
         kvcopy.layout.plane_over(buffer, like, 1, 2, offset, stride)
     assert buffer.untyped_storage().nbytes() == 64  # set_ would have grown it
+
+
+@pytest.mark.parametrize("offset", [56, 64])
+def test_a_one_block_plane_reaching_outside_its_buffer_is_a_value_error_and_leaves_it_as_it_was(offset):
+    """One block has no stride to step by, but it still needs its own bytes: from byte 56 or 64 of a 64-byte
+    buffer, a 16-byte block does not fit."""
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    like = torch.zeros(1, 4, dtype=torch.float32)  # one 16-byte block
+    with pytest.raises(ValueError, match=rf"buffer: expected room for like.planes\[0\]'s 1 blocks .* up to byte "
+                       rf"{offset + 16}; got 64 bytes"):  # fmt: skip
+        kvcopy.layout.plane_over(buffer, like, 0, 1, offset, 16)
+    assert buffer.untyped_storage().nbytes() == 64  # set_ would have grown it
+
+
+def test_a_one_block_plane_ending_at_its_buffers_end_is_its_last_bytes():
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    like = torch.zeros(1, 4, dtype=torch.float32)
+    plane = kvcopy.layout.plane_over(buffer, like, 0, 1, 48, 16)
+    plane[0].fill_(1.0)
+    assert torch.equal(buffer[48:].view(torch.float32), torch.ones(4)) and not buffer[:48].any()
+    assert buffer.untyped_storage().nbytes() == 64

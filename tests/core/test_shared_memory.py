@@ -133,6 +133,28 @@ def test_a_view_shifted_by_one_block(method, kind):
         _copied(base, src, src_ids, dst, dst_ids, method, kind)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_shifted_view_asked_both_ways_after_the_first_answer_is_remembered(method):
+    """``a`` and ``b``, ``b`` shifted by one block: a's block s is b's block s - 1, so a -> b overlaps at
+    s - d = 1 and b -> a at s - d = -1. Each direction is its own answer: asked a -> b first (remembered), then
+    b -> a, both agree with the reference, and so do the copies refused and made."""
+    base = _buffer(7 * BLOCK_ELEMENTS)
+    a = kvcopy.PagedKV.from_planes([_view(base, 0, 6, BLOCK_ELEMENTS, BLOCK_ELEMENTS)])
+    b = kvcopy.PagedKV.from_planes([_view(base, BLOCK_ELEMENTS, 6, BLOCK_ELEMENTS, BLOCK_ELEMENTS)])
+    blocks = list(range(6))
+    for src, dst, shift in ((a, b, 1), (b, a, -1), (a, b, 1)):  # the first answer remembered, then the other
+        overlap = memory_overlap(src, dst)
+        assert overlap is not None and overlap.shifts == ((shift, shift),) and not overlap.strided
+        for s in blocks:
+            for d in blocks:
+                ids = np.array([s]), np.array([d])
+                assert (overlap.first_overlap(*ids) is not None) == _shares_a_byte(src, [s], dst, [d]), (s, d)
+    # b -> a: b's block 1 is a's block 2 (refused); b's block 2 into a's block 1 reads no byte it writes
+    assert _shares_a_byte(b, [1], a, [2]) and not _shares_a_byte(b, [2], a, [1])
+    _refused_and_untouched(base, b, [1], a, [2], method)
+    _copied(base, b, [2], a, [1], method)
+
+
 # --------------------------------------------------------------------------- partial overlaps
 
 

@@ -1,8 +1,10 @@
 """KVCopyDiskTier on its own, built as vLLM's SecondaryTierFactory builds an out-of-tree tier and driven with
 the jobs vLLM's tiering manager makes: rows of a primary tier (an mmap, as vLLM's shared region) stored and
-loaded back bitwise; lookups from the index; a new tier of the same identity finding what was stored, and one
-whose only change is rope scaling or the KV-cache dtype finding nothing; a flipped byte refused and dropped
-while the chunks around it load; eviction within ``bytes_to_use``; every bad key named at build; and the
+loaded back bitwise; lookups from the committed index (a chunk whose cascade is queued or in flight is a MISS);
+a promotion posted before the cascades queued ahead of it; a new tier of the same identity finding what was
+stored, and one whose only change is rope scaling, the KV-cache dtype or the model's own config.json finding
+nothing; a flipped byte refused and dropped while the chunks around it load; eviction within ``bytes_to_use``;
+engines starting together on one path never counting the same room; every bad key named at build; and the
 primary tier's memory let go at shutdown (the mmap then closes)."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 
 from kvcopy.integrations.vllm import KVCopyDiskTier
 from kvcopy.integrations.vllm.tiers.disk import PROMOTION_LATENCY, store_hash
-from kvcopy.integrations.vllm.tiers.stores import PATH_LOCK
+from kvcopy.integrations.vllm.tiers.stores import PATH_LOCK, stores_nbytes
 from kvcopy.storage.files import DATA
 
 from helpers import HANG_TIMEOUT_S
@@ -59,6 +61,54 @@ def promoted(tier, rows_of) -> list[bytes]:
     return [rows_of.rows[4 + i].tobytes() for i in range(CHUNKS)]
 
 
+class HeldIO:
+    """The tier's IO thread, watched and held through its store: each job it posts is recorded in order
+    (``posted``: ("cascade" | "promotion", the job's store hashes)); its first put waits for ``release_put``
+    (``put_entered`` says it is there); NIXL reports every transfer of the store in flight, so nothing is
+    committed, until ``release_done`` (``polled`` says the IO thread has polled a put it posted).
+    ``release()`` lets everything go."""
+
+    def __init__(self, tier, monkeypatch) -> None:
+        store = tier.store
+        self.posted: list[tuple[str, list[str]]] = []
+        self.put_entered, self.release_put = threading.Event(), threading.Event()
+        self.polled, self.release_done = threading.Event(), threading.Event()
+        real_put, real_match, real_state = store.put, store.match, store._agent.check_xfer_state
+
+        def put(block_hashes, pool, pool_ids):
+            self.posted.append(("cascade", list(block_hashes)))
+            if len(self.posted) == 1:
+                self.put_entered.set()
+                assert self.release_put.wait(HANG_TIMEOUT_S)
+            return _PolledTransfer(real_put(block_hashes, pool, pool_ids), self.polled)
+
+        def match(block_hashes):  # (the IO thread's first call for a promotion)
+            self.posted.append(("promotion", list(block_hashes)))
+            return real_match(block_hashes)
+
+        def state(handle):
+            return real_state(handle) if self.release_done.is_set() else "PROC"
+
+        monkeypatch.setattr(store, "put", put)
+        monkeypatch.setattr(store, "match", match)
+        monkeypatch.setattr(store._agent, "check_xfer_state", state)
+
+    def release(self) -> None:
+        self.release_put.set()
+        self.release_done.set()
+
+
+class _PolledTransfer:
+    """A put's transfer that says when the IO thread polls it."""
+
+    def __init__(self, transfer, polled: threading.Event) -> None:
+        self._transfer, self._polled = transfer, polled
+
+    def done(self) -> bool:
+        self._polled.set()
+        return self._transfer.done()
+
+
 def test_chunks_stored_and_loaded_back_are_bitwise_the_rows(tmp_path):
     rows = primary()
     with tier_of(tmp_path / "tier", rows) as tier:
@@ -86,6 +136,66 @@ def test_chunks_stored_and_loaded_back_are_bitwise_the_rows(tmp_path):
         assert len(values[PROMOTION_LATENCY][("KVCopyDiskTier",)]) == 1
         assert tier.get_stats() is None  # taken: nothing new since
     rows.close()  # the tier let go of every view of it
+
+
+def test_a_chunk_is_a_miss_until_its_cascade_is_committed(tmp_path, monkeypatch):
+    """``lookup`` answers from what the store has committed: a chunk whose cascade is queued behind another, or
+    whose put is in flight, is a MISS (a HIT would have vLLM count it stored, and promote a chunk the disk does
+    not hold yet); a HIT once the put is committed."""
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        io = HeldIO(tier, monkeypatch)
+        first, second = [key(0), key(1)], [key(2), key(3)]
+        data = [rows.fill(i, seed=200 + i) for i in range(4)]
+        jobs = [job(first, [0, 1], promotion=False), job(second, [2, 3], promotion=False)]
+        try:
+            tier.submit_store(jobs[0])
+            assert io.put_entered.wait(HANG_TIMEOUT_S)  # the IO thread posts the first cascade...
+            tier.submit_store(jobs[1])  # ... and the second waits in the queue behind it
+            assert [tier.lookup(k, REQUEST) for k in first + second] == [LookupResult.MISS] * 4
+            io.release_put.set()
+            assert io.polled.wait(HANG_TIMEOUT_S)  # the first put in flight, not done: nothing committed
+            assert [tier.lookup(k, REQUEST) for k in first + second] == [LookupResult.MISS] * 4
+        finally:
+            io.release()
+        tier.drain_jobs()
+        assert all(r.success for r in tier.get_finished_jobs())
+        assert [tier.lookup(k, REQUEST) for k in first + second] == [LookupResult.HIT] * 4
+        rows.rows[:] = 0
+        assert promoted(tier, rows) == data
+    rows.close()
+
+
+def test_a_promotion_queued_behind_cascades_is_posted_before_them(tmp_path, monkeypatch):
+    """A resumed request waits on its promotion, nobody on a cascade: the IO thread posts a queued promotion
+    before the cascades queued ahead of it."""
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows) as tier:
+        data = stored(tier, rows, n=2)
+        io = HeldIO(tier, monkeypatch)
+        for i in (2, 3, 4):
+            rows.fill(i, seed=300 + i)
+        promotion = job([key(0), key(1)], [6, 7], promotion=True)
+        try:
+            tier.submit_store(job([key(2)], [2], promotion=False))
+            assert io.put_entered.wait(HANG_TIMEOUT_S)  # the IO thread busy with a cascade...
+            tier.submit_store(job([key(3)], [3], promotion=False))  # ... a backlog of cascades queued...
+            tier.submit_store(job([key(4)], [4], promotion=False))
+            tier.submit_load(promotion)  # ... and a promotion behind them
+        finally:
+            io.release()
+        tier.drain_jobs()
+        hashes = [store_hash(key(i)) for i in range(5)]
+        assert io.posted == [
+            ("cascade", [hashes[2]]),
+            ("promotion", hashes[:2]),
+            ("cascade", [hashes[3]]),
+            ("cascade", [hashes[4]]),
+        ]
+        results = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert len(results) == 4 and all(r.success for r in results.values())
+        assert [rows.rows[6].tobytes(), rows.rows[7].tobytes()] == data
+    rows.close()
 
 
 def test_a_chunk_stored_again_keeps_the_bytes_first_stored(tmp_path):
@@ -136,6 +246,32 @@ def test_a_tier_whose_only_change_is_rope_scaling_or_the_kv_dtype_finds_nothing(
     assert ("rope" if "hf_overrides" in changed else "cache_dtype") in said[0]
     # the old identity's store was removed for the new one's room (the budget is one store's)
     assert len([n for n in os.listdir(tmp_path / "tier") if n.startswith("kvcopy-")]) == 1
+
+
+@pytest.mark.parametrize(("entry", "value"), [("rope_theta", 500000.0), ("num_hidden_layers", 3)])
+def test_a_tier_whose_only_change_is_the_models_own_config_json_finds_nothing(tmp_path, entry, value, caplog):
+    """The model's config.json edited in place (same path, no hf_overrides): the config vLLM resolves is part
+    of the identity, so the chunks stored before are not served; unchanged, they are."""
+    model = model_dir(tmp_path)
+    rows = primary()
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
+        stored(tier, rows)
+    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # the same config: served
+        assert all(tier.lookup(key(i), REQUEST) is LookupResult.HIT for i in range(CHUNKS))
+    config_path = os.path.join(model, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    assert config.get(entry) != value
+    with open(config_path, "w") as f:
+        json.dump({**config, entry: value}, f)
+    with (
+        caplog.at_level("WARNING", logger="kvcopy.integrations.vllm"),
+        tier_of(tmp_path / "tier", rows, engine_config(model)) as tier,
+    ):
+        assert all(tier.lookup(key(i), REQUEST) is LookupResult.MISS for i in range(CHUNKS))
+    said = [r.getMessage() for r in caplog.records if "another identity" in r.getMessage()]
+    assert len(said) == 1 and "engine.hf_config." in said[0] and entry in said[0]
+    rows.close()
 
 
 def test_a_flipped_byte_is_refused_and_dropped_while_the_other_chunks_load(tmp_path):
@@ -296,6 +432,89 @@ def test_engines_starting_together_on_one_path_decide_one_after_the_other(tmp_pa
     assert len(built) == 1 and built[0].store.num_blocks == NUM_ROWS
     built[0].shutdown()
     rows.close()
+
+
+def test_two_engines_starting_at_once_on_one_path_never_count_the_same_room(tmp_path, monkeypatch):
+    """Two engines of different identities start together on one path, each cascading a budget's worth of
+    chunks: whichever decides second does so only once the first has taken its room (the path's lock is
+    exclusive), so together they never hold more than ``bytes_to_use``, in chunks served or in bytes on the
+    disk. The first is held as it takes room on the disk (the first fallocate, after it counted the room, under
+    the path's lock, which it then holds alone) until the second is seen blocked on a lock, or has ended."""
+    budget = NUM_ROWS * ROW_BYTES
+    primaries = [primary(), primary()]
+    first_taking, release_first, second_blocked_or_ended = threading.Event(), threading.Event(), threading.Event()
+    engines: list[threading.Thread] = []
+    real_fallocate, real_flock = os.posix_fallocate, fcntl.flock
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if not first_taking.is_set():  # the first room taken: the first engine's (the second is not started)
+            first_taking.set()
+            assert release_first.wait(HANG_TIMEOUT_S)
+        real_fallocate(fd, offset, length)
+
+    def flock(fd: int, operation: int) -> None:
+        if first_taking.is_set() and not release_first.is_set() and not operation & (fcntl.LOCK_NB | fcntl.LOCK_UN):
+            second_blocked_or_ended.set()  # (the first engine is held) the second is about to wait for a lock
+        real_flock(fd, operation)
+
+    outcomes: list[object] = [None, None]  # each engine's tier, or the error that refused it
+    cascade_errors: list[BaseException] = []
+
+    def start(index: int) -> None:
+        """An engine's tier, started; then a cascade of a budget's worth of chunks into it."""
+        try:
+            tier = make_tier(primaries[index], path=str(tmp_path / "tier"), bytes_to_use=budget,
+                             cache_key_extra=f"engine {index}")  # fmt: skip
+        except Exception as err:
+            err.__traceback__ = None  # (its frames hold the primary's view, which could then not be closed)
+            outcomes[index] = err
+        else:
+            outcomes[index] = tier
+            try:
+                for row in range(NUM_ROWS):
+                    primaries[index].fill(row, seed=1000 * index + row)
+                run(tier, job([key(i) for i in range(NUM_ROWS)], list(range(NUM_ROWS)), promotion=False))
+            except BaseException as err:  # (said by the test's thread)
+                cascade_errors.append(err)
+        finally:
+            (first_taking if index == 0 else second_blocked_or_ended).set()  # (ended: no wait for it hangs)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    engines.extend(threading.Thread(target=start, args=(i,)) for i in range(2))
+    try:
+        engines[0].start()
+        assert first_taking.wait(HANG_TIMEOUT_S) and engines[0].is_alive(), outcomes  # held taking its room
+        probe = os.open(tmp_path / "tier" / PATH_LOCK, os.O_RDWR)
+        try:  # it holds the path's lock: does anyone else (a reader, even) get it meanwhile?
+            real_flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            shared = True
+        except BlockingIOError:
+            shared = False
+        finally:
+            os.close(probe)  # (and the probe's lock, if it got it)
+        engines[1].start()
+        assert second_blocked_or_ended.wait(HANG_TIMEOUT_S)
+    finally:
+        release_first.set()
+        for engine in engines:
+            if engine.ident is not None:  # (started)
+                engine.join(HANG_TIMEOUT_S)
+    monkeypatch.undo()
+    started = [tier for tier in outcomes if isinstance(tier, KVCopyDiskTier)]
+    try:
+        assert started and not cascade_errors, (outcomes, cascade_errors)
+        for refused in (o for o in outcomes if not isinstance(o, KVCopyDiskTier)):
+            assert isinstance(refused, ValueError) and "bytes_to_use" in str(refused), refused
+        served = sum(tier.lookup(key(i), REQUEST) is LookupResult.HIT for tier in started for i in range(NUM_ROWS))
+        assert 0 < served * ROW_BYTES <= budget
+        assert stores_nbytes(str(tmp_path / "tier")) <= budget
+        assert not shared, "the path's lock was shared while an engine held it to take room"
+    finally:
+        for tier in started:
+            tier.shutdown()
+    for rows in primaries:
+        rows.close()
 
 
 def test_a_tier_that_fails_after_opening_its_store_lets_go_of_it(tmp_path, monkeypatch):

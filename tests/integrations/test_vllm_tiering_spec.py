@@ -10,10 +10,12 @@ What is checked:
   own descriptors, stores, the other loads back bitwise in another engine);
 * the judgment, both ways: with a profile whose disk read is far slower than recomputing, a hit only on
   disk is never promoted (no submit_load, the primary tier's chunks left alone) and its tokens are computed,
-  while a hit in host RAM still loads; with the opposite profile the disk hit is promoted and loads bitwise;
-  ``kvcopy_policy: "offload"`` promotes every hit; the judgment's counters are labelled by tier;
-* vLLM's per-request controls: ``max_load_tokens`` caps what is loaded, ``kv_load_tiers`` keeps a request
-  off the tiers it does not name (vLLM 0.33.0 has no ``kv_store_tiers``: no code of it reads one);
+  while a hit in host RAM still loads; a hit of host-RAM chunks then disk chunks, judged worth only its host
+  part, loads that part and promotes nothing; with the opposite profile the disk hit is promoted and loads
+  bitwise; ``kvcopy_policy: "offload"`` promotes every hit; the judgment's counters are labelled by tier;
+* vLLM's per-request controls: ``max_load_tokens`` caps what is loaded (from the hit's start, after vLLM's
+  prefix cache), ``kv_load_tiers`` keeps a request off the tiers it does not name (vLLM 0.33.0 has no
+  ``kv_store_tiers``: no code of it reads one);
 * bad configuration of the tiered keys, at build, in both roles.
 """
 
@@ -199,6 +201,32 @@ def test_a_hit_only_on_a_slow_disk_is_never_promoted_while_a_host_hit_loads(tmp_
         rig.close()
 
 
+def test_a_hit_judged_worth_only_its_host_part_loads_that_and_promotes_nothing(tmp_path):
+    """A hit whose first 3 chunks are in host RAM and the rest only on a slow disk: the Planner loads the host
+    part and computes the rest; no promotion job reaches the disk tier, and the host part loads bitwise."""
+    rig = kvcopy_rig(tmp_path, kvcopy_profile=profile(tmp_path, disk_s=1e9), kvcopy_learn=False)
+    try:
+        rig.store_cascade_evict(PROMPT)
+        host_chunks = 3
+        rig.add("warm", PROMPT[: host_chunks * BLOCK_TOKENS + 5])  # computed (the disk is slow), stored to host
+        rig.run()
+        rig.drain()
+        rig.reset_prefix_cache(zero=True)
+        assert in_primary(rig, PROMPT) == [True] * host_chunks + [False] * (len(PROMPT) // BLOCK_TOKENS - host_chunks)
+        loads = record_calls(rig.tiers[0], "submit_load")
+        tokens = [*PROMPT, 5, 6, 7]
+        host = host_chunks * BLOCK_TOKENS
+        assert len(tokens) - host in rig.rerun(tokens, keep_blocks=True)
+        assert sum(f.get("again", 0) for f in rig.forwards) == len(tokens) - host  # the rest computed
+        decision = rig.session.stats.decisions[-1]
+        assert decision.request_id == "again" and decision.reason.startswith("host:")
+        assert decision.prefix_tokens == host
+        assert loads == []  # never promoted
+        assert assert_blocks_hold(rig, "again", tokens, range(host_chunks)) == 2 * host_chunks
+    finally:
+        rig.close()
+
+
 @pytest.mark.parametrize(
     ("keys", "why"),
     [({"disk_s": 0.0}, "a free disk read"), ({"disk_s": 1e9, "kvcopy_policy": "offload"}, "policy 'offload'")],
@@ -238,6 +266,29 @@ def test_max_load_tokens_caps_what_is_promoted(tmp_path):
         rig.run_until_prefilled("again")
         assert sum(f.get("again", 0) for f in rig.forwards) == len(tokens) - cap
         assert assert_blocks_hold(rig, "again", tokens, range(len(PROMPT) // BLOCK_TOKENS))
+    finally:
+        rig.close()
+
+
+def test_max_load_tokens_counts_from_the_start_of_a_tier_hit_after_vllms_prefix_cache(tmp_path):
+    """vLLM's prefix cache holds the first 2 blocks, so the tier hit starts at the third: ``max_load_tokens``
+    caps the tokens loaded from there on (vLLM's own reading of it), not the tokens from the prompt's start."""
+    rig = kvcopy_rig(tmp_path, kvcopy_policy="offload")
+    try:
+        rig.store_cascade_evict(PROMPT)
+        cached = 2 * BLOCK_TOKENS
+        rig.add("warm", PROMPT[: cached + 5])  # puts the first 2 blocks in vLLM's prefix cache
+        rig.run()
+        rig.drain()
+        loads = record_calls(rig.tiers[0], "submit_load")
+        tokens = [*PROMPT, 5, 6, 7]
+        cap = 4 * BLOCK_TOKENS
+        rig.add("again", tokens, max_tokens=4, kv_transfer_params={"max_load_tokens": cap})
+        rig.run_until_prefilled("again")
+        assert sum(f.get("again", 0) for f in rig.forwards) == len(tokens) - cached - cap
+        keys = rig.offload_keys(PROMPT)
+        assert [k for (job,) in loads for k in job.keys] == keys[2:6]  # the hit's 4 chunks, from the disk
+        assert assert_blocks_hold(rig, "again", tokens, range((cached + cap) // BLOCK_TOKENS)) == 2 * 6
     finally:
         rig.close()
 

@@ -1,6 +1,7 @@
 """The requests a disk store posts to NIXL, checked on the CPU: O_DIRECT only where every request's file offset
 and size is aligned (a GPU cache's through GDS are per plane-block), over the layouts kvcopy stores; rounds of
-bounded requests, a GPU cache's through a page-first staging buffer (run here on the CPU)."""
+bounded requests, a GPU cache's through a page-first staging buffer (run here on the CPU); a round that fails
+while another transfer waits for it fails its own put, which commits nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 pytest.importorskip("nixl_cu13", reason="NIXL is part of the test install (pip install 'kvcopy[nixl]')")
 
 import kvcopy
+from kvcopy.nixl.transfer import RemoteTransferError
 from kvcopy.ranges import plan_table_ranges
 from kvcopy.storage import rounds as rounds_module
 from kvcopy.storage import staging as staging_module
@@ -19,7 +21,7 @@ from kvcopy.storage.gpu_blocks import paged_block_bytes
 from kvcopy.storage.staging import GDS_REQUESTS, ROUND_REQUESTS, Staging, plan_rounds, staging_blocks
 from kvcopy.storage.store import DiskKVStore
 
-from helpers.storage import key, layout
+from helpers.storage import filled_pool, hashes, key, layout
 
 TOKENS = 16  # tokens per block
 
@@ -212,6 +214,48 @@ def test_a_staged_put_and_get_round_trip_bitwise_in_rounds(tmp_path, monkeypatch
         assert max(posted) <= ROUND_REQUESTS and store._posted == 0 and store._rounds_in_flight == []
         assert registered == [3 * source.nbytes_per_block]  # the staging buffer once, never the cache
     assert torch.equal(paged_block_bytes(target, back), paged_block_bytes(source, ids))
+
+
+def test_a_round_that_fails_while_another_put_waits_for_it_fails_its_own_put(tmp_path, monkeypatch):
+    """A store keeps its requests in flight within GDS_REQUESTS (one here): a second put waits for the first
+    put's round to end (settles it), and NIXL reports that round failed. The error is the first put's: its
+    own ``done`` and ``wait`` raise it, and nothing of it is committed; the second put is committed."""
+    monkeypatch.setattr(store_module, "GDS_REQUESTS", 1)
+    pool = filled_pool(layout(), 1)
+    with DiskKVStore.create(tmp_path / "store", pool, 4, cache_key=key()) as store:
+        handles: list[object] = []
+        failing, reported = [False], []
+        real_initialize, real_state = store._agent.initialize_xfer, store._agent.check_xfer_state
+
+        def initialize(*args):
+            handles.append(real_initialize(*args))
+            return handles[-1]
+
+        def state(handle):  # the first put's: in flight until failing, then failed once NIXL has ended it
+            real = real_state(handle)
+            if handle is not handles[0]:
+                return real
+            if failing[0] and real != "PROC":
+                reported.append("ERR")
+                return "ERR"
+            return "PROC"
+
+        monkeypatch.setattr(store._agent, "initialize_xfer", initialize)
+        monkeypatch.setattr(store._agent, "check_xfer_state", state)
+        first = store.put(hashes(2), pool, [0, 1])  # one request, in flight
+        failing[0] = True
+        second = store.put(hashes(2, start=10), pool, [2, 3])  # its request waits for the first's to end
+        assert reported == ["ERR"]  # found by the second put's wait, not by the first's own poll
+        second.wait()
+        with pytest.raises(RemoteTransferError, match="write failed"):
+            first.done()
+        with pytest.raises(RemoteTransferError, match="write failed"):
+            first.wait()
+        monkeypatch.undo()
+        assert store.match(hashes(2)) == []  # never committed
+        assert len(store.match(hashes(2, start=10))) == 2
+        store.put(hashes(2, start=20), pool, [4, 5]).wait()  # the failed put's slots are free again
+        assert len(store.match(hashes(2, start=20))) == 2 and len(store.match(hashes(2, start=10))) == 2
 
 
 class _SlowEvent:
