@@ -18,7 +18,7 @@ README_MAX_LINES, FIRST_CODE_WITHIN = 250, 60
 
 # How many ```python blocks each file holds: a new block needs its own test below.
 PYTHON_BLOCKS = {
-    "README.md": 2,
+    "README.md": 3,
     "docs/engines.md": 3,
     "docs/guide.md": 2,
     "docs/remote.md": 1,
@@ -63,6 +63,17 @@ def test_the_errors_example_runs(monkeypatch):
     a, b = namespace["a"], namespace["b"]
     assert a is not b and a.planes[0].data_ptr() == b.planes[0].data_ptr()  # refused by memory, not identity
     assert namespace["planes"][0][1].equal(torch.arange(8, 16, dtype=torch.float32))  # block 1 never lost
+
+
+def test_the_agents_example_runs(monkeypatch, capsys):
+    code = python_block("README.md", 2, "## Agents: pause and resume")
+    namespace = _run("README.md", code, monkeypatch)
+    plan, forecast = namespace["plan"], namespace["forecast"]
+    # what its comment says: demoted, and read back ahead of the forecast resume, landing before its median
+    assert plan.choice == "demote" and plan.prefetch_at_s is not None
+    assert plan.prefetch_at_s + namespace["costs"].read_s < forecast.quantile(0.5)
+    assert capsys.readouterr().out.strip() == plan.explanation
+    assert plan.explanation.startswith("demote, read back from ")
 
 
 # docs/guide.md

@@ -210,8 +210,9 @@ def plan_pause(
         options["demote"] = fallback
         starts = np.empty(0)
         if may_hold:
-            starts = np.concatenate(([0.0], edges, edges - read))
-            starts = np.unique(starts[(starts >= 0.0) & (starts + read < cap)])  # (landing by the cap)
+            starts = np.concatenate((edges, edges - read))
+            # after the pause (a read back at once is a keep with a round trip) and landing by the cap
+            starts = np.unique(starts[(starts > 0.0) & (starts + read < cap)])
         if len(starts):
             # read back from P: released before P, in flight on [P, P + read), held from P until the resume
             # or the cap; every breakpoint (a bin's edge, or an edge less the read) is a candidate.
