@@ -318,3 +318,21 @@ def test_a_burst_of_new_requests_still_gets_host_room(tmp_path):
         assert policy.displaced == 1 and policy.leased("s-17") == 0
     finally:
         rig.close()
+
+
+def test_a_prefetch_whose_session_never_comes_back_is_counted_unused_and_let_go(tmp_path, monkeypatch):
+    rig = agents_rig(tmp_path, disk_s=0.0, primary_chunks=2 * CHUNKS)
+    try:
+        seen = counted(rig)
+        clock = demoted_with_prefetch(rig, monkeypatch, at_s=5.0)
+        crowded_out(rig)
+        clock.now += 5.0
+        rig.drain()
+        policy = rig.manager.pauses.policy
+        assert policy.leased("s-17") == CHUNKS  # landed, and leased until the plan's end (600 s after the pause)
+        clock.now += 600.0
+        rig.step()
+        assert policy.leased("s-17") == 0 and not rig.manager.pauses._prefetches
+        assert seen[PREFETCHES] == {("started",): 1, ("unused",): 1}
+    finally:
+        rig.close()

@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvcopy.agents import GapForecast, GapForecaster, PauseHint, read_pause_hint
 from kvcopy.agents.plan import PauseCosts, PausePlan, hold_price, plan_pause
-from kvcopy.agents.sessions import Pause, PauseTracker
+from kvcopy.agents.sessions import MAX_PAUSED, Pause, PauseTracker
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._config import SpecConfig
 from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
@@ -75,6 +75,9 @@ AGENT_METRICS: dict[str, tuple[str, str]] = {  # name -> (documentation, label)
 }
 # |forecast median / actual gap - 1|: from a close forecast to one off by 100x.
 FORECAST_ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0)
+# The host tier's turnover (what prices a lease) is taken over the evictions of the last minute: long enough to
+# span a few agent turns (TraceLab's median LLM step is 5.7 s), short enough to follow a burst.
+TURNOVER_WINDOW_S = 60.0
 # A timer that wakes for a prefetch sleeps at most this long, so that a shutdown or an earlier prefetch planned
 # meanwhile is seen within it.
 _TIMER_MAX_SLEEP_S = 0.5
@@ -109,12 +112,10 @@ class _Prefetch:
 
 @dataclass(frozen=True)
 class _Planned:
-    """What a pause's plan forecast, kept to score it at the resume."""
+    """What a pause's forecast said, kept to score it at the resume: its median and its 10-90% band."""
 
-    plan: PausePlan
     median: float
     band: tuple[float, float]
-    prefetched: bool = False
 
 
 class AgentPauses:
@@ -251,16 +252,21 @@ class AgentPauses:
         self.stats.increase_counter(PAUSES, 1, (plan.choice,))
         forecast = self._forecast(pause.session, hint)
         self._planned[pause.session] = _Planned(
-            plan, forecast.quantile(0.5), (forecast.quantile(0.1), forecast.quantile(0.9))
+            forecast.quantile(0.5), (forecast.quantile(0.1), forecast.quantile(0.9))
         )
+        while len(self._planned) > MAX_PAUSED:  # (sessions that never came back: the oldest forgotten)
+            self._planned.pop(next(iter(self._planned)))
         logger.debug("kvcopy: session %s paused over %d chunks: %s", pause.session, len(chunks), plan.explanation)
         return plan
 
     # ------------------------------------------------------------------ prefetches
 
     def start_due(self) -> int:
-        """Starts the prefetches due by now (the caller holds the manager's lock); returns how many started."""
+        """Starts the prefetches due by now (the caller holds the manager's lock), and ends those whose session
+        did not come back by their lease's end (counted unused); returns how many started."""
         now = self.clock()
+        for session in [s for s, p in self._prefetches.items() if p.until <= now]:
+            self._end(session)
         started = 0
         for prefetch in list(self._prefetches.values()):
             if prefetch.started or prefetch.due > now:
@@ -367,7 +373,7 @@ class AgentPauses:
     def _turnover(self) -> float:
         """The fraction of the host tier evicted per second over the last minute."""
         now = self.clock()
-        self._evictions = [(t, c) for t, c in self._evictions if now - t <= 60.0]
+        self._evictions = [(t, c) for t, c in self._evictions if now - t <= TURNOVER_WINDOW_S]
         if not self._evictions:
             return 0.0
         span = max(now - self._evictions[0][0], 1.0)
