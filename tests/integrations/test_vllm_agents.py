@@ -1,10 +1,13 @@
-"""Agents' pauses in kvcopy's tiered vLLM spec (kvcopy.integrations.vllm.agents.pauses), under vLLM's real Scheduler and
+"""Agents' pauses in kvcopy's vLLM specs (kvcopy.integrations.vllm.agents), under vLLM's real Scheduler and
 tiering manager on the CPU (tests/helpers/vllm_tiers.py).
 
-What is checked: a hinted session whose chunks LRU would evict while other requests run comes back to a host hit,
-loaded bitwise, where agents "off" recomputes it; ``done`` frees the session's chunks at once; malformed hints in
-both carriers are served, ignored and counted by kind; without hints, a resume is found by prefix continuation
-and its gap learned; agents "off" builds no pauses and leaves the host tier's policy vLLM's own.
+What is checked (the tiered spec unless said): a hinted session whose chunks LRU would evict while other
+requests run comes back to a host hit, loaded bitwise, where agents "off" recomputes it; ``done`` frees the
+session's chunks at once; malformed hints in both carriers are served, ignored and counted by kind; without
+hints, a resume is found by prefix continuation and its gap learned; agents "off" builds no pauses and leaves
+the host tier's policy vLLM's own; a demoted session's prefetch lands before its resume, a resume during it
+waits on it without a second read, one never used is let go; leases hold no more than their share and a burst
+still gets room; the untiered spec leases too.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from kvcopy.agents import PausePlan
 from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
 from kvcopy.integrations.vllm.agents.pauses import HINT_FAULTS, PAUSES, PREFETCHES, RESUMES
+from kvcopy.integrations.vllm.manager import KVCopyOffloadingManager
 
-from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, write_profile
+from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, make_rig, write_profile
 from helpers.vllm_tiers import make_tiering_rig, record_calls
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
@@ -334,5 +338,40 @@ def test_a_prefetch_whose_session_never_comes_back_is_counted_unused_and_let_go(
         rig.step()
         assert policy.leased("s-17") == 0 and not rig.manager.pauses._prefetches
         assert seen[PREFETCHES] == {("started",): 1, ("unused",): 1}
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("agents", ["auto", "off"])
+def test_the_untiered_spec_leases_a_hinted_session_that_lru_would_have_evicted(tmp_path, agents):
+    profile = write_profile(
+        tmp_path / "profile.json", "model", load_alpha_s=0.0, load_bytes_per_s=1e15, prefill_flops_per_s=1e3
+    )
+    rig = make_rig(
+        tmp_path,
+        extra={
+            "cpu_bytes_to_use": (2 * CHUNKS + 2) * ROW_BYTES,
+            "kvcopy_profile": profile,
+            "kvcopy_learn": False,
+            "kvcopy_agents": agents,
+            "kvcopy_agent_max_leased_fraction": 1.0,
+            "kvcopy_agent_max_session_fraction": 1.0,
+        },
+    )
+    try:
+        assert isinstance(rig.manager, KVCopyOffloadingManager)
+        assert (rig.manager.pauses is None) == (agents == "off")
+        for name, tokens, params in (("turn-1", PROMPT, HINT), ("other", OTHER, None), ("third", THIRD, None)):
+            rig.add(name, list(tokens), kv_transfer_params=params)
+            rig.run()
+        rig.drain()
+        assert rig.scheduler.reset_prefix_cache()
+        tokens = [*PROMPT, 5, 6, 7]
+        rig.add("turn-2", tokens, max_tokens=4, kv_transfer_params=HINT)
+        rig.run_until_prefilled("turn-2")
+        computed = sum(f.get("turn-2", 0) for f in rig.forwards)
+        # leased, the whole prompt loads from host RAM; without, LRU kept only its first two chunks
+        assert computed == len(tokens) - (CHUNKS if agents == "auto" else 2) * BLOCK_TOKENS
+        assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS if agents == "auto" else 2))
     finally:
         rig.close()

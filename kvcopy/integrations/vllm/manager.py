@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, get_offload_group_idx
@@ -23,6 +23,10 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadDecision
+from kvcopy.integrations.vllm._config import SpecConfig
+
+if TYPE_CHECKING:
+    from kvcopy.integrations.vllm.agents.pauses import AgentPauses
 
 __all__ = ["COUNTERS", "HitGeometry", "KVCopyOffloadingManager", "request_hit"]
 
@@ -82,10 +86,28 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
     tokens and bytes. The other keyword arguments are ``CPUOffloadingManager``'s.
     """
 
-    def __init__(self, *, session: OffloadSession, geometry: HitGeometry, **cpu_manager: Any) -> None:
+    def __init__(
+        self,
+        *,
+        session: OffloadSession,
+        geometry: HitGeometry,
+        chunk_bytes: int = 0,
+        row_bytes: int = 0,
+        settings: SpecConfig | None = None,
+        **cpu_manager: Any,
+    ) -> None:
         super().__init__(**cpu_manager)
         self.session = session
         self.geometry = geometry
+        self.chunk_bytes = chunk_bytes  # what one worker loads of a chunk to its GPU
+        self.row_bytes = row_bytes  # what a chunk holds of host RAM (every worker's part)
+        self.secondary_tiers: list[Any] = []  # (none: the agents' pauses keep or drop, never demote)
+        # the decisions at agents' pauses, leases only (kvcopy_agents "auto"; None when "off")
+        self.pauses: AgentPauses | None = None
+        if settings is not None and settings.agents == "auto":
+            from kvcopy.integrations.vllm.agents.pauses import AgentPauses  # (it imports this module's HitGeometry)
+
+            self.pauses = AgentPauses(self, settings, host=self)
         self._verdicts: dict[str, bool] = {}  # this step's judgment per request: load its hit or not
         self._failed: set[OffloadKey] = set()  # keys whose store failed (KVCopyOffloadingConnector says which)
         self._recompute: set[str] = set()  # requests whose load failed: computed from now on
@@ -95,9 +117,26 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
         """A load for ``request_id`` failed: its hits are not loaded again (vLLM recomputes it, or fails it)."""
         self._recompute.add(request_id)
 
+    def on_new_request(self, req_context: ReqContext) -> Any:
+        if self.pauses is not None:
+            self.pauses.arrived(req_context)
+        return super().on_new_request(req_context)
+
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._recompute.discard(req_context.req_id)
         super().on_request_finished(req_context)
+        if self.pauses is not None:  # (after the policy took the request's recency: the plan acts on it)
+            self.pauses.finished(req_context)
+
+    def prepare_store(self, keys: Any, req_context: ReqContext) -> Any:
+        if self.pauses is not None:
+            self.pauses.seen(req_context)
+        return super().prepare_store(keys, req_context)
+
+    def shutdown(self) -> None:
+        if self.pauses is not None:
+            self.pauses.shutdown()
+        super().shutdown()
 
     def fail_store(self, keys: Collection[OffloadKey]) -> None:
         """The store of ``keys`` failed: its completion drops them instead of making them loadable."""
@@ -113,6 +152,8 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
         return chunk is not None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self.pauses is not None:
+            self.pauses.seen(req_context)  # (a resume ends its session's lease before the hit is judged)
         result = super().lookup(key, req_context)
         if result not in _FOUND:
             return result
@@ -159,6 +200,8 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
             if value:
                 stats.increase_counter(name, value)
         self._unreported = dict.fromkeys(COUNTERS, 0)
+        if self.pauses is not None:
+            stats.aggregate(self.pauses.take_stats())
         return stats
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:

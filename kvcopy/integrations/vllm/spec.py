@@ -131,6 +131,9 @@ class KVCopyOffloadingSpec(OffloadingSpec):
             self._manager = KVCopyOffloadingManager(
                 session=self._session,
                 geometry=geometry,
+                chunk_bytes=config.worker_kv_bytes_per_block * self.blocks_per_chunk,
+                row_bytes=self._chunk_bytes,
+                settings=self.settings,
                 num_chunks=self.num_chunks,
                 cache_policy=self.extra_config.get("eviction_policy", "lru"),
                 cache_policy_module_path=self.extra_config.get("cache_policy_module_path"),

@@ -135,7 +135,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
         self._recorded: dict[str, int] = {}  # the load end last recorded and counted, per request
         self._stats = OffloadingConnectorStats()
         # the decisions at agents' pauses (kvcopy_agents "auto"; None when "off")
-        self.pauses = AgentPauses(self, settings) if settings is not None and settings.agents == "auto" else None
+        self.pauses = None
+        if settings is not None and settings.agents == "auto":
+            self.pauses = AgentPauses(self, settings, host=self.primary_tier)
 
     # ------------------------------------------------------------------ the hit
 

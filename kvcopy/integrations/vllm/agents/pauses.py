@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -42,13 +42,16 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     get_offload_group_idx,
 )
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvcopy.agents import GapForecast, GapForecaster, PauseHint, read_pause_hint
 from kvcopy.agents.plan import PauseCosts, PausePlan, hold_price, plan_pause
 from kvcopy.agents.sessions import MAX_PAUSED, Pause, PauseTracker
+from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._config import SpecConfig
 from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
+from kvcopy.integrations.vllm.manager import HitGeometry
 
 if TYPE_CHECKING:
     from kvcopy.integrations.vllm.tiering import KVCopyTieringManager
@@ -118,16 +121,36 @@ class _Planned:
     band: tuple[float, float]
 
 
+class PausingManager(Protocol):
+    """What AgentPauses reads of the manager it serves: kvcopy's tiered one, or its untiered one (no tiers)."""
+
+    session: OffloadSession
+    geometry: HitGeometry
+    chunk_bytes: int  # what one worker loads of a chunk to its GPU
+    row_bytes: int  # what a chunk holds of host RAM
+
+    @property
+    def secondary_tiers(self) -> Sequence[Any]: ...
+
+
 class AgentPauses:
-    """The pauses of one tiering manager's sessions (see the module). ``settings``: the spec's (its
-    ``kvcopy_agent_*`` keys); ``clock``: ``time.monotonic``, as the leases'."""
+    """The pauses of one manager's sessions (see the module): ``host``, the CPU manager whose eviction policy
+    leases (the tiered manager's primary tier, or the untiered manager itself: then there is no tier, so no
+    demotion to one nor prefetch, only leases and drops). ``settings``: the spec's (its ``kvcopy_agent_*``
+    keys); ``clock``: ``time.monotonic``, as the leases'."""
 
     def __init__(
-        self, manager: KVCopyTieringManager, settings: SpecConfig, *, clock: Callable[[], float] = time.monotonic
+        self,
+        manager: PausingManager,
+        settings: SpecConfig,
+        *,
+        host: CPUOffloadingManager,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
+        self.host = host
         self.clock = clock
-        primary = manager.primary_tier
+        primary = host
         # (vLLM 0.33's CPUOffloadingManager keeps its policy here; kvcopy.integrations.vllm._compat pins it)
         self.policy = LeasedPolicy(
             primary._policy,
@@ -152,8 +175,10 @@ class AgentPauses:
         self._evictions: list[tuple[float, int]] = []  # (when, chunks) of recent evictions: the tier's turnover
         self._wake = threading.Condition()
         self._stopping = False
-        self._timer = threading.Thread(target=self._timer_loop, name="kvcopy-agent-prefetch", daemon=True)
-        self._timer.start()
+        self._timer: threading.Thread | None = None
+        if manager.secondary_tiers:  # (prefetches read from a tier: without one, nothing to wake for)
+            self._timer = threading.Thread(target=self._timer_loop, name="kvcopy-agent-prefetch", daemon=True)
+            self._timer.start()
 
     # ------------------------------------------------------------------ the edges
 
@@ -208,7 +233,7 @@ class AgentPauses:
             outcome = "late" if prefetch.waiting else "in_time"
             self.stats.increase_counter(PREFETCHES, 1, (outcome,))
             where = "prefetch"
-        elif held and all(self.manager.primary_tier.lookup(key, context) is LookupResult.HIT for key in held):
+        elif held and all(self._in_host(key) for key in held):
             where = "host"
         elif pause.last_key is not None and self._in_a_tier(pause.last_key, context):
             where = "tier"
@@ -275,12 +300,12 @@ class AgentPauses:
             started += 1
             self.stats.increase_counter(PREFETCHES, 1, ("started",))
             for key in prefetch.keys:
-                if self.manager.primary_tier.lookup(key, prefetch.context) is not LookupResult.MISS:
+                if self.policy.get(key) is not None:
                     continue  # still (or already again) in host RAM
                 tier = self._tier_holding(key, prefetch.context)
                 if tier is None:
                     break  # (its chunks past this one would not be a prefix: left to the resume)
-                if not self.manager._initiate_promotion(tier, key, prefetch.context):
+                if not self._tiered._initiate_promotion(tier, key, prefetch.context):
                     break  # the host tier is full: the rest waits for the resume
                 prefetch.waiting.add(key)
             if not prefetch.waiting:
@@ -324,9 +349,15 @@ class AgentPauses:
                 if due > now:
                     self._wake.wait(min(_TIMER_MAX_SLEEP_S, due - now))
                     continue
-            with self.manager.lock:
+            with self._tiered.lock:
                 if self.start_due():
-                    self.manager._flush_pending_promotions()
+                    self._tiered._flush_pending_promotions()
+
+    @property
+    def _tiered(self) -> KVCopyTieringManager:
+        """The manager, as the tiered one it is wherever a prefetch was planned (only a tier's chunks are read
+        back)."""
+        return cast("KVCopyTieringManager", self.manager)
 
     def _notify(self) -> None:
         with self._wake:
@@ -379,6 +410,11 @@ class AgentPauses:
         span = max(now - self._evictions[0][0], 1.0)
         return sum(c for _, c in self._evictions) / span / max(self.policy.cache_capacity, 1)
 
+    def _in_host(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s chunk is in host RAM, ready (asked of the policy: a lookup would judge)."""
+        chunk = self.policy.get(key)
+        return chunk is not None and chunk.is_ready
+
     def _tier_holding(self, key: OffloadKey, context: ReqContext) -> int | None:
         for i, tier in enumerate(self.manager.secondary_tiers):
             if tier.lookup(key, context) is LookupResult.HIT:
@@ -397,7 +433,8 @@ class AgentPauses:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        self._timer.join(timeout=5.0)
+        if self._timer is not None:
+            self._timer.join(timeout=5.0)
         if self.forecast_path is not None:
             try:
                 self.forecaster.save(self.forecast_path)
