@@ -25,7 +25,16 @@ from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
 from kvcopy.integrations.vllm.agents.pauses import HINT_FAULTS, PAUSES, PREFETCHES, RESUMES
 from kvcopy.integrations.vllm.manager import KVCopyOffloadingManager
 
-from helpers.vllm import BLOCK_TOKENS, PROMPT, SPEC_PATH, assert_blocks_hold, make_rig, write_profile
+from helpers.vllm import (
+    BLOCK_TOKENS,
+    PROMPT,
+    SPEC_PATH,
+    assert_blocks_hold,
+    make_rig,
+    metric_totals,
+    prometheus_logger,
+    write_profile,
+)
 from helpers.vllm_tiers import make_tiering_rig, record_calls
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
@@ -373,5 +382,40 @@ def test_the_untiered_spec_leases_a_hinted_session_that_lru_would_have_evicted(t
         # leased, the whole prompt loads from host RAM; without, LRU kept only its first two chunks
         assert computed == len(tokens) - (CHUNKS if agents == "auto" else 2) * BLOCK_TOKENS
         assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS if agents == "auto" else 2))
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("tiered", [True, False], ids=["tiered", "untiered"])
+def test_the_agents_metrics_reach_vllms_logger(tmp_path, tiered):
+    """vLLM's frontend declares the metrics from the class the config names: both specs declare the agents'."""
+    if tiered:
+        rig = agents_rig(tmp_path)
+    else:
+        profile = write_profile(
+            tmp_path / "profile.json", "model", load_alpha_s=0.0, load_bytes_per_s=1e15, prefill_flops_per_s=1e3
+        )
+        whole = {"kvcopy_agent_max_leased_fraction": 1.0, "kvcopy_agent_max_session_fraction": 1.0}
+        rig = make_rig(tmp_path, extra={"cpu_bytes_to_use": 4 * CHUNKS * ROW_BYTES, "kvcopy_profile": profile, **whole})
+    try:
+        registry = prometheus_logger(rig)
+        run_one(rig, "turn-1", PROMPT, HINT)
+        run_one(rig, "bad", OTHER, {"kvcopy": {"session": "s", "resume_in": 1.0}})
+        assert rig.scheduler.reset_prefix_cache()
+        run_one(rig, "turn-2", [*PROMPT, 5, 6, 7], HINT)
+        totals = metric_totals(registry)
+        assert totals["vllm:kv_offload_kvcopy_agent_pauses_total"] == 2  # turn-1 and turn-2, each kept
+        assert totals["vllm:kv_offload_kvcopy_agent_resumes_total"] == 1
+        assert totals["vllm:kv_offload_kvcopy_agent_hint_faults_total"] == 1
+        assert totals["vllm:kv_offload_kvcopy_agent_forecast_error_count"] == 1
+        assert totals["vllm:kv_offload_kvcopy_agent_resumes_in_band_total"] == 1
+        assert totals["vllm:kv_offload_kvcopy_agent_leased_bytes_total"] == 2 * CHUNKS * ROW_BYTES
+        labels = {
+            s.labels.get("decision")
+            for family in registry.collect()
+            for s in family.samples
+            if "agent_pauses" in s.name
+        }
+        assert labels == {"keep"}
     finally:
         rig.close()

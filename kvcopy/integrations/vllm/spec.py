@@ -31,6 +31,7 @@ from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadStats
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
+from kvcopy.integrations.vllm.agents.pauses import agent_metric_definitions
 from kvcopy.integrations.vllm.manager import COUNTERS, KVCopyOffloadingManager
 from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
@@ -70,7 +71,8 @@ class KVCopyOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        """vLLM's CPU-tier metrics (the manager is vLLM's CPU manager) and the judgment's counters; with
+        """vLLM's CPU-tier metrics (the manager is vLLM's CPU manager), the judgment's counters and the agents'
+        pauses' (kvcopy.integrations.vllm.agents); with
         ``secondary_tiers``, the tiered spec's (vLLM's metrics logger asks the class the config names, which
         it never builds)."""
         tiered = _tiered_spec(cls, extra_config)
@@ -78,6 +80,7 @@ class KVCopyOffloadingSpec(OffloadingSpec):
             return tiered.build_metric_definitions(extra_config)
         definitions = CPUOffloadingSpec.build_metric_definitions(extra_config)
         definitions.update({name: OffloadingCounterMetadata(documentation=doc) for name, doc in COUNTERS.items()})
+        definitions.update(agent_metric_definitions())
         return definitions
 
     @classmethod
