@@ -131,6 +131,7 @@ def test_a_hinted_session_comes_back_to_a_host_hit_that_lru_would_have_evicted(t
             assert computed == len(tokens) - 2 * BLOCK_TOKENS
             return
         assert computed == len(tokens) - hit  # the leased chunks loaded from host RAM
+        assert rig.manager.pauses.policy.leased("s-17") == 0  # the session is live: its lease ended at its resume
         assert assert_blocks_hold(rig, "turn-2", tokens, range(CHUNKS)) == 2 * CHUNKS
         assert sum(in_primary(rig, OTHER)) == 2  # the crowd's own chunks gave way
         rig.run()
