@@ -8,7 +8,8 @@ dropped before each read. Each write pass ends with one sync. The file is writte
 
 A pass is timed by ``fio`` where it is on PATH (``--ioengine=psync --iodepth=1``; fio's own bandwidth figure,
 ``bw_bytes``, at its 1 ms resolution), else by a plain writer and reader here (``os.pwrite`` / ``os.preadv`` of
-one page-aligned buffer of random bytes, timed around the pass and its sync). fio is never required.
+one page-aligned buffer of random bytes, the pass and its sync timed by kvcopy.calibration.timing's one-call
+timer). fio is never required.
 
 A tier that merges adjacent chunks into one request, or keeps several requests in flight, can pass this limit:
 it is the disk at the tier's block size, the way a plain program would read and write it.
@@ -24,8 +25,9 @@ import mmap
 import os
 import shutil
 import subprocess
-import time
+from collections.abc import Callable
 
+from kvcopy.calibration.timing import seconds_to_completion
 from kvcopy.storage.files import DATA, open_data
 
 __all__ = ["TOOLS", "SequentialFile"]
@@ -66,13 +68,16 @@ class SequentialFile:
         self._buffer.write(os.urandom(block_bytes))  # random: a disk that compresses or skips zeros sees data
         self._fio = fio
         try:
-            self.write_gbps()  # written through once: the timed passes overwrite written blocks
-        except RuntimeError as err:
-            if tool == "fio":
-                self.close()
-                raise
-            self._fio, self.note = None, f"fio failed ({err}); timed here instead"
-            self.write_gbps()
+            try:
+                self.write_gbps()  # written through once: the timed passes overwrite written blocks
+            except RuntimeError as err:
+                if tool == "fio":
+                    raise
+                self._fio, self.note = None, f"fio failed ({err}); timed here instead"
+                self.write_gbps()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def tool(self) -> str:
@@ -83,14 +88,14 @@ class SequentialFile:
         """One sequential write pass over the whole file, synced at its end: GB/s."""
         if self._fio:
             return self._fio_pass("write")
-        with memoryview(self._buffer) as view:
-            start = time.perf_counter()
+
+        def write(view: memoryview) -> None:
             for offset in range(0, self.nbytes, self.block_bytes):
                 if os.pwrite(self._fd, view, offset) != self.block_bytes:
                     raise OSError(f"{self.path}: a short write at byte {offset}")
             os.fdatasync(self._fd)
-            seconds = time.perf_counter() - start
-        return self.nbytes / seconds / 1e9
+
+        return self._timed(write)
 
     def read_gbps(self) -> float:
         """One sequential read pass over the whole file, cold (O_DIRECT, or its pages dropped first): GB/s."""
@@ -98,12 +103,19 @@ class SequentialFile:
             return self._fio_pass("read")
         if not self.direct:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with memoryview(self._buffer) as view:
-            start = time.perf_counter()
+
+        def read(view: memoryview) -> None:
             for offset in range(0, self.nbytes, self.block_bytes):
                 if os.preadv(self._fd, [view], offset) != self.block_bytes:
                     raise OSError(f"{self.path}: a short read at byte {offset}")
-            seconds = time.perf_counter() - start
+
+        return self._timed(read)
+
+    def _timed(self, one_pass: Callable[[memoryview], None]) -> float:
+        """GB/s of ``one_pass`` over the buffer, timed once (kvcopy.calibration.timing's one-call timer: a pass
+        happens once a round, beside the work it is compared with; the rounds give the repeats)."""
+        with memoryview(self._buffer) as view:
+            seconds = seconds_to_completion(lambda: one_pass(view))
         return self.nbytes / seconds / 1e9
 
     def _fio_pass(self, op: str) -> float:
