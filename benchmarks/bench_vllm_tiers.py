@@ -42,7 +42,8 @@ Each tier against its disk's own limit, in the same run, on the same directory (
   (kvcopy.integrations.vllm.tiering.observe_promotion: scored against the Planner of the moment, then learned,
   each engine its own Planner, as at kvcopy_learn's default): the figure its ``tier_prediction_error``
   histogram records, measured by the tier's own ``transfer_time`` (kvcopy's: from the job's posting to its
-  end on the IO thread; vLLM's fs tier's: the sum of its threads' times, one per file). ``_seen``: measured
+  end on the IO thread; vLLM's fs tier's: its one task reading the job's files, from when a pool thread took
+  it, the wait in the pool's queue left out). ``_seen``: measured
   from ``submit_load`` until the scheduler saw the job done (what the request waits). The Planner's profile:
   ``--profile``, else kvcopy's default profile, else this CPU calibrated at the start (``kvcopy calibrate
   --device cpu --quick``: lines the prediction does not use, which a Planner needs); its disk line is
@@ -878,8 +879,9 @@ def reset(engine: Engine) -> None:
 def limit_how(limit: DiskLimit) -> str:
     """How the disk's limit was taken, in words."""
     cold = "O_DIRECT" if limit.direct else "through the page cache, dropped before each read"
+    tool = "fio" if limit.tool == "fio" else "no fio: the bench's own os.pwrite / os.preadv loop"
     return (
-        f"{limit.tool}: {limit.block_bytes}-byte requests one at a time, {cold}, {limit.pass_bytes >> 20} MiB a "
+        f"{tool}; {limit.block_bytes}-byte requests one at a time, {cold}, {limit.pass_bytes >> 20} MiB a "
         f"pass, writes synced at the end" + (f"; {limit.note}" if limit.note else "")
     )
 
@@ -1088,8 +1090,9 @@ def main() -> int:
         "(rig) in this process on the same directory asks for the first prompt of each prefix length\n"
         "x_write_limit, x_read_limit: the tier's median GB/s over the disk's (below); prediction_error: "
         "|predicted / measured - 1| per promotion job, the Planner's predicted read scored and learned as kvcopy's "
-        "tiering manager does (its tier_prediction_error histogram), measured by the tier's transfer_time (vLLM's "
-        "fs tier: its threads' times summed); _seen: measured from submit_load until seen done\n"
+        "tiering manager does (its tier_prediction_error histogram), measured by the tier's transfer_time (kvcopy's "
+        "from the job's posting; vLLM's fs tier's from when a pool thread took the job's one task); _seen: "
+        "measured from submit_load until seen done\n"
         f"the Planner's profile: {planner_note}"
     )
     text = report(rows, header, engines)
