@@ -27,6 +27,28 @@ What each number measures (every tier the same way, with the same clocks):
 - ``restart``: a new engine (a new rig, the same directory and configuration) asks for one stored prompt per
   prefix length: chunks loaded, of those stored, and of those loaded how many differ from what was stored.
 
+Each tier against its disk's own limit, in the same run, on the same directory (benchmarks/disk_limit.py):
+
+- ``disk write`` / ``disk read``: one file of ``--limit-mib`` written and read sequentially at the chunk size, one
+  chunk a request and one request at a time, with O_DIRECT where the tiers' files take it (else the page cache,
+  dropped before each read), the writes synced; timed by ``fio`` where it is installed, else by a plain
+  writer and reader (``--disk-limit``). One write pass in each round, after the tiers' stores, and one read
+  pass after their promotions; the median over the rounds.
+- ``cascade_x_write_limit``, ``promotion_x_read_limit``: the tier's median cascade GB/s, and its median
+  promotion GB/s (the chunks promoted x the row bytes / the promotion's seconds, as above), over the disk's.
+  A tier that merges adjacent chunks into one request, or keeps several in flight, can pass 1.
+- ``prediction_error`` (p50, p90): for each promotion job, |predicted / measured - 1| with the Planner's
+  predicted read, taken as kvcopy's tiering manager takes each promotion
+  (kvcopy.integrations.vllm.tiering.observe_promotion: scored against the Planner of the moment, then learned,
+  each engine its own Planner, as at kvcopy_learn's default): the figure its ``tier_prediction_error``
+  histogram records, measured by the tier's own ``transfer_time`` (kvcopy's: from the job's posting to its
+  end on the IO thread; vLLM's fs tier's: its one task reading the job's files, from when a pool thread took
+  it, the wait in the pool's queue left out). ``_seen``: measured
+  from ``submit_load`` until the scheduler saw the job done (what the request waits). The Planner's profile:
+  ``--profile``, else kvcopy's default profile, else this CPU calibrated at the start (``kvcopy calibrate
+  --device cpu --quick``: lines the prediction does not use, which a Planner needs); its disk line is
+  measured at the start on the same directory (``kvcopy calibrate --disk``), replacing any it had.
+
 Behaviour, measured the same way on each tier (rows ``behaviour`` in the CSV):
 
 - ``rope_scaling``: a prompt stored by one engine; a new engine whose only change is
@@ -41,14 +63,16 @@ Behaviour, measured the same way on each tier (rows ``behaviour`` in the CSV):
   handed to the kernel survives it, fsynced or not; a power loss is not simulated.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_vllm_tiers.py [--dir /path/on/the/disk] [--layers 8]
-        [--kv-heads 8] [--head-dim 128] [--prefixes 256,1024,4096] [--repeats 7] [--crash-points 20]
-        [--csv out.csv] [--txt out.txt] [--quick]
+        [--kv-heads 8] [--head-dim 128] [--prefixes 256,1024,4096] [--repeats 11] [--crash-points 20]
+        [--profile profile.json] [--disk-limit auto|fio|python] [--limit-mib 256] [--csv out.csv]
+        [--txt out.txt] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import glob
 import multiprocessing
@@ -72,8 +96,12 @@ import numpy as np
 import torch
 
 from kvcopy.calibration.machine import machine_identity
+from kvcopy.model.spec import ModelSpec
+from kvcopy.profile import Profile
 from kvcopy.storage.files import DATA, filesystem_of
 from kvcopy.tools.bench.report import IDENTITY_COLUMNS
+
+from disk_limit import TOOLS, SequentialFile
 
 ROOT = Path(__file__).resolve().parents[1]
 # The rig (vLLM's Scheduler and connector around a CPU stand-in worker) is a test helper, kept in one place:
@@ -108,6 +136,7 @@ FULL = {
     "repeats": 11,
     "crash_points": 20,
     "crash_prefix": 256,
+    "limit_mib": 256,  # the disk's limit, a pass: the largest prompt's chunks (4096 tokens, 256 MiB)
 }
 # --quick: the tests' tiny model (8 KiB chunks), short prefixes, one round, 2 kill points: the structure, in
 # seconds of work (plus the imports).
@@ -119,6 +148,7 @@ QUICK = {
     "repeats": 1,
     "crash_points": 2,
     "crash_prefix": 96,
+    "limit_mib": 4,  # 512 chunks: a pass of milliseconds, above fio's 1 ms resolution
 }
 
 COLUMNS = (
@@ -256,7 +286,8 @@ class Spy:
     seconds: float = 0.0  # inside the tier's methods, on the scheduler's thread
     by_method: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SCHEDULER_METHODS, 0.0))
     submitted: dict[int, tuple[float, int, bool, str]] = field(default_factory=dict)  # job -> (t, chunks, load, req)
-    finished: dict[int, tuple[float, bool]] = field(default_factory=dict)  # job -> (t, success)
+    # job -> (t, success, the tier's transfer_time and transfer_bytes: what vLLM's tiering metrics read)
+    finished: dict[int, tuple[float, bool, float | None, int | None]] = field(default_factory=dict)
 
     @classmethod
     def on(cls, tier: Any) -> Spy:
@@ -276,7 +307,7 @@ class Spy:
                 end = time.perf_counter()
                 if _name == "get_finished_jobs":
                     for done in result:
-                        spy.finished[done.job_id] = (end, done.success)
+                        spy.finished[done.job_id] = (end, done.success, done.transfer_time, done.transfer_bytes)
                 if threading.get_ident() == main:
                     spy.seconds += end - start
                     spy.by_method[_name] += end - start
@@ -374,6 +405,12 @@ class Engine:
     queue: str  # kvcopy's store: its NIXL POSIX queue; "" for the fs tier
     cascade_gbps: dict[int, list[float]] = field(default_factory=dict)
     promotion_s: dict[int, list[float]] = field(default_factory=dict)
+    promotion_gbps: dict[int, list[float]] = field(default_factory=dict)
+    # per promotion job: the Planner's predicted read, and |predicted / measured - 1| against the tier's own
+    # transfer_time (the histogram's) and against submit_load -> seen done
+    predicted_s: dict[int, list[float]] = field(default_factory=dict)
+    prediction_error: dict[int, list[float]] = field(default_factory=dict)
+    prediction_error_seen: dict[int, list[float]] = field(default_factory=dict)
     request_s: dict[int, list[float]] = field(default_factory=dict)
     request_steps: dict[int, list[int]] = field(default_factory=dict)
     sched_s: dict[str, float] = field(default_factory=lambda: {"store": 0.0, "promote": 0.0})
@@ -382,6 +419,7 @@ class Engine:
     loaded: int = 0
     expected: int = 0
     wrong: int = 0
+    live: Any = None  # the Planner that predicts its promotions (an OnlinePlanner), in the timed rounds
 
     def phase(self, name: str, work: Callable[[], None]) -> None:
         """Runs ``work``, counting the tier's scheduler-thread seconds and the steps into phase ``name``."""
@@ -456,6 +494,33 @@ def promote_round(engine: Engine, request_id: str, prompt: Sequence[int]) -> Non
         if ends:
             promotion = max(ends) - min(spy.submitted[j][0] for j in jobs)
             engine.promotion_s.setdefault(length, []).append(promotion)
+            nbytes = sum(spy.submitted[j][1] for j in jobs) * engine.row_bytes
+            engine.promotion_gbps.setdefault(length, []).append(nbytes / promotion / 1e9)
+    for job in jobs:
+        score_promotion(engine, length, job)
+
+
+def score_promotion(engine: Engine, length: int, job: int) -> None:
+    """The Planner's predicted read of a finished promotion job against what it took, taken as kvcopy's tiering
+    manager takes each (observe_promotion: scored against the Planner of the moment, then learned; only a
+    successful job that reports its seconds and bytes), and against the job as the scheduler saw it."""
+    from kvcopy.integrations.vllm.tiering import observe_promotion, predicted_read_s, prediction_error
+
+    spy = engine.spy
+    if engine.live is None or job not in spy.finished:
+        return
+    end, success, seconds, nbytes = spy.finished[job]
+    if not (success and seconds and nbytes):
+        return
+    planner, _ = engine.live.current()
+    predicted = predicted_read_s(planner, nbytes)
+    seen = prediction_error(planner, nbytes, end - spy.submitted[job][0])
+    error = observe_promotion(engine.live, nbytes, seconds)
+    if predicted is None or seen is None or error is None:
+        return  # a Planner without a disk line: nothing predicted
+    engine.predicted_s.setdefault(length, []).append(predicted)
+    engine.prediction_error.setdefault(length, []).append(error)
+    engine.prediction_error_seen.setdefault(length, []).append(seen)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -660,14 +725,81 @@ def crash_case(
     return result
 
 
+# --------------------------------------------------------------------------- the Planner and the disk's limit
+
+
+def planner_profile(path: str | None, directory: str, spec: ModelSpec, *, quick: bool) -> tuple[Profile, str]:
+    """The profile whose Planner predicts the promotions, and where it came from: ``path``'s (an engine's
+    kvcopy_profile), else kvcopy's default profile, else this CPU calibrated now (``kvcopy calibrate --device cpu
+    --quick`` for ``spec``: a Planner needs its load and prefill lines, which the prediction does not use).
+    Its disk line is measured now in ``directory`` (``kvcopy calibrate --disk``, its quick sweep with
+    ``quick``), replacing any it had."""
+    from kvcopy.calibration.disk import add_disk_fits
+    from kvcopy.calibration.local import calibrate
+    from kvcopy.profile import default_profile
+
+    default = default_profile() if path is None else None
+    if path is not None:
+        profile, where = Profile.load(path), path
+    elif default is not None:
+        profile, where = copy.deepcopy(default), "kvcopy's default profile"
+    else:
+        profile = calibrate("cpu", quick=True, progress=False, model=spec)
+        where = "this CPU, calibrated at the start (quick)"
+    add_disk_fits(profile, directory, quick=quick, progress=False)
+    sweep = "quick" if quick else "full"
+    return profile, f"{where}; its disk line measured at the start on this directory ({sweep} sweep)"
+
+
+def served_model(engine: Engine) -> ModelSpec:
+    """The ModelSpec kvcopy's vLLM spec reads of the model the engine serves."""
+    from kvcopy.integrations.vllm.session import model_spec_of
+
+    spec = model_spec_of(engine.rig.worker_spec.config)
+    assert spec is not None, "the rig's model directory has its config.json"
+    return spec
+
+
+def live_planner(engine: Engine, profile: Profile) -> Any:
+    """The OnlinePlanner kvcopy's tiering spec would give this engine's scheduler (its session's: the engine's
+    kv_connector_extra_config read as kvcopy reads it, the model it serves) over ``profile``."""
+    from kvcopy.integrations.vllm._config import read_config
+    from kvcopy.integrations.vllm.session import new_session
+
+    settings = read_config(engine.rig.vllm_config.kv_transfer_config.kv_connector_extra_config)
+    block_tokens = engine.rig.worker_spec.tokens_per_block
+    return new_session(settings, profile, served_model(engine), 0, block_tokens).live
+
+
+@dataclass
+class DiskLimit:
+    """The disk's sequential write and read at the chunk size, one pass each a round (GB/s)."""
+
+    tool: str
+    direct: bool
+    block_bytes: int
+    pass_bytes: int
+    note: str
+    write_gbps: list[float] = field(default_factory=list)
+    read_gbps: list[float] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------- the run
 
 
 def timed_rounds(
-    work: str, model: Model, prefixes: Sequence[int], repeats: int
-) -> tuple[dict[str, Engine], dict[str, Any]]:
-    """The timed workload, both tiers in the same rounds; then the restart. Returns the engines (closed) and the
-    restart's counts per tier."""
+    work: str,
+    model: Model,
+    prefixes: Sequence[int],
+    repeats: int,
+    *,
+    limit: tuple[str, int],
+    profile_path: str | None,
+    quick: bool,
+) -> tuple[dict[str, Engine], dict[str, Any], DiskLimit, str]:
+    """The timed workload, both tiers in the same rounds, each round also one pass of the disk's limit
+    (``limit``: the tool and the chunks a pass); then the restart. Returns the engines (closed), the restart's
+    counts per tier, the disk's limit, and where the Planner's profile came from."""
     prefix_max = max(prefixes)
     total_chunks = (repeats * sum(prefixes) + prefixes[0]) // BLOCK_TOKENS
     bytes_to_use = (total_chunks + 16) * model.block_bytes
@@ -676,7 +808,16 @@ def timed_rounds(
         for tier in TIERS
     }
     order = list(TIERS)
+    disk: SequentialFile | None = None
     try:
+        # the Planner's profile (its disk line measured here), and the disk's limit file, written through once
+        served = served_model(engines[TIERS[0]])
+        profile, planner_note = planner_profile(profile_path, work, served, quick=quick)
+        for engine in engines.values():
+            engine.live = live_planner(engine, profile)
+        tool, limit_chunks = limit
+        disk = SequentialFile(os.path.join(work, "disk-limit"), model.block_bytes, limit_chunks, tool)
+        measured = DiskLimit(disk.tool, disk.direct, model.block_bytes, disk.nbytes, disk.note)
         warm = prompt_tokens(0, prefixes[0])  # one untimed round: first files, NIXL's first transfers
         for engine in engines.values():
             store_round(engine, "warm", warm)
@@ -689,11 +830,15 @@ def timed_rounds(
                 order.reverse()  # in turn, the order alternating
                 for tier in order:
                     store_round(engines[tier], f"s{length}-{r}", prompt)
+                measured.write_gbps.append(disk.write_gbps())  # beside the cascades it is compared with
                 for tier in order:
                     evict(engines[tier])
                 for tier in order:
                     promote_round(engines[tier], f"a{length}-{r}", prompt)
+                measured.read_gbps.append(disk.read_gbps())  # beside the promotions
     finally:
+        if disk is not None:
+            disk.close()
         for engine in engines.values():
             engine.rig.close()
     restart: dict[str, Any] = {}
@@ -711,13 +856,17 @@ def timed_rounds(
         finally:
             engine.rig.close()
         restart[tier] = counts
-    return engines, restart
+    return engines, restart, measured, planner_note
 
 
 def reset(engine: Engine) -> None:
     """Forgets the warm-up's samples."""
     engine.cascade_gbps.clear()
     engine.promotion_s.clear()
+    engine.promotion_gbps.clear()
+    engine.predicted_s.clear()
+    engine.prediction_error.clear()
+    engine.prediction_error_seen.clear()
     engine.request_s.clear()
     engine.request_steps.clear()
     engine.sched_s = {"store": 0.0, "promote": 0.0}
@@ -727,17 +876,35 @@ def reset(engine: Engine) -> None:
     engine.loaded = engine.expected = engine.wrong = 0
 
 
-def rows_of(engines: dict[str, Engine], restart: dict[str, Any], behaviours: list[Behaviour]) -> list[dict]:
+def limit_how(limit: DiskLimit) -> str:
+    """How the disk's limit was taken, in words."""
+    cold = "O_DIRECT" if limit.direct else "through the page cache, dropped before each read"
+    tool = "fio" if limit.tool == "fio" else "no fio: the bench's own os.pwrite / os.preadv loop"
+    return (
+        f"{tool}; {limit.block_bytes}-byte requests one at a time, {cold}, {limit.pass_bytes >> 20} MiB a "
+        f"pass, writes synced at the end" + (f"; {limit.note}" if limit.note else "")
+    )
+
+
+def rows_of(
+    engines: dict[str, Engine], restart: dict[str, Any], behaviours: list[Behaviour], limit: DiskLimit
+) -> list[dict]:
     rows: list[dict] = []
 
     def add(kind: str, tier: str, metric: str, value: float, unit: str, samples: int, **extra: Any) -> None:
         rows.append({"kind": kind, "tier": tier, "metric": metric, "value": value, "unit": unit, "samples": samples,
                      "prefix_tokens": extra.get("prefix", ""), "note": extra.get("note", "")})  # fmt: skip
 
+    write_limit, read_limit = percentile(limit.write_gbps, 50), percentile(limit.read_gbps, 50)
+    how = limit_how(limit)
+    add("disk", "disk", "write_gbps_median", write_limit, "GB/s", len(limit.write_gbps), note=how)
+    add("disk", "disk", "read_gbps_median", read_limit, "GB/s", len(limit.read_gbps), note=how)
     for tier, e in engines.items():
         for length in sorted(e.request_s):
             cascade = e.cascade_gbps[length]
             add("timed", tier, "cascade_gbps_median", statistics.median(cascade), "GB/s", len(cascade), prefix=length)
+            of_limit = statistics.median(cascade) / write_limit
+            add("timed", tier, "cascade_x_write_limit", of_limit, "x", len(cascade), prefix=length)
             promotion = e.promotion_s.get(length, [])
             for q in (50, 90):
                 add(
@@ -749,11 +916,32 @@ def rows_of(engines: dict[str, Engine], restart: dict[str, Any], behaviours: lis
                     len(promotion),
                     prefix=length,
                 )
+            gbps = e.promotion_gbps.get(length, [])
+            add("timed", tier, "promotion_gbps_median", percentile(gbps, 50), "GB/s", len(gbps), prefix=length)
+            of_limit = percentile(gbps, 50) / read_limit
+            add("timed", tier, "promotion_x_read_limit", of_limit, "x", len(gbps), prefix=length)
+            predicted = e.predicted_s.get(length, [])
+            median_ms = percentile(predicted, 50) * 1e3
+            add("timed", tier, "promotion_predicted_ms_median", median_ms, "ms", len(predicted), prefix=length)
+            for name, errors in (
+                ("prediction_error", e.prediction_error),
+                ("prediction_error_seen", e.prediction_error_seen),
+            ):
+                for q in (50, 90):
+                    got = errors.get(length, [])
+                    add("timed", tier, f"{name}_p{q}", percentile(got, q), "|p/m-1|", len(got), prefix=length)
             for q in (50, 90):
                 request = e.request_s[length]
                 add("timed", tier, f"request_p{q}", percentile(request, q) * 1e3, "ms", len(request), prefix=length)
             steps = e.request_steps[length]
             add("timed", tier, "request_steps_median", statistics.median(steps), "steps", len(steps), prefix=length)
+        for name, errors in (
+            ("prediction_error", e.prediction_error),
+            ("prediction_error_seen", e.prediction_error_seen),
+        ):
+            every = [error for by_prefix in errors.values() for error in by_prefix]
+            for q in (50, 90):
+                add("timed", tier, f"{name}_p{q}", percentile(every, q), "|p/m-1|", len(every), note="every promotion")
         for phase in ("store", "promote"):
             steps = e.sched_steps[phase]
             add("timed", tier, f"sched_ms_per_step_{phase}", e.sched_s[phase] / max(steps, 1) * 1e3, "ms", steps)
@@ -777,9 +965,16 @@ def rows_of(engines: dict[str, Engine], restart: dict[str, Any], behaviours: lis
 
 
 def report(rows: list[dict], header: str, engines: dict[str, Engine]) -> str:
-    """The TXT: the header, the timed table (each tier, and kvcopy's against vLLM's as a ratio), the behaviour."""
+    """The TXT: the header, the disk's limit, the timed table (each tier, and kvcopy's against vLLM's as a
+    ratio), the behaviour."""
     lines = [header, ""]
     by = {(r["tier"], r["metric"], r["prefix_tokens"], r["kind"]): r for r in rows}
+    write, read = by[("disk", "write_gbps_median", "", "disk")], by[("disk", "read_gbps_median", "", "disk")]
+    lines.append(
+        f"the disk's limit, on the same directory, a pass each round (median of {write['samples']}): sequential "
+        f"write {write['value']:.3f} GB/s, read {read['value']:.3f} GB/s ({write['note']})"
+    )
+    lines.append("")
     fs, kv = TIERS
     lines.append(f"{'metric':<38} {'prefix':>6} {fs:>12} {kv:>12} {'ratio kv/fs':>11} {'samples':>7}")
     for r in rows:
@@ -811,6 +1006,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, help=f"rounds per prefix length ({FULL['repeats']})")
     parser.add_argument("--crash-points", type=int, help=f"SIGKILL points per tier ({FULL['crash_points']})")
     parser.add_argument("--crash-prefix", type=int, help=f"the crash prompts' tokens ({FULL['crash_prefix']})")
+    parser.add_argument(
+        "--profile", help="the Planner's profile (default: kvcopy's default profile, else this CPU calibrated)"
+    )
+    parser.add_argument(
+        "--disk-limit", choices=TOOLS, default="auto", help="what times the disk's limit (auto: fio if installed)"
+    )
+    parser.add_argument("--limit-mib", type=int, help=f"MiB a pass of the disk's limit ({FULL['limit_mib']})")
     parser.add_argument("--csv", help="also write the rows here")
     parser.add_argument("--txt", help="also write the report here")
     args = parser.parse_args()
@@ -825,6 +1027,14 @@ def main() -> int:
     if any(p % BLOCK_TOKENS or p < BLOCK_TOKENS * (FLIP_CHUNK + 2) for p in [*prefixes, crash_prefix]):
         least = BLOCK_TOKENS * (FLIP_CHUNK + 2)
         parser.error(f"--prefixes, --crash-prefix: whole blocks of {BLOCK_TOKENS} tokens, at least {least}")
+    limit_mib = args.limit_mib or preset["limit_mib"]
+    if limit_mib < 1:
+        parser.error(f"--limit-mib: at least 1, got {limit_mib}")
+    if args.profile is not None and not os.path.isfile(args.profile):
+        parser.error(f"--profile: no profile at {args.profile!r} (write one with `kvcopy calibrate`)")
+    if args.disk_limit == "fio" and shutil.which("fio") is None:
+        parser.error("--disk-limit: fio asked for, and there is no fio on PATH")
+    limit = (args.disk_limit, max(1, (limit_mib << 20) // model.block_bytes))
     directory = args.dir or tempfile.mkdtemp(prefix="kvcopy-bench-vllm-tiers-", dir=os.getcwd())
     os.makedirs(directory, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=directory)
@@ -835,7 +1045,15 @@ def main() -> int:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["helpers.vllm_tiers", "kvcopy.integrations.vllm"])
     try:
-        engines, restart = timed_rounds(os.path.join(work, "timed"), model, prefixes, repeats)
+        engines, restart, disk, planner_note = timed_rounds(
+            os.path.join(work, "timed"),
+            model,
+            prefixes,
+            repeats,
+            limit=limit,
+            profile_path=args.profile,
+            quick=args.quick,
+        )
         behaviours: list[Behaviour] = []
         prompt = prompt_tokens(424242, prefixes[0])
         points = kill_points(crash_points)
@@ -853,7 +1071,7 @@ def main() -> int:
             shutil.rmtree(directory, ignore_errors=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    rows = rows_of(engines, restart, behaviours)
+    rows = rows_of(engines, restart, behaviours, disk)
     cold = ", ".join(
         f"{tier}: {'O_DIRECT' if engines[tier].direct else 'page cache dropped before each request'}" for tier in TIERS
     )
@@ -869,7 +1087,13 @@ def main() -> int:
         "time in the tier's methods on the scheduler thread / steps of the phase (per request: / requests)\n"
         "tiers at their defaults: vLLM's fs 16 read and 16 write threads; kvcopy's one IO thread, NIXL POSIX "
         f"({engines[TIERS[1]].queue}), checksums checked, data synced before its commit; restart: a new engine "
-        "(rig) in this process on the same directory asks for the first prompt of each prefix length"
+        "(rig) in this process on the same directory asks for the first prompt of each prefix length\n"
+        "x_write_limit, x_read_limit: the tier's median GB/s over the disk's (below); prediction_error: "
+        "|predicted / measured - 1| per promotion job, the Planner's predicted read scored and learned as kvcopy's "
+        "tiering manager does (its tier_prediction_error histogram), measured by the tier's transfer_time (kvcopy's "
+        "from the job's posting; vLLM's fs tier's from when a pool thread took the job's one task); _seen: "
+        "measured from submit_load until seen done\n"
+        f"the Planner's profile: {planner_note}"
     )
     text = report(rows, header, engines)
     print(text)

@@ -60,7 +60,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.offload_stats import OffloadDecision
-from kvcopy.integrations.common.online_planner import forward_seconds
+from kvcopy.integrations.common.online_planner import OnlinePlanner, forward_seconds
 from kvcopy.integrations.vllm._compat import check_vllm
 from kvcopy.integrations.vllm._config import SpecConfig, read_config
 from kvcopy.integrations.vllm.agents.pauses import AgentPauses, agent_metric_definitions
@@ -68,9 +68,18 @@ from kvcopy.integrations.vllm.manager import HitGeometry
 from kvcopy.integrations.vllm.session import hit_geometry, model_spec_of, new_session
 from kvcopy.integrations.vllm.tiers.disk import KVCopyDiskTier, check_tier_config
 from kvcopy.integrations.vllm.worker import KVCopyOffloadingWorker, paged_kv_of
+from kvcopy.planner.planner import Planner
 from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, Profile, default_profile
 
-__all__ = ["TIER_METRICS", "KVCopyTieringManager", "KVCopyTieringSpec", "TierVerdict"]
+__all__ = [
+    "TIER_METRICS",
+    "KVCopyTieringManager",
+    "KVCopyTieringSpec",
+    "TierVerdict",
+    "observe_promotion",
+    "predicted_read_s",
+    "prediction_error",
+]
 
 logger = logging.getLogger("kvcopy.integrations.vllm")
 
@@ -209,7 +218,7 @@ class KVCopyTieringManager(TieringOffloadingManager):
         if planner is not None:
             # a tier reads whole rows (every worker's slot); each worker then loads its own slot, all at once
             rows = tier_chunks * self.row_bytes
-            read = planner.disk.predict(rows) if planner.disk is not None and tier_chunks else 0.0
+            read = (predicted_read_s(planner, rows) or 0.0) if tier_chunks else 0.0
             options["all"] = (end, read + planner.t_load_nbytes(len(hit.places) * chunk_bytes) + compute(new, end))
             if 0 < host_run < len(hit.places):
                 load = planner.t_load_nbytes(host_run * chunk_bytes)
@@ -319,14 +328,9 @@ class KVCopyTieringManager(TieringOffloadingManager):
             return
         if self.secondary_tiers[job_metadata.tier_idx].medium is not Medium.STORAGE:
             return  # (another engine's memory, say: not the disk's line, which is the one the Planner holds)
-        planner, _ = self.session.live.current()
-        if planner is not None and planner.disk is not None:
-            error = abs(planner.disk.predict(nbytes) / seconds - 1.0)
+        error = observe_promotion(self.session.live, nbytes, seconds)
+        if error is not None:
             self._stats.observe_histogram(PREDICTION_ERROR, error, self._metrics.tier_label(job_metadata.tier_idx))
-        try:
-            self.session.live.observe_copy(DISK_READ_DIRECTION, DISK_METHOD, nbytes, seconds)
-        except ValueError as err:  # a profile whose disk line is another method's: not learned, said once
-            logger.warning("kvcopy: a promotion's read is not learned (%s)", err)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """vLLM's tiering metrics, plus the judgment's counters and prediction errors since the last call."""
@@ -340,6 +344,35 @@ class KVCopyTieringManager(TieringOffloadingManager):
             return mine
         stats.aggregate(mine)
         return stats
+
+
+def predicted_read_s(planner: Planner | None, nbytes: int) -> float | None:
+    """Seconds the judgment costs a secondary tier's read of ``nbytes`` (a promotion's rows) at: ``planner``'s disk
+    line; None without one."""
+    if planner is None or planner.disk is None:
+        return None
+    return planner.disk.predict(nbytes)
+
+
+def prediction_error(planner: Planner | None, nbytes: int, seconds: float) -> float | None:
+    """|predicted / measured - 1| of a promotion that read ``nbytes`` in ``seconds`` (above 0): the read as the
+    judgment costed it (:func:`predicted_read_s`) against the read; None without a disk line. What the
+    ``tier_prediction_error`` histogram records."""
+    predicted = predicted_read_s(planner, nbytes)
+    return None if predicted is None else abs(predicted / seconds - 1.0)
+
+
+def observe_promotion(live: OnlinePlanner, nbytes: int, seconds: float) -> float | None:
+    """A storage tier's finished promotion, which read ``nbytes`` in ``seconds`` (above 0), taken as the manager
+    takes each: scored against the Planner of the moment (:func:`prediction_error`, None without a disk line),
+    then learned as a read of the disk (the line the judgment costs a tier's read with). Returns the score."""
+    planner, _ = live.current()
+    error = prediction_error(planner, nbytes, seconds)
+    try:
+        live.observe_copy(DISK_READ_DIRECTION, DISK_METHOD, nbytes, seconds)
+    except ValueError as err:  # a profile whose disk line is another method's: not learned, said once
+        logger.warning("kvcopy: a promotion's read is not learned (%s)", err)
+    return error
 
 
 def _ends_a_chunk(position: int, geometry: HitGeometry, key: OffloadKey) -> bool:
