@@ -67,13 +67,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_vllm_tiers as tiers_bench  # noqa: E402  (its rig and its tiers' configuration, reused)
+import bench_vllm_tiers as tiers_bench  # (its rig and its tiers' configuration, reused)
 
-from kvcopy.calibration.machine import machine_identity  # noqa: E402
-from kvcopy.model import ModelSpec  # noqa: E402
-from kvcopy.planner import Planner  # noqa: E402
-from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, Profile  # noqa: E402
-from kvcopy.tools.bench.report import IDENTITY_COLUMNS  # noqa: E402
+from kvcopy.calibration.machine import machine_identity
+from kvcopy.model import ModelSpec
+from kvcopy.planner import Planner
+from kvcopy.profile import DISK_METHOD, DISK_READ_DIRECTION, Profile
+from kvcopy.tools.bench.report import IDENTITY_COLUMNS
 
 vllm_rig, tiers_rig = tiers_bench.vllm_rig, tiers_bench.tiers_rig
 BLOCK_TOKENS = tiers_bench.BLOCK_TOKENS
@@ -148,17 +148,8 @@ def make_trace(
         made = []
         for k in range(count):
             if k:
-                append = max(
-                    1,
-                    int(
-                        round(
-                            APPEND_MEDIAN
-                            * first_context
-                            / FIRST_CONTEXT
-                            * math.exp(APPEND_SIGMA * rng.standard_normal())
-                        )
-                    ),
-                )
+                scale = first_context / FIRST_CONTEXT * math.exp(APPEND_SIGMA * rng.standard_normal())
+                append = max(1, round(APPEND_MEDIAN * scale))
                 tokens = [*tokens, 1, *(int(t) for t in rng.integers(0, tiers_bench.VOCAB, size=append))]
             if k == count - 1:
                 made.append(Turn(tuple(tokens), None, None, None))
@@ -186,7 +177,7 @@ def without_pauses(trace: list[Session], arrival_scale: float = 0.1) -> list[Ses
             tuple(
                 replace(t, gap_s=None if t.gap_s is None else 0.0, estimate_s=None if t.gap_s is None else 0.0)
                 for t in s.turns
-            ),  # fmt: skip
+            ),
         )
         for s in trace
     ]
@@ -518,7 +509,7 @@ def run_arm(
                 if turns[k].gap_s is not None:
                     heapq.heappush(due, (clock - start + turns[k].gap_s, i, k + 1, turns[k].gap_s))
         result.makespan_s = time.monotonic() - start
-        rig.drain() if hasattr(rig, "drain") else None
+        rig.drain()
         result.steps = len(rig.forwards) - steps_before
         if pauses is not None:
             for prefetch in pauses._prefetches.values():  # read back, and never resumed
@@ -590,10 +581,22 @@ def rows_of(results: dict[str, ArmResult], flat: dict[str, ArmResult]) -> list[d
     lru_flat = flat["vllm_fs_lru"]
     for arm, r in flat.items():
         add("no_pause", arm, "makespan", r.makespan_s, "s", r.steps)
-        add("no_pause", arm, "ttft_mean", statistics.fmean(t for _, t in r.ttft_s + [(0, x) for x in r.first_ttft_s]) * 1e3, "ms",
-            len(r.ttft_s) + len(r.first_ttft_s))  # fmt: skip
+        every = [t for _, t in r.ttft_s] + r.first_ttft_s
+        add("no_pause", arm, "ttft_mean", statistics.fmean(every) * 1e3, "ms", len(every))
         add("no_pause", arm, "makespan_over_lru", r.makespan_s / lru_flat.makespan_s, "ratio", r.steps)
     return rows
+
+
+TABLE = (
+    ("arm", "tokens_recomputed"),
+    ("arm", "disk_read_bytes"),
+    ("arm", "prefetched_wasted_bytes"),
+    ("arm", "host_leased_byte_s"),
+    ("forecast", "resumes_in_10_90_band"),
+    ("forecast", "median_abs_median_over_actual_minus_1"),
+    ("arm", "makespan"),
+    ("arm", "forward_overshoot"),
+)
 
 
 def report(rows: list[dict[str, Any]], header: str) -> str:
@@ -610,10 +613,7 @@ def report(rows: list[dict[str, Any]], header: str) -> str:
     lines += ["", f"{'arm':<16}{'recomputed':>12}{'disk read MB':>14}{'wasted MB':>11}{'leased GB*s':>13}"
               f"{'in band':>9}{'|med/act-1|':>13}{'makespan s':>12}{'overshoot s':>13}"]  # fmt: skip
     for arm in ARMS:
-        v = {m: by[(k, arm, m, "")]["value"] for k, m in (
-            ("arm", "tokens_recomputed"), ("arm", "disk_read_bytes"), ("arm", "prefetched_wasted_bytes"),
-            ("arm", "host_leased_byte_s"), ("forecast", "resumes_in_10_90_band"),
-            ("forecast", "median_abs_median_over_actual_minus_1"), ("arm", "makespan"), ("arm", "forward_overshoot"))}  # fmt: skip
+        v = {m: by[(k, arm, m, "")]["value"] for k, m in TABLE}
         lines.append(
             f"{arm:<16}{v['tokens_recomputed']:>12.0f}{v['disk_read_bytes'] / 1e6:>14.1f}"
             f"{v['prefetched_wasted_bytes'] / 1e6:>11.1f}{v['host_leased_byte_s'] / 1e9:>13.2f}"
@@ -682,32 +682,38 @@ def main() -> int:
     gaps = [t.gap_s for s in trace for t in s.turns if t.gap_s is not None]
     tool_gaps = [t.gap_s for s in trace for t in s.turns if t.gap_s is not None and t.tool is not None]
     p50, p90 = tool_quantiles((0.5, 0.9))
-    checks = [(n, c) for n, c in ((44, 1024), (1024, 0), (2048, 0))]
+    checks = ((44, 1024), (1024, 0), (2048, 0))
     predicted = ", ".join(
         f"{n}+{c}: {costs.charge.t_prefill(n, c) * 1e3:.2f} ms (kvcopy's {costs.rig_planner.t_prefill(n, c) * 1e3:.2f})"
         for n, c in checks
     )
     import vllm
 
-    header = (
-        f"agents' pauses under vLLM {vllm.__version__}'s Scheduler and tiering (CPU stand-in worker), on "
-        f"{identity.get('host_cpu')} ({identity.get('host_cores')} cores), load average at start "
-        f"{load_at_start[0]:.2f} / {load_at_start[1]:.2f} / {load_at_start[2]:.2f} (1/5/15 min), {identity.get('date')}; "
-        f"the whole run {took:.0f} s\n"
-        f"trace (seed {args.seed}): {sessions} sessions arriving over {preset['arrival_span_s']} s, {lo}-{hi} turns each "
-        f"({sum(len(s.turns) for s in trace)} requests, {len(gaps)} resumes), first context {first_context} tokens, "
-        f"+{APPEND_MEDIAN * first_context // FIRST_CONTEXT} tokens a turn (median), longest {longest}; gaps truncated at "
-        f"{truncate:g} s; tool mixture p50 {p50:.2f} s / p90 {p90:.1f} s (TraceLab 0.3 / 13.6), this trace's tool gaps "
-        f"p50 {percentile(tool_gaps, 50):.2f} s / p90 {percentile(tool_gaps, 90):.1f} s; user waits "
-        f"{sum(1 for s in trace for t in s.turns if t.gap_s is not None and t.tool is None)} (share 1/9)\n"
-        f"rig: {model.layers} layers x {model.kv_heads} KV heads x {model.head_dim} dims fp32, {model.block_bytes} bytes a "
-        f"16-token chunk; host tier {sizes['host_chunks']} chunks (working set {working_chunks}); GPU {sizes['gpu_blocks']} "
-        f"blocks; the tier on this machine's disk (vllm_fs_lru: vLLM's fs; kvcopy: KVCopyDiskTier)\n"
-        f"charged: {NAMED_MODEL} on an H200 (results/gpu_h200_2026-12-04/profile.json: prefill {costs.charge.prefill_flops_per_s / 1e12:.0f} "
-        f"TFLOP/s roofline, host->device load line); prefill new+cached tokens: {predicted}; kvcopy plans with that "
-        f"profile (prefill scaled to the rig's config) and this machine's disk read line, kvcopy_learn off\n"
-        f"hints: true tool, resume_in_s x exp(N(0, {HINT_ERROR_SIGMA})); oracle: exact resume_in_s, forecast a point mass "
-        "at it; fraction_of_oracle_gain = (LRU - arm) / (LRU - oracle), over mean resume TTFT"
+    load = " / ".join(f"{x:.2f}" for x in load_at_start)
+    users = sum(1 for s in trace for t in s.turns if t.gap_s is not None and t.tool is None)
+    rate = costs.charge.prefill_flops_per_s or 0.0
+    header = "\n".join(
+        [
+            f"agents' pauses under vLLM {vllm.__version__}'s Scheduler and tiering (CPU stand-in worker), on "
+            f"{identity.get('host_cpu')} ({identity.get('host_cores')} cores), load average at start {load} "
+            f"(1/5/15 min), {identity.get('date')}; the whole run {took:.0f} s",
+            f"trace (seed {args.seed}): {sessions} sessions arriving over {preset['arrival_span_s']} s, {lo}-{hi} "
+            f"turns each ({sum(len(s.turns) for s in trace)} requests, {len(gaps)} resumes), first context "
+            f"{first_context} tokens, +{APPEND_MEDIAN * first_context // FIRST_CONTEXT} tokens a turn (median), "
+            f"longest {longest}; gaps truncated at {truncate:g} s; tool mixture p50 {p50:.2f} s / p90 {p90:.1f} s "
+            f"(TraceLab 0.3 / 13.6), this trace's tool gaps p50 {percentile(tool_gaps, 50):.2f} s / p90 "
+            f"{percentile(tool_gaps, 90):.1f} s; user waits {users} (share 1/9)",
+            f"rig: {model.layers} layers x {model.kv_heads} KV heads x {model.head_dim} dims fp32, "
+            f"{model.block_bytes} bytes a 16-token chunk; host tier {sizes['host_chunks']} chunks (working set "
+            f"{working_chunks}); GPU {sizes['gpu_blocks']} blocks; the tier on this machine's disk (vllm_fs_lru: "
+            "vLLM's fs; kvcopy: KVCopyDiskTier)",
+            f"charged: {NAMED_MODEL} on an H200 (results/gpu_h200_2026-12-04/profile.json: prefill "
+            f"{rate / 1e12:.0f} TFLOP/s roofline, host->device load line); prefill new+cached tokens: {predicted}; "
+            "kvcopy plans with that profile (prefill scaled to the rig's config) and this machine's disk read "
+            "line, kvcopy_learn off",
+            f"hints: true tool, resume_in_s x exp(N(0, {HINT_ERROR_SIGMA})); oracle: exact resume_in_s, forecast "
+            "a point mass at it; fraction_of_oracle_gain = (LRU - arm) / (LRU - oracle), over mean resume TTFT",
+        ]
     )
     text = report(rows, header)
     print(text)
