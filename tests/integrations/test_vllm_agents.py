@@ -420,3 +420,23 @@ def test_the_agents_metrics_reach_vllms_logger(tmp_path, tiered):
         assert labels == {"keep"}
     finally:
         rig.close()
+
+
+def test_a_pause_is_priced_from_the_profile_and_a_prefetch_timed_with_the_reads_margin(tmp_path, monkeypatch):
+    from kvcopy.integrations.vllm.agents import pauses as module
+
+    planned = []
+    real = module.plan_pause
+    monkeypatch.setattr(
+        module, "plan_pause", lambda gaps, costs, **kw: planned.append(costs) or real(gaps, costs, **kw)
+    )
+    rig = agents_rig(tmp_path, disk_s=0.5)
+    try:
+        run_one(rig, "turn-1", PROMPT, HINT)
+        (costs,) = planned
+        assert costs.nbytes == CHUNKS * ROW_BYTES
+        assert costs.tier_s == pytest.approx(0.5 + costs.host_s)  # the disk line's read, then the host load
+        assert costs.read_s == pytest.approx(0.5 * (1 + module.PREFETCH_READ_MARGIN))  # a prefetch lands early
+        assert costs.recompute_s > costs.tier_s  # prefill at a kFLOP/s: recomputing is dear
+    finally:
+        rig.close()

@@ -81,6 +81,11 @@ FORECAST_ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0)
 # The host tier's turnover (what prices a lease) is taken over the evictions of the last minute: long enough to
 # span a few agent turns (TraceLab's median LLM step is 5.7 s), short enough to follow a burst.
 TURNOVER_WINDOW_S = 60.0
+# A prefetch is timed for a read this much longer than the disk line predicts: bench_vllm_tiers.py measured every
+# promotion slower than predicted, |predicted / measured - 1| p90 0.37-0.49 (the tier's one IO thread also
+# writes other sessions' cascades), and a read that lands late forfeits the gain while one early costs only
+# residency (bench_agents.py: timed at the prediction, 16 of 81 exactly-timed prefetches landed late).
+PREFETCH_READ_MARGIN = 0.5
 # A timer that wakes for a prefetch sleeps at most this long, so that a shutdown or an earlier prefetch planned
 # meanwhile is seen within it.
 _TIMER_MAX_SLEEP_S = 0.5
@@ -385,7 +390,7 @@ class AgentPauses:
             recompute_s=recompute,
             nbytes=rows,
             tier_s=None if read is None else read + host,
-            read_s=read,
+            read_s=None if read is None else read * (1 + PREFETCH_READ_MARGIN),  # (a prefetch's: with margin)
         )
         price = hold_price(turnover_per_s=self._turnover(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
         return plan_pause(self._forecast(session, hint), costs, hold_price=price, room_bytes=None if room else 0)
