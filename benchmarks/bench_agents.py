@@ -192,16 +192,7 @@ NAMED_MODEL = "llama-3.1-8b"
 LLAMA_DIMS = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32}
 
 
-@dataclass(frozen=True)
-class RigModel:
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def block_bytes(self) -> int:
-        return 2 * BLOCK_TOKENS * self.kv_heads * self.head_dim * 4 * self.layers
-
+RigModel = tiers_bench.Model  # the stand-in model's KV dimensions (fp32), as the tier bench's
 
 FULL_MODEL = RigModel(16, 8, 128)  # 2 MiB a block: Llama-3.1-8B's 32 layers' bytes in bf16
 QUICK_MODEL = RigModel(2, 2, 16)
