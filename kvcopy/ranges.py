@@ -41,6 +41,8 @@ def copy_ranges(
 ) -> list[ByteRange]:
     """The byte ranges ``method`` turns ``copy_blocks(src, src_ids, dst, dst_ids)`` into, in order.
 
+    The "cpu" method takes the ids of a call of 16 MiB or more in ascending order of their source block before
+    it plans (csrc/cpu/copy_blocks_cpu.cpp): the ranges here are in the ids' own order.
     Plans only: nothing is read or written, so the caches may be on any device.
     Ids are validated as by copy_blocks and must be on the host (both methods
     read them there). RuntimeError when the compiled extension is not loaded.

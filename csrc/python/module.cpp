@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu/copy_blocks_cpu.h"
@@ -96,6 +97,23 @@ std::vector<std::tuple<Address, Address, int64_t>> py_plan_copy_ranges(Address s
     out.emplace_back(reinterpret_cast<Address>(range.src), reinterpret_cast<Address>(range.dst), range.nbytes);
   }
   return out;
+}
+
+// The CPU path's plan of a copy, as copy_blocks_cpu would copy it (tests): its pieces as (source address,
+// destination address, bytes) in copy order, the first piece of each thread (and the end), whether it
+// streams and whether it took the ids in source order. Ids on the host, validated by the caller. Plans only.
+std::tuple<std::vector<std::tuple<Address, Address, int64_t>>, std::vector<int64_t>, bool, bool>
+py_plan_copy_blocks_cpu(Address src_table, Address dst_table, int64_t num_planes, Address src_ids, Address dst_ids,
+                        int64_t num_ids, int num_threads) {
+  const std::vector<PlaneCopy> planes = planes_from_tables(src_table, dst_table, num_planes);
+  const CpuCopyPlan plan = plan_copy_blocks_cpu(planes.data(), num_planes, as_ptr<const int64_t>(src_ids),
+                                                as_ptr<const int64_t>(dst_ids), num_ids, num_threads);
+  std::vector<std::tuple<Address, Address, int64_t>> pieces;
+  pieces.reserve(plan.pieces.size());
+  for (const CopyPiece& piece : plan.pieces) {
+    pieces.emplace_back(reinterpret_cast<Address>(piece.src), reinterpret_cast<Address>(piece.dst), piece.nbytes);
+  }
+  return {std::move(pieces), plan.first_piece, plan.streaming, plan.source_order};
 }
 
 #ifdef KVCOPY_WITH_CUDA
@@ -222,6 +240,8 @@ PYBIND11_MODULE(_C, m) {
       },
       "Checked CPU block copy from plane-table addresses.");
   m.def("plan_copy_ranges", &py_plan_copy_ranges, "The byte ranges a copy becomes (plans only).");
+  m.def("plan_copy_blocks_cpu", &py_plan_copy_blocks_cpu,
+        "The CPU path's plan of a copy: pieces in copy order, threads' shares, streaming, source order (tests).");
 #ifdef KVCOPY_WITH_CUDA
   m.def("copy_blocks_cuda", &py_copy_blocks_cuda, "SM-kernel block copy from plane-table addresses.");
   m.def("copy_blocks_dma", &py_copy_blocks_dma, "Copy-engine block copy from plane-table addresses.");

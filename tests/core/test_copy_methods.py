@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvcopy
+from kvcopy import _ext
 
 from helpers import CPU_METHODS, DTYPES, TRITON_ON_CPU
 from helpers.copies import (
@@ -18,6 +19,7 @@ from helpers.copies import (
     empty_like_kv,
     fill_random_,
     make_layout,
+    paged,
     random_bytes,
     random_tensor,
     reference_copy,
@@ -334,6 +336,114 @@ def test_cpu_method_streaming_stores_with_unaligned_blocks(gen):
     expected = reference_copy(src, src_ids, pool, dst_ids)
     kvcopy.gather(src, src_ids, pool, dst_ids, method="cpu")
     assert_same_bytes(dst_bytes(pool), expected)
+
+
+# --------------------------------------------------------------------------- the streaming path's plan
+
+# csrc/cpu/copy_blocks_cpu.cpp, kStreamingMinBytes: calls from this size stream, with their ids in source order.
+STREAMING_MIN_BYTES = 16 << 20
+
+
+def _cpu_plan(src, src_ids, dst, dst_ids, num_threads=2):
+    """The plan copy_blocks_cpu follows for these arguments (kvcopy._C.plan_copy_blocks_cpu): pieces as
+    (src address, dst address, bytes) in copy order, each thread's first piece, streaming, source order."""
+    src_t = torch.as_tensor(src_ids, dtype=torch.int64).contiguous()
+    dst_t = torch.as_tensor(dst_ids, dtype=torch.int64).contiguous()
+    src_kv, dst_kv = paged(src), paged(dst)
+    return _ext.loaded_extension().plan_copy_blocks_cpu(
+        src_kv.plane_table.data_ptr(),
+        dst_kv.plane_table.data_ptr(),
+        src_kv.num_planes,
+        src_t.data_ptr(),
+        dst_t.data_ptr(),
+        src_t.numel(),
+        num_threads,
+    )
+
+
+def _block_pairs(pieces, src, dst, plane):
+    """(source block, destination block) of each piece of ``plane``, in copy order."""
+    s_plane, d_plane = paged(src).planes[plane], paged(dst).planes[plane]
+    s_base, d_base = s_plane.data_ptr(), d_plane.data_ptr()
+    s_stride = s_plane.stride(0) * s_plane.element_size()
+    d_stride = d_plane.stride(0) * d_plane.element_size()
+    block_bytes = byte_rows(s_plane).shape[1]
+    return [
+        ((s - s_base) // s_stride, (d - d_base) // d_stride)
+        for s, d, n in pieces
+        if 0 <= s - s_base < s_plane.shape[0] * s_stride and n == block_bytes
+    ]
+
+
+@pytest.mark.skipif("cpu" not in CPU_METHODS or not _ext.has_cpu_kernels(), reason="needs the compiled extension")
+def test_cpu_streaming_gather_of_random_ids_runs_in_source_order(gen):
+    # 8 planes x 32 KiB x 72 blocks = 18 MiB, random ids with a repeated source: the streaming path copies the
+    # pairs sorted by source block (stable: a repeated source keeps its destinations' order), and every byte
+    # lands where plain indexing puts it.
+    num_planes, block_bytes, num_ids = 8, 32 * 1024, 72
+    src = _big_planes(num_planes, 96, block_bytes, strided=False)
+    pool = kvcopy.HostKVPool(src, num_ids, pin_memory=False)
+    pool.buffer.fill_(0x5A)
+    src_ids = torch.randperm(96, generator=gen)[:num_ids]
+    src_ids[10] = src_ids[40]  # a block gathered twice
+    dst_ids = torch.randperm(num_ids, generator=gen)
+    assert num_ids * num_planes * block_bytes >= STREAMING_MIN_BYTES
+
+    pieces, first_piece, streaming, source_order = _cpu_plan(src, src_ids, pool, dst_ids)
+    assert streaming and source_order
+    expected_pairs = sorted(zip(src_ids.tolist(), dst_ids.tolist(), strict=True), key=lambda pair: pair[0])
+    for plane in range(num_planes):
+        assert _block_pairs(pieces, src, pool, plane) == expected_pairs
+    assert first_piece[0] == 0 and first_piece[-1] == len(pieces) and len(first_piece) == 3
+
+    expected = reference_copy(src, src_ids, pool, dst_ids)
+    kvcopy.gather(src, src_ids, pool, dst_ids, method="cpu")
+    assert_same_bytes(dst_bytes(pool), expected)
+
+
+@pytest.mark.skipif("cpu" not in CPU_METHODS or not _ext.has_cpu_kernels(), reason="needs the compiled extension")
+def test_cpu_plan_keeps_the_given_order_when_sorted_or_below_streaming(gen):
+    num_planes, block_bytes = 8, 32 * 1024
+    src = _big_planes(num_planes, 96, block_bytes, strided=False)
+    pool = kvcopy.HostKVPool(src, 72, pin_memory=False)
+    # Streaming-sized, already in source order: nothing to sort.
+    src_ids, dst_ids = torch.arange(10, 82), torch.randperm(72, generator=gen)
+    pieces, _, streaming, source_order = _cpu_plan(src, src_ids, pool, dst_ids)
+    assert streaming and not source_order
+    assert _block_pairs(pieces, src, pool, 0) == list(zip(src_ids.tolist(), dst_ids.tolist(), strict=True))
+    # Unsorted but small (8 blocks = 2 MiB): ordinary stores, the ids as given.
+    src_ids, dst_ids = torch.randperm(96, generator=gen)[:8], torch.randperm(72, generator=gen)[:8]
+    pieces, first_piece, streaming, source_order = _cpu_plan(src, src_ids, pool, dst_ids)
+    assert not streaming and not source_order and len(first_piece) == 3  # 2 MiB: still two threads
+    assert _block_pairs(pieces, src, pool, 0) == list(zip(src_ids.tolist(), dst_ids.tolist(), strict=True))
+
+
+@pytest.mark.skipif("cpu" not in CPU_METHODS or not _ext.has_cpu_kernels(), reason="needs the compiled extension")
+def test_cpu_streaming_lookahead_across_pieces_of_every_size(gen):
+    # Planes of 1.25 MiB (cut into a 1 MiB and a 256 KiB piece), 24 KiB, 4 KiB + 8 B, 512 B, 100 B and 8 B: the
+    # prefetches run on from one piece into the next whatever their sizes and alignments. 14 blocks = 18.1 MB,
+    # streaming; gathered in random order, then scattered back.
+    plane_bytes = [1280 * 1024, 24 * 1024, 4096 + 8, 512, 100, 8]
+    num_blocks, num_ids = 20, 14
+    src = kvcopy.PagedKV.from_planes([random_bytes(num_blocks * n, gen).view(num_blocks, n) for n in plane_bytes])
+    pool = kvcopy.HostKVPool(src, num_ids, pin_memory=False)
+    pool.buffer.fill_(0xA5)
+    src_ids = torch.randperm(num_blocks, generator=gen)[:num_ids]
+    dst_ids = torch.randperm(num_ids, generator=gen)
+    assert num_ids * sum(plane_bytes) >= STREAMING_MIN_BYTES
+    pieces, _, streaming, source_order = _cpu_plan(src, src_ids, pool, dst_ids)
+    assert streaming and source_order
+    assert {n for _, _, n in pieces} >= {1 << 20, 256 * 1024, 100, 8}
+
+    expected = reference_copy(src, src_ids, pool, dst_ids)
+    kvcopy.gather(src, src_ids, pool, dst_ids, method="cpu")
+    assert_same_bytes(dst_bytes(pool), expected)
+
+    back = kvcopy.PagedKV.from_planes([torch.zeros_like(p) for p in src.planes])
+    back_ids = torch.randperm(num_blocks, generator=gen)[:num_ids]
+    expected = reference_copy(pool, dst_ids, back, back_ids)
+    kvcopy.scatter(pool, dst_ids, back, back_ids, method="cpu")
+    assert_same_bytes(dst_bytes(back), expected)
 
 
 # --------------------------------------------------------------------------- merged ranges (CPU planner)

@@ -36,7 +36,8 @@ from kvcopy.tools.bench import (
 from kvcopy.tools.bench.baselines import per_block_copy_loop, per_layer_index_loop
 from kvcopy.tools.bench.report import MEASURED_COLUMNS
 from kvcopy.tools.bench.runner import AUTO, PER_BLOCK_LOOP, PER_BLOCK_MEMCPY, PER_LAYER_LOOP
-from kvcopy.tools.bench.workloads import ONE_PLANE_32K, TINY_PLANES
+from kvcopy.tools.bench.runner import _cache_and_pool as runner_cache_and_pool
+from kvcopy.tools.bench.workloads import BIG_CACHE_BYTES, ONE_PLANE_32K, TINY_PLANES, Workload
 
 from helpers import HAS_CUDA
 from helpers.copies import assert_same_bytes, dst_bytes, fill_random_, make_layout, reference_copy, snapshot
@@ -106,7 +107,11 @@ def test_config_rejects_bad_fields(overrides, field):
 def test_default_quick_config_is_small():
     config = BenchConfig.default("cpu", quick=True)
     assert config.device == CPU
-    assert set(config.workloads) == set(WORKLOADS)
+    # every workload but those with a cache of their own size (gigabytes), which run when named
+    assert set(config.workloads) == {name for name, w in WORKLOADS.items() if w.cache_bytes is None}
+    assert "llama8b-big-4" in WORKLOADS and "llama8b-big-4" not in config.workloads
+    assert "llama8b-big-4" in BenchConfig.default("cpu", quick=True, workloads=("llama8b-big-4",)).workloads
+    assert set(BenchConfig.default("cpu").workloads) == set(WORKLOADS)
     assert config.blocks <= 16 and max(config.counts) <= 16 and config.sweep_blocks <= 8 and config.repeats <= 2
     assert BenchConfig.default("cpu", quick=True, blocks=3).blocks == 3  # overrides win
     assert BenchConfig.default("cpu").blocks > config.blocks
@@ -121,6 +126,25 @@ def test_default_cuda_without_cuda_is_a_value_error():
 def test_default_rejects_other_device_types():
     with pytest.raises(ValueError, match="device"):
         BenchConfig.default(device="meta")
+
+
+def test_big_cache_workload_is_64_planes_of_64_mib():
+    workload = WORKLOADS["llama8b-big-4"]
+    one = workload.build(1, CPU)
+    assert (one.num_planes, one.nbytes_per_block // one.num_planes) == (64, 8 * 1024)
+    assert workload.cache_bytes == BIG_CACHE_BYTES == 64 * (64 << 20)
+
+
+def test_the_runner_keeps_a_workloads_own_cache_size():
+    # One plane of 1 MiB blocks, never touched (torch.empty): by the blocks it moves, a 2-block call gets
+    # a cache of 2 x 64 blocks (room for calls that cycle over COLD_BYTES = 64 MiB); cache_bytes asks for more.
+    def build(num_blocks: int, device: torch.device) -> kvcopy.PagedKV:
+        return kvcopy.PagedKV([torch.empty((num_blocks, 1 << 20), dtype=torch.uint8, device=device)])
+
+    kv, host = runner_cache_and_pool(Workload("plain", "", build), 2, CPU)
+    assert (kv.num_blocks, host.num_blocks) == (128, 64)
+    kv, host = runner_cache_and_pool(Workload("big", "", build, cache_bytes=200 << 20), 2, CPU)
+    assert (kv.num_blocks, host.num_blocks) == (200, 64)
 
 
 # --------------------------------------------------------------------------- runner

@@ -283,13 +283,13 @@ def _plan(config: BenchConfig) -> list[tuple[str, Workload, int]]:
     return plan
 
 
-def _cache_and_pool(
-    build: Callable[[int, torch.device], PagedKV], moved: int, device: torch.device
-) -> tuple[PagedKV, HostKVPool]:
+def _cache_and_pool(workload: Workload, moved: int, device: torch.device) -> tuple[PagedKV, HostKVPool]:
     """A cache and a host pool with room for ``moved`` blocks per call, and for calls that cycle over
-    COLD_BYTES."""
-    room = max(moved, -(-COLD_BYTES // build(1, device).nbytes_per_block))
-    kv = build(CACHE_BLOCKS_PER_MOVED_BLOCK * room, device)
+    COLD_BYTES; the cache holds at least the workload's ``cache_bytes``."""
+    block_bytes = workload.build(1, device).nbytes_per_block
+    room = max(moved, -(-COLD_BYTES // block_bytes))
+    cache_blocks = max(CACHE_BLOCKS_PER_MOVED_BLOCK * room, -(-(workload.cache_bytes or 0) // block_bytes))
+    kv = workload.build(cache_blocks, device)
     return kv, HostKVPool(kv, room)
 
 
@@ -299,7 +299,7 @@ def _points(config: BenchConfig) -> Iterator[_Point]:
     for (suite, _), group in itertools.groupby(_plan(config), key=lambda point: (point[0], point[1].name)):
         points = list(group)
         workload = points[0][1]
-        kv, host = _cache_and_pool(workload.build, max(n for _, _, n in points), config.device)
+        kv, host = _cache_and_pool(workload, max(n for _, _, n in points), config.device)
         for _, _, n in points:
             yield _Point(suite, workload.name, kv, host, n)
         del kv, host

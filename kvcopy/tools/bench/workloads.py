@@ -13,6 +13,7 @@ from kvcopy.layout import PagedKV
 from kvcopy.model.spec import ModelSpec
 
 __all__ = [
+    "BIG_CACHE_BYTES",
     "DEFAULT_WORKLOAD",
     "MIXED_PLANE_WORKLOADS",
     "ONE_PLANE_32K",
@@ -30,11 +31,15 @@ DEEPSEEK_V3 = ModelSpec.preset("deepseek-v3")  # MLA: one latent row (kv_lora_ra
 
 @dataclass(frozen=True)
 class Workload:
-    """A named cache shape; ``build(num_blocks, device)`` makes one with random contents."""
+    """A named cache shape; ``build(num_blocks, device)`` makes one with random contents.
+
+    ``cache_bytes``: the benchmark's cache holds at least this many bytes (by default, its runner sizes the
+    cache by the blocks a call moves)."""
 
     name: str
     description: str
     build: Callable[[int, torch.device], PagedKV]
+    cache_bytes: int | None = None
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,6 +84,12 @@ def _fp8_with_scales(num_blocks: int, device: torch.device) -> PagedKV:
     return PagedKV.from_planes(planes, planes_per_layer=4)
 
 
+# A cache of an engine's size, 4 GiB: random blocks' page-table entries no longer stay in the CPU's caches,
+# so a gather's page walks cost what they cost an engine. Gathering 8 KiB plane-blocks on one core of the
+# 2-core AMD EPYC VM ran at 0.87x memcpy from planes of 4 MiB (the runner's own size for 256 blocks), 0.77x
+# from 16 MiB, 0.71x from 64 MiB (docs/measurements.md).
+BIG_CACHE_BYTES = 4 << 30
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -92,6 +103,12 @@ WORKLOADS: dict[str, Workload] = {
             "Llama-3.1-70B on one of 4 tensor-parallel ranks, 16-token blocks: 80 layers x K/V, "
             "2 KV heads = 8 KiB plane-blocks",
             _vllm(LLAMA70B_TP4.num_layers, LLAMA70B_TP4.num_kv_heads, LLAMA70B_TP4.head_dim, 16),
+        ),
+        Workload(
+            "llama8b-big-4",
+            "Llama-3.1-8B, 4-token blocks in a 4 GiB cache: 64 planes of 64 MiB, 8 KiB plane-blocks",
+            llama8b_with_block_tokens(4),
+            cache_bytes=BIG_CACHE_BYTES,
         ),
         Workload(
             "deepseek-v3-mla-64",
