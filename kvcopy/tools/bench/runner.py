@@ -108,9 +108,7 @@ def check_output(
     for _, d_words in pairs:
         d_words[dst_ids] = 0
     if whole and kept:
-        before = kept
-        for _, d_before in before:
-            d_before[dst_ids] = 0
+        before = kept  # its dst_ids blocks are set to what the copy wrote before they are compared
     else:
         before = [(s_words.clone(), d_words.clone()) for s_words, d_words in pairs] if whole else []
         if whole and kept is not None:
