@@ -3,7 +3,9 @@
 - CUDA + CPU kernels when nvcc and a CUDA build of torch are present, and beside
   them the benchmark's own module, kvcopy.tools.bench._baselines (its copy-engine
   baselines: no part of the copy core, so not in kvcopy._C);
-- CPU kernels only otherwise;
+- CPU kernels only otherwise, or with KVCOPY_NO_CUDA=1 where a CUDA build could be made (a build
+  that only has to import and run on the CPU, such as benchmarks/device_check.sh --dry-run: the CUDA
+  kernels are most of the compile time);
 - nothing with KVCOPY_NO_EXT=1 (kvcopy then runs through its "torch" method).
 
 Archs: TORCH_CUDA_ARCH_LIST when set, else 8.0, 9.0 and 10.0 (PTX for the
@@ -112,7 +114,8 @@ def _extensions() -> tuple[list, dict]:
         _summary("no extension: torch not importable at build time (use pip install --no-build-isolation)")
         return [], {}
 
-    cuda_home = _find_cuda_home() if torch.version.cuda else None
+    no_cuda = os.environ.get("KVCOPY_NO_CUDA") == "1"
+    cuda_home = _find_cuda_home() if torch.version.cuda and not no_cuda else None
     if cuda_home:
         os.environ["CUDA_HOME"] = cuda_home  # read when cpp_extension is imported
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(cuda_home)
@@ -153,7 +156,12 @@ def _extensions() -> tuple[list, dict]:
         )
         _summary(f"CPU + CUDA kernels, CUDA {torch.version.cuda} at {cuda_home}, archs {arch_list}")
     else:
-        why = "torch is a CPU build" if not torch.version.cuda else "no CUDA toolkit (nvcc + libcudart) found"
+        if no_cuda:
+            why = "KVCOPY_NO_CUDA=1"
+        elif not torch.version.cuda:
+            why = "torch is a CPU build"
+        else:
+            why = "no CUDA toolkit (nvcc + libcudart) found"
         ext = cpp_extension.CppExtension("kvcopy._C", CPU_SOURCES, extra_compile_args={"cxx": cxx_flags}, **common)
         _write_build_config(extension=True, cpu=True, cuda=False, reason=why, torch_version=torch.__version__)
         _summary(f"CPU kernels only ({why})")

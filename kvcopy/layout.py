@@ -167,15 +167,8 @@ class PagedKV:
 
         Planes are ``kv[0]`` (keys) and ``kv[1]`` (values) of each layer, in layer order.
         """
-        planes: list[torch.Tensor] = []
-        for i, kv in enumerate(_layers(kv_caches)):
-            if kv.dim() != 5 or kv.shape[0] != 2:
-                raise ValueError(
-                    f"kv_caches[{i}]: expected vLLM shape [2, num_blocks, block_size, num_kv_heads, head_size], "
-                    f"got {list(kv.shape)}"
-                )
-            planes += [kv[0], kv[1]]
-        return cls(planes, planes_per_layer=2)
+        shape = "vLLM shape [2, num_blocks, block_size, num_kv_heads, head_size]"
+        return cls(_key_value_planes(kv_caches, 0, shape), planes_per_layer=2)
 
     @classmethod
     def from_flashinfer(cls, kv_caches: Sequence[torch.Tensor]) -> PagedKV:
@@ -183,15 +176,8 @@ class PagedKV:
 
         Planes are ``kv[:, 0]`` and ``kv[:, 1]`` (strided: K and V of a block are adjacent).
         """
-        planes: list[torch.Tensor] = []
-        for i, kv in enumerate(_layers(kv_caches)):
-            if kv.dim() != 5 or kv.shape[1] != 2:
-                raise ValueError(
-                    f"kv_caches[{i}]: expected FlashInfer shape [num_blocks, 2, block_size, num_kv_heads, "
-                    f"head_size], got {list(kv.shape)}"
-                )
-            planes += [kv[:, 0], kv[:, 1]]
-        return cls(planes, planes_per_layer=2)
+        shape = "FlashInfer shape [num_blocks, 2, block_size, num_kv_heads, head_size]"
+        return cls(_key_value_planes(kv_caches, 1, shape), planes_per_layer=2)
 
     @classmethod
     def from_mla(cls, kv_caches: Sequence[torch.Tensor]) -> PagedKV:
@@ -314,6 +300,17 @@ def _layers(kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv_caches[{i}]: expected a torch.Tensor, got {type(kv).__name__}")
     return layers
+
+
+def _key_value_planes(kv_caches: Sequence[torch.Tensor], kv_dim: int, shape: str) -> list[torch.Tensor]:
+    """The K and V planes of each layer, in layer order: index 0 and 1 of dimension ``kv_dim`` of a 5-d
+    tensor whose ``kv_dim`` has size 2 (the engine's ``shape``); ValueError naming the layer otherwise."""
+    planes: list[torch.Tensor] = []
+    for i, kv in enumerate(_layers(kv_caches)):
+        if kv.dim() != 5 or kv.shape[kv_dim] != 2:
+            raise ValueError(f"kv_caches[{i}]: expected {shape}, got {list(kv.shape)}")
+        planes += [kv.select(kv_dim, 0), kv.select(kv_dim, 1)]
+    return planes
 
 
 # ----------------------------------------------------------------------------- shared memory

@@ -9,7 +9,7 @@ same whatever tokenizer produced them. A
 :class:`CacheKey` hashes all of those into :attr:`CacheKey.context_hash`, and
 :meth:`CacheKey.block_hashes` chains that hash through the prefix one full block
 of tokens at a time, so a shared prefix matches block by block. A
-:class:`BlockIndex` maps those block hashes to host block ids for pool users.
+:class:`~kvcopy.cachekey.index.BlockIndex` maps those block hashes to host block ids for pool users.
 
 Every hash is SHA-256 over a canonical byte encoding (canonical JSON, token
 ids as little-endian int64): the same inputs give the same hex digests in any
@@ -51,17 +51,9 @@ from kvcopy.cachekey.encoding import (
     token_bytes,
     weights_fingerprint,
 )
-from kvcopy.cachekey.index import BlockIndex
 
-__all__ = [
-    "FORMAT_VERSION",
-    "BlockIndex",
-    "CacheKey",
-    "SupportsIdentity",
-    "TokenIds",
-    "context_hash_of",
-    "weights_fingerprint",
-]
+# BlockIndex, which maps these hashes to host blocks, is kvcopy.cachekey.index's (the room exports both).
+__all__ = ["FORMAT_VERSION", "CacheKey", "SupportsIdentity", "TokenIds", "context_hash_of", "weights_fingerprint"]
 
 
 class CacheKey:

@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 import torch
 
@@ -168,6 +168,22 @@ class _Labels(TypedDict):
     method: str
     profile_direction: str
     observer: Callable[[Transfer], None] | None
+
+
+class _Submission(NamedTuple):
+    """One transfer as TransferEngine._submit resolved it, handed to the CUDA or the CPU path to run."""
+
+    direction: str
+    lane: str
+    method: CopyMethod
+    src: PagedKV
+    src_ids: torch.Tensor
+    dst: PagedKV
+    dst_ids: torch.Tensor
+    layerwise: bool
+    num_blocks: int
+    nbytes: int
+    after: list[Transfer]  # the engine's earlier transfers (of other lanes) that touch its blocks
 
 
 class TransferEngine:
@@ -408,14 +424,8 @@ class TransferEngine:
             reads, writes = self._blocks(direction, src_t, dst_t, host_ids)
             # Transfers of one lane share a stream (worker): they already run in submission order.
             after = [] if capturing else [t for t in self._order.dependencies(reads, writes) if t.lane != lane]
-            if self._cuda:
-                transfer = self._submit_cuda(
-                    direction, lane, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, capturing, after
-                )
-            else:
-                transfer = self._submit_cpu(
-                    direction, lane, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, after
-                )
+            job = _Submission(direction, lane, method, src, src_t, dst, dst_t, layerwise, num_blocks, nbytes, after)
+            transfer = self._submit_cuda(job, capturing) if self._cuda else self._submit_cpu(job)
             if not capturing:
                 self._order.add(transfer, reads, writes)
         return transfer
@@ -457,21 +467,8 @@ class TransferEngine:
             src, dst = src.layer(layer), dst.layer(layer)
         dispatch.run(method, src, src_ids, dst, dst_ids, self.num_ctas)
 
-    def _submit_cuda(
-        self,
-        direction: str,
-        lane: str,
-        method: CopyMethod,
-        src: PagedKV,
-        src_ids: torch.Tensor,
-        dst: PagedKV,
-        dst_ids: torch.Tensor,
-        layerwise: bool,
-        num_blocks: int,
-        nbytes: int,
-        capturing: bool,
-        after: list[Transfer],
-    ) -> Transfer:
+    def _submit_cuda(self, job: _Submission, capturing: bool) -> Transfer:
+        direction, lane, method, src, src_ids, dst, dst_ids, layerwise, num_blocks, nbytes, after = job
         stream = self._stream_for(lane, capturing)
         # Timed outside a capture: the submission on the caller's stream (see kvcopy.engine.transfer.Timer).
         ready = self._signal_events.get() if capturing else self._timing_events.get()
@@ -522,20 +519,8 @@ class TransferEngine:
             weakref.finalize(transfer, self._timing_events.put, list(timer))
         return transfer
 
-    def _submit_cpu(
-        self,
-        direction: str,
-        lane: str,
-        method: CopyMethod,
-        src: PagedKV,
-        src_ids: torch.Tensor,
-        dst: PagedKV,
-        dst_ids: torch.Tensor,
-        layerwise: bool,
-        num_blocks: int,
-        nbytes: int,
-        after: list[Transfer],
-    ) -> Transfer:
+    def _submit_cpu(self, job: _Submission) -> Transfer:
+        direction, lane, method, src, src_ids, dst, dst_ids, layerwise, num_blocks, nbytes, after = job
         # The worker reads the ids later, and the caller may reuse its id buffers as soon as this returns.
         src_ids, dst_ids = src_ids.clone(), dst_ids.clone()
         done = ThreadSignal()

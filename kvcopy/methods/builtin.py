@@ -136,12 +136,19 @@ TRITON = CopyMethod(
 # ----------------------------------------------------------------------------- cuda
 
 
-def _cuda_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
+def _cuda_kernels_problem(src: PagedKV, dst: PagedKV) -> str | None:
+    """Why the pair cannot run through kvcopy's own CUDA code (the SM kernel and the copy engines alike): the
+    pair's problem, or a build without CUDA kernels; None when it can."""
     problem = pair_problem(src, dst)
     if problem is not None:
         return problem
-    if not _ext.has_cuda_kernels():
-        return "kvcopy was built without CUDA kernels"
+    return None if _ext.has_cuda_kernels() else "kvcopy was built without CUDA kernels"
+
+
+def _cuda_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
+    problem = _cuda_kernels_problem(src, dst)
+    if problem is not None:
+        return problem
     return None if kernels_reach_host(src, dst) else HOST_POINTER_PROBLEM
 
 
@@ -182,13 +189,6 @@ CUDA = CopyMethod(
 # ----------------------------------------------------------------------------- copy_engine
 
 
-def _dma_unavailable(src: PagedKV, dst: PagedKV) -> str | None:
-    problem = pair_problem(src, dst)
-    if problem is not None:
-        return problem
-    return None if _ext.has_cuda_kernels() else "kvcopy was built without CUDA kernels"
-
-
 def _dma_run(src: PagedKV, src_ids: torch.Tensor, dst: PagedKV, dst_ids: torch.Tensor, num_ctas: int | None) -> None:
     device = cuda_device(src, dst)
     _ext.loaded_extension().copy_blocks_dma(
@@ -212,7 +212,7 @@ COPY_ENGINE = CopyMethod(
     "copy_engine",
     run=_dma_run,
     run_traced=_dma_run_traced,
-    unavailable=_dma_unavailable,
+    unavailable=_cuda_kernels_problem,
     auto_rank=_dma_rank,
     host_ids_only=True,
 )

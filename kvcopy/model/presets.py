@@ -12,49 +12,43 @@ from typing import Any
 
 __all__ = ["PRESETS"]
 
+# What every Llama 3.1 config.json says alike (8B and 70B): GQA with 8 KV heads, the vocabulary, and the
+# llama3 RoPE scaling to 128K positions.
+_LLAMA_3_1: dict[str, Any] = {
+    "model_type": "llama",
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.1-8b": (
         "meta-llama/Llama-3.1-8B",
         {
-            "model_type": "llama",
             "hidden_size": 4096,
             "intermediate_size": 14336,
             "num_attention_heads": 32,
             "num_hidden_layers": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-                "rope_type": "llama3",
-            },
-            "max_position_embeddings": 131072,
-            "torch_dtype": "bfloat16",
+            **_LLAMA_3_1,
         },
     ),
     "llama-3.1-70b": (
         "meta-llama/Llama-3.1-70B",
         {
-            "model_type": "llama",
             "hidden_size": 8192,
             "intermediate_size": 28672,
             "num_attention_heads": 64,
             "num_hidden_layers": 80,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-                "rope_type": "llama3",
-            },
-            "max_position_embeddings": 131072,
-            "torch_dtype": "bfloat16",
+            **_LLAMA_3_1,
         },
     ),
     "qwen2.5-7b": (

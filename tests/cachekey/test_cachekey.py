@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcopy.cachekey.key import FORMAT_VERSION, BlockIndex, CacheKey, SupportsIdentity
+from kvcopy.cachekey import FORMAT_VERSION, BlockIndex, CacheKey, SupportsIdentity
 
 ROOT = Path(__file__).resolve().parents[2]
 

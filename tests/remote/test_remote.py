@@ -198,27 +198,32 @@ def test_after_a_failed_transfer_connect_or_reconnect_makes_the_connection_anew(
 
 @pytest.mark.slow
 def test_mismatched_layouts_and_contexts_are_refused():
+    """A refusal is made on the descriptor alone, before anything crosses: the refused peers are agents of this
+    process, without NIXL's busy-polling progress thread (a process each cost seconds of the 2 cores, and no
+    transfer ever starts to reach one)."""
     key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="org/model@abc", block_tokens=16)
+    other_key = kvcopy.CacheKey(kvcopy.ModelSpec.preset("llama-3.1-8b"), weights_id="org/model@other", block_tokens=16)
     with (
-        remote_peer("wide", 8, "page_first", seed=8) as wide,
-        remote_peer("bf16", 8, "layer_first", seed=9) as lf,
+        KVPeer(make_pool("wide", 8, "page_first", seed=8), "remote-wide", progress_thread=False) as wide,
+        KVPeer(make_pool("bf16", 8, "layer_first", seed=9), "remote-layer-first", progress_thread=False) as lf,
         KVPeer(make_pool("bf16", 8, "page_first", seed=10), "local-mismatch", cache_key=key) as peer,
     ):
         with pytest.raises(ValueError, match="laid out"):
-            peer.connect(wide.descriptor)  # other plane-block bytes
+            peer.connect(wide.descriptor())  # other plane-block bytes
         with pytest.raises(ValueError, match="laid out"):
-            peer.connect(lf.descriptor)  # layer-first against page-first
-    with remote_peer("bf16", 8, "page_first", seed=11, context="org/model@other") as other:
+            peer.connect(lf.descriptor())  # layer-first against page-first
+    other_pool = make_pool("bf16", 8, "page_first", seed=11)
+    with KVPeer(other_pool, "remote-other", cache_key=other_key, progress_thread=False) as other:
         with (
             KVPeer(make_pool("bf16", 8, "page_first", seed=12), "local-context", cache_key=key) as peer,
             pytest.raises(ValueError, match="CacheKey context"),
         ):
-            peer.connect(other.descriptor)
+            peer.connect(other.descriptor())
         with (
             KVPeer(make_pool("bf16", 8, "page_first", seed=13), "local-nokey") as peer,
             pytest.raises(ValueError, match="CacheKey context"),
         ):
-            peer.connect(other.descriptor)  # a keyed pool is not read by a peer without the key
+            peer.connect(other.descriptor())  # a keyed pool is not read by a peer without the key
     with pytest.raises(kvcopy.FileFormatError, match="remote_descriptor: header: expected a KVPeer descriptor"):
         KVPeer(make_pool("bf16", 8, "page_first", seed=14), "local-junk").connect(b"not a descriptor at all")
 

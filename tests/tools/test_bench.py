@@ -396,6 +396,29 @@ def test_check_output_fails_a_copy_that_writes_elsewhere(stray, gen):
     check_output("my method", copy_and_stray, kv, SRC_IDS, pool.paged, DST_IDS, whole=False)  # not looked for
 
 
+@pytest.mark.parametrize("stray", ["another destination block", "the source"])
+def test_a_kept_copy_serves_the_next_check_and_still_finds_a_stray_write(stray, gen):
+    """The bench checks each method of a point against one copy of the caches (kept=): the copy is made once,
+    a correct copy passes against it again and again, and a stray write after it is still found."""
+    kv, pool = _cache_and_pool("planes", torch.float8_e4m3fn, gen)
+    side, ids = (pool.paged, DST_IDS) if stray == "another destination block" else (kv, SRC_IDS)
+    unnamed = next(i for i in range(side.num_blocks) if i not in ids.tolist())
+    copy = functools.partial(kvcopy.copy_blocks, kv, SRC_IDS, pool, DST_IDS, method="cpu")
+    kept: list = []
+    check_output("first", copy, kv, SRC_IDS, pool.paged, DST_IDS, kept=kept)
+    assert len(kept) == kv.num_planes  # the copy, one (source, destination) pair of words per plane
+    copies = [(s.data_ptr(), d.data_ptr()) for s, d in kept]
+    check_output("second", copy, kv, SRC_IDS, pool.paged, DST_IDS, kept=kept)
+    assert [(s.data_ptr(), d.data_ptr()) for s, d in kept] == copies  # used, not made again
+
+    def copy_and_stray() -> None:
+        copy()
+        side.planes[1][unnamed].view(torch.uint8).bitwise_not_()
+
+    with pytest.raises(AssertionError, match="third: plane 1"):
+        check_output("third", copy_and_stray, kv, SRC_IDS, pool.paged, DST_IDS, kept=kept)
+
+
 # --------------------------------------------------------------------------- baselines
 
 

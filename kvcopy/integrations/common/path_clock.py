@@ -18,7 +18,7 @@ stream was made to wait for the forward's reloads, so the forward's seconds neve
 own turnaround is the path's wait.
 
 Its own part of a forward is the forward's seconds times the law's forward of the request alone over the law's
-forward of the whole batch (:func:`~._live_planner.own_share`, with the OnlinePlanner's Planner of the moment):
+forward of the whole batch (:func:`~.online_planner.own_share`, with the OnlinePlanner's Planner of the moment):
 the other requests' work in it (another request's prefill chunk the scheduler put beside it) is not its cost.
 A forward it rides alone counts whole.
 """
