@@ -220,7 +220,9 @@ def offloading(
                 if learned is not None:
                     try:
                         learned.save(save_profile)
-                    except OSError as err:  # checked at entry, so the file system changed since: say what is kept
+                    # checked at entry, so the file system changed since (Profile.save refuses a path that became a
+                    # directory or lost its permission with a ValueError, before writing): say what is kept
+                    except (OSError, ValueError) as err:
                         raise OSError(
                             f"save_profile: the learned profile could not be written to {save_profile} ({err}); "
                             f"it is still stats.profile (save it with stats.profile.save(path))"
