@@ -124,9 +124,11 @@ def create_files(path: str, layout: dict[str, Any], num_blocks: int, context_has
         raise
 
 
-def write_header(path: str, header: dict[str, Any]) -> None:
-    """Writes the store's header.json whole or not at all: a new file, synced, renamed over the old one, the
-    directory synced (a crash leaves the old header or the new one, never a torn one)."""
+def write_header(path: str, header: dict[str, Any], *, sync_directory: bool = True) -> None:
+    """Writes the store's header.json whole or not at all: a new file, synced, renamed over the old one (a crash
+    leaves the old header or the new one, never a torn one), the directory synced unless ``sync_directory`` is
+    False: then the rename is durable with the filesystem's next commit (a store's room: a header that a power
+    loss turns back to its previous room is repaired when the store opens, kvcopy.storage.room)."""
     name = os.path.join(path, HEADER)
     temporary = name + ".new"
     with open(temporary, "w") as f:
@@ -134,6 +136,8 @@ def write_header(path: str, header: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, name)
+    if not sync_directory:
+        return
     directory = os.open(path, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename (and, for a new store, the other files' names) durable

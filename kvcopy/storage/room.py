@@ -1,25 +1,30 @@
 """A disk store's room: the blocks of its data file that take space on the disk, grown and given back.
 
-A store's data file is ``num_blocks`` blocks long, but only ``room`` of them (header.json) are backed on the
-disk (fallocate); the others are holes, which take nothing. The backed blocks are the ones that hold a
-committed block, the ones a put in flight writes, and spare ones (backed, holding nothing). A put takes
-spare blocks first, then evicts the store's least recently used blocks within its room.
+A store's data file is ``num_blocks`` blocks long, but only its room is backed on the disk (fallocate); the
+others are holes, which take nothing. The backed blocks are the ones that hold a committed block, the ones a
+put in flight writes, and spare ones (backed, holding nothing). A put takes spare blocks first, then evicts
+the store's least recently used blocks within its room.
 
-- **Growing** backs holes (the lowest first), ``posix_fallocate`` over their runs, after the header's room
-  was raised: the header never counts less than the disk holds.
+- **Growing** backs holes (the lowest first): ``posix_fallocate`` over their runs, a few microseconds, with
+  no header written: what the data file takes on the disk (its allocated blocks, which the kernel counts at
+  once) is the room another process counts (:func:`room_nbytes`).
 - **Giving back** punches holes (``fallocate(FALLOC_FL_PUNCH_HOLE)``): the spare blocks first, then the least
   recently used blocks, each durably forgotten (its FREE record synced, kvcopy.storage.commit_log) before its
-  bytes go, so no committed block ever reads the zeros of a hole; the header's room is lowered last.
-- **Opening** a store matches its file to its header: the lowest ``room - blocks held`` free blocks are its
-  spare (fallocate over them: nothing to do where they are backed already), every other free block is punched
-  (nothing to do on a hole). A crash at any point of a growth, a give-back or a put that evicted blocks
-  leaves a store whose index is what its commit log says (a block reads as valid only through a COMMIT made
-  after its data was synced), and whose backed blocks the next open brings back within its room.
+  bytes go, so no committed block ever reads the zeros of a hole; then header.json's ``room`` is lowered.
+- **Closing** writes the room to the header; **opening** matches the file to it: the lowest ``room - blocks
+  held`` free blocks are the spare (fallocate over them: nothing to do where they are backed already), every
+  other free block is punched (nothing to do on a hole), and a room below the blocks the index holds is raised
+  to them. So a crash at any point of a growth, a give-back or a put that evicted blocks (SIGKILL, or a power
+  loss) leaves a store whose index is what its commit log says (a block reads as valid only through a COMMIT
+  made after its data was synced), and whose data file the next open brings back within its room: blocks
+  grown since the header was written are spare again if held, punched if not.
 
-Neither changes a byte of a block the store holds, nor the data file's length, nor its alignment: the store's
-reads and writes (NIXL, O_DIRECT) go on as before, to blocks that are backed. A store no process has open can
-give back room too (:func:`give_back_room`), without its block layout or CacheKey: kvcopy's vLLM disk tier
-takes room from other identities' stores that way.
+The header is rewritten whole (a new file, synced, renamed over it; its directory not synced: a power loss may
+leave the previous room, which the open repairs as above). None of this changes a byte of a block the store
+holds, the data file's length or its alignment: the store's reads and writes (NIXL, O_DIRECT) go on as before,
+to blocks that are backed. A store no process has open can give back room too (:class:`ClosedStore`),
+without its block layout or CacheKey: kvcopy's vLLM disk tier takes room from other identities' stores that
+way.
 """
 
 from __future__ import annotations
@@ -31,11 +36,10 @@ import os
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from kvcopy._checks import FileFormatError
 from kvcopy.storage.commit_log import CommitLog
 from kvcopy.storage.files import DATA, HEADER, INDEX, read_header, write_header
 
-__all__ = ["Room", "extend_store", "give_back_room", "room_nbytes", "slot_runs"]
+__all__ = ["ClosedStore", "Room", "extend_store", "give_back_room", "room_nbytes", "slot_runs"]
 
 # fallocate(2)'s mode bits: free the range's blocks, keep the file's length (linux/falloc.h).
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -77,8 +81,8 @@ def slot_runs(slots: Iterable[int]) -> list[tuple[int, int]]:
 
 class Room:
     """The backed blocks of the store at ``path`` (its checked ``header``, its open ``index``), matched to the
-    header when made (see the module). ``blocks``: the room; ``spare``: backed blocks that hold nothing.
-    FileFormatError naming header.json's ``room`` when the index holds more blocks than it."""
+    header when made (see the module). ``blocks``: the room; ``spare``: backed blocks that hold nothing. A room
+    below the blocks the index holds (a growth whose header a power loss turned back) is raised to them."""
 
     def __init__(self, path: str, header: dict[str, Any], index: CommitLog) -> None:
         self.path = path
@@ -87,13 +91,12 @@ class Room:
         self._block = int(header["nbytes_per_block"])
         self.num_blocks = int(header["num_blocks"])
         self.blocks = int(header["room"])
+        self._written = self.blocks  # the room header.json says
         held = len(index)
-        if held > self.blocks:
-            raise FileFormatError(
-                os.path.join(path, HEADER), "room", f"at least the {held} blocks {INDEX} holds", self.blocks
-            )
         self._fd = os.open(os.path.join(path, DATA), os.O_RDWR)  # not O_DIRECT: fallocate's fallback writes bytes
         try:
+            if held > self.blocks:  # a growth whose header the power loss turned back: its blocks are committed
+                self._write_room(held)
             self.can_punch = self._can_punch()
             spare = self._lowest_free(self.blocks - held)
             self._spare = set(spare)
@@ -156,9 +159,11 @@ class Room:
                 punch_hole(self._fd, first * self._block, count * self._block)
 
     def _write_room(self, blocks: int) -> None:
+        """Sets the room and writes it to the header (its directory not synced: a room a power loss turned back
+        is what the open repairs)."""
         self._header["room"] = blocks
-        write_header(self.path, self._header)
-        self.blocks = blocks
+        write_header(self.path, self._header, sync_directory=False)
+        self.blocks = self._written = blocks
 
     def take(self, count: int) -> list[int]:
         """Up to ``count`` spare blocks, lowest first: the caller's now (a put writes them)."""
@@ -185,18 +190,15 @@ class Room:
         holes = self._index.unused(count, skip=set(busy) | self._spare)
         if len(holes) < count:  # (the caller checks: the room is at most num_blocks)
             raise ValueError(f"blocks: {count} more do not fit the store's {self.num_blocks} blocks")
-        self._write_room(self.blocks + count)  # counted first: the header never counts less than the disk holds
         try:
             for first, run in slot_runs(holes):
                 os.posix_fallocate(self._fd, first * self._block, run * self._block)
         except OSError as err:
-            try:
-                self._punch(holes)
-            finally:
-                self._write_room(self.blocks - count)
+            self._punch(holes)
             raise OSError(
                 err.errno, f"{count} blocks ({count * self._block} bytes) more do not fit on {self.path}'s filesystem"
             ) from err
+        self.blocks += count
         self._spare.update(holes)
         for slot in holes:
             heapq.heappush(self._heap, slot)
@@ -222,38 +224,92 @@ class Room:
         return len(evicted)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        """Writes the room to the header, if it grew since it was written (an error there is the crash the next
+        open repairs), and closes the file."""
+        if self._fd < 0:
+            return
+        try:
+            if self.blocks != self._written:
+                self._write_room(self.blocks)
+        except OSError:
+            pass
+        finally:
             os.close(self._fd)
             self._fd = -1
 
 
 def room_nbytes(path: str) -> int:
-    """Bytes the store at ``path`` counts as its room (header.json's room x its block's bytes). The errors of
+    """Bytes of the room of the store at ``path``, as another process counts it: its header's room, or what its
+    data file takes on the disk (its allocated blocks, in whole blocks) when that is more: a store that grew
+    since its header was written, open in another process or left by a crash. The errors of
     :func:`kvcopy.storage.files.read_header`."""
     header = read_header(path)
-    return int(header["room"]) * int(header["nbytes_per_block"])
+    block = int(header["nbytes_per_block"])
+    allocated = os.stat(os.path.join(path, DATA)).st_blocks * 512
+    return max(int(header["room"]), allocated // block) * block
+
+
+class ClosedStore:
+    """The store at ``path``, which no process has open (kvcopy's vLLM disk tier holds its folder lock while it
+    uses it), opened from its files to give back room: no NIXL agent, block layout or CacheKey. Opening replays
+    its index (seconds for a store of hundreds of thousands of blocks), so a caller that takes room from it
+    again and again keeps it open between, and asks :meth:`unchanged` first: its files as this object left
+    them (a process that opened the store since has changed them, or made new ones). The errors of opening a
+    store's files (FileFormatError, OSError)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        header = read_header(path)
+        self._block = int(header["nbytes_per_block"])
+        self._index = CommitLog(os.path.join(path, INDEX), int(header["num_blocks"]), create=False)
+        try:
+            self._room = Room(path, header, self._index)
+        except BaseException:
+            self._index.close()
+            raise
+        self._files = self._stat()
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        """Each file's inode, length and modification time (a rename makes another inode; an append, another
+        time)."""
+        stats = (os.stat(os.path.join(self.path, name)) for name in (HEADER, INDEX, DATA))
+        return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
+
+    def unchanged(self) -> bool:
+        """Whether the store's files are as this object left them."""
+        try:
+            return self._stat() == self._files
+        except OSError:  # (removed)
+            return False
+
+    @property
+    def held(self) -> int:
+        """Blocks the store holds."""
+        return len(self._index)
+
+    def give_back(self, nbytes: int) -> int:
+        """Gives back at least ``nbytes`` of the store's room (all of it, if it has less): its spare blocks, then
+        its least recently used ones, as :meth:`Room.give_back` does. Returns the bytes given back. OSError
+        (errno in NO_HOLES) where the filesystem cannot punch holes, with nothing changed."""
+        count = min(self._room.blocks, -(-nbytes // self._block))
+        if count:
+            self._room.give_back(count, busy=())
+            self._files = self._stat()
+        return count * self._block
+
+    def close(self) -> None:
+        self._room.close()
+        self._index.close()
 
 
 def give_back_room(path: str, nbytes: int) -> tuple[int, int]:
-    """Gives back at least ``nbytes`` of the room of the store at ``path`` (all of it, if it has less): its spare
-    blocks, then its least recently used ones, as :meth:`Room.give_back` does. Only for a store no process has
-    open (kvcopy's vLLM disk tier holds the store's folder lock): it reads the files, with no NIXL agent, block
-    layout or CacheKey. Returns (bytes given back, blocks it holds after). The errors of opening a store's files
-    (FileFormatError, OSError: see :meth:`Room.give_back`)."""
-    header = read_header(path)
-    index = CommitLog(os.path.join(path, INDEX), int(header["num_blocks"]), create=False)
+    """Gives back at least ``nbytes`` of the room of the store at ``path``, which no process has open (see
+    :class:`ClosedStore`, which this opens and closes). Returns (bytes given back, blocks it holds after)."""
+    store = ClosedStore(path)
     try:
-        room = Room(path, header, index)
-        try:
-            block = int(header["nbytes_per_block"])
-            count = min(room.blocks, -(-nbytes // block))
-            if count:
-                room.give_back(count, busy=())
-            return count * block, len(index)
-        finally:
-            room.close()
+        return store.give_back(nbytes), store.held
     finally:
-        index.close()
+        store.close()
 
 
 def extend_store(path: str, num_blocks: int) -> None:

@@ -543,10 +543,10 @@ class DiskKVStore:
         return self._room.spare
 
     def grow(self, blocks: int) -> None:
-        """Backs ``blocks`` more of the data file's blocks on the disk (fallocate), spare from then on. The header
-        counts them before they are backed (a crash between: the next open backs them). TypeError for a
-        non-int, ValueError below 0 or beyond ``num_blocks - room``; OSError when the filesystem has not the
-        room; each with the store as it was."""
+        """Backs ``blocks`` more of the data file's blocks on the disk (fallocate), spare from then on; the
+        header counts them once the store closes (killed before: the next open punches those that hold
+        nothing). TypeError for a non-int, ValueError below 0 or beyond ``num_blocks - room``; OSError when the
+        filesystem has not the room; each with the store as it was."""
         self._check_open()
         blocks = non_negative_int("blocks", blocks)
         if blocks > self.num_blocks - self._room.blocks:
