@@ -106,19 +106,18 @@ def test_a_tier_killed_mid_cascade_serves_only_what_it_stored(tmp_path):
 
 # A child of identity B cascades chunk after chunk into a path whose budget A's store fills: each cascade takes
 # a chunk's room from A (A's least recently used chunk forgotten, its hole punched, A's header lowered) and grows
-# B (B's header raised, the block backed). The child pauses before the n-th call of one of those steps, and is
-# killed there. Per cascade, in order: punch_hole x2 (A's probe, A's opening), free (A's chunk forgotten),
-# punch_hole (A's give-back), write_header x2 (A's, then B's), posix_fallocate (B's growth), free (B's put, of
-# nothing); B's opening punches twice before its first cascade.
+# B (the block backed). The child pauses before the n-th call of one of those steps, and is killed there. B's
+# opening punches twice; A's, once (when B first takes from it: then kept open); then each cascade calls free
+# (A's chunk forgotten), punch_hole (its hole), write_header (A's room), posix_fallocate (B's growth) and free
+# (B's put, evicting nothing).
 GROWTH_KILL_POINTS = (
-    ("free", 1),  # A's chunk not forgotten yet: nothing of the give-back done
-    ("free", 5),  # the same, two cascades on
-    ("write_header", 1),  # A's chunk forgotten and punched, A's header not lowered yet
-    ("write_header", 2),  # A's header lowered, B's not raised
-    ("posix_fallocate", 2),  # B's header raised, the block not backed yet
-    ("punch_hole", 5),  # A's chunk forgotten, its hole not punched yet
-    ("punch_hole", 11),  # the same, two cascades on
-    ("write_header", 5),  # A's header, two cascades on
+    ("free", 1),  # nothing of the first give-back done yet
+    ("punch_hole", 4),  # A's chunk forgotten, its hole not punched yet
+    ("write_header", 1),  # A's chunk punched, A's header not lowered yet
+    ("posix_fallocate", 1),  # A's header lowered, B not grown yet
+    ("free", 2),  # B grown (its header not written: the open repairs it), its put not posted yet
+    ("punch_hole", 6),  # A's chunk forgotten, two cascades on
+    ("write_header", 3),  # A's chunk punched, two cascades on
 )
 GROWTH_CHUNKS = 6  # the child cascades chunks GROWTH_FIRST.. of identity B, fewer than the budget holds
 GROWTH_FIRST = 100

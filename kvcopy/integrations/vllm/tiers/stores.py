@@ -7,13 +7,15 @@
 - ``lock``: held (``flock``) by the engine that has the store open, released by the kernel when that process
   ends, even by SIGKILL;
 - ``used``: when an engine last used the store (nanoseconds since the epoch, and past every other store's, so
-  the order is strict): written when it opens the store, each time it decides on room, and when it closes it;
+  the order is strict): written when it opens the store and when it closes it;
 - ``wanting``: while the engine that holds the store has less room than its fair share and found none to take,
   the bytes it asks for;
 - ``store/``: the :class:`~kvcopy.storage.DiskKVStore`, one block per row of vLLM's primary tier. Its room
   (kvcopy.storage.room: the blocks its data file backs on the disk) is what it takes of the budget.
 
-``bytes_to_use`` is the budget of ``path`` across identities: the stores' rooms together stay within it. An
+``bytes_to_use`` is the budget of ``path`` across identities: the stores' rooms together stay within it (each
+counted as its header says, or as what its data file takes on the disk when that is more: a store grown
+since, open in another engine, or left by a crash; kvcopy.storage.room.room_nbytes). An
 engine's store may hold up to its share of it (its cap: ``bytes_to_use`` over vLLM's data-parallel replicas on
 every node, each an identity of its own). A new store has no room; it grows as it fills:
 
@@ -51,7 +53,7 @@ from kvcopy._checks import positive_int
 from kvcopy.host.pool import HostKVPool
 from kvcopy.integrations.vllm.tiers.identity import TierIdentity, differences
 from kvcopy.storage.files import DATA
-from kvcopy.storage.room import extend_store, give_back_room, room_nbytes
+from kvcopy.storage.room import ClosedStore, extend_store, room_nbytes
 from kvcopy.storage.store import DiskKVStore
 
 __all__ = ["FOLDER_PREFIX", "TierStore", "open_tier_store", "stores_nbytes"]
@@ -71,9 +73,10 @@ PATH_LOCK = "kvcopy.lock"
 STORE_DIR = "store"
 # Digits of the context hash that name a folder: 64 bits, no two identities of one path alike.
 NAME_DIGITS = 16
-# A store grows by this much at a time: each growth takes the path's lock, rewrites the header (two fsyncs) and
-# fallocates, a few milliseconds paid once per 256 MiB cascaded (about 0.1 s of an NVMe disk's writes).
-GROW_EXTENT_BYTES = 256 << 20
+# A store grows by this much at a time: each growth takes the path's lock, reads the other stores' headers and
+# fallocates, a millisecond or a few on a disk busy with the cascades' writes, paid once per GiB cascaded (half a
+# second of a fast disk's writes).
+GROW_EXTENT_BYTES = 1 << 30
 # ... and by at most this fraction of its cap, so that a small budget is taken from other identities' stores a
 # few chunks at a time (their least recently used), not all at once.
 GROW_STEPS = 16
@@ -142,21 +145,24 @@ def _lock(folder: str) -> int | None:
 
 
 @contextlib.contextmanager
-def _deciding(path: str, *, say_wait: bool = True) -> Iterator[None]:
-    """Holds ``path``'s PATH_LOCK while the caller decides; waits for an engine that holds it (saying so, with
-    ``say_wait``: an engine starting)."""
+def _deciding(path: str, *, wait: bool = True) -> Iterator[bool]:
+    """Holds ``path``'s PATH_LOCK while the caller decides, and says so (True); when an engine holds it, waits
+    for it, saying so in the log (an engine starting), or, without ``wait``, yields False at once (the IO
+    thread: it does not stall on an engine that replays a large index while it decides)."""
     lock = os.path.join(path, PATH_LOCK)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if say_wait:
-                logger.info("kvcopy disk tier: waiting for another engine deciding under %s (it holds %s)", path, lock)
+            if not wait:
+                yield False
+                return
+            logger.info("kvcopy disk tier: waiting for another engine deciding under %s (it holds %s)", path, lock)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:
             raise _unlockable(path, err) from None
-        yield
+        yield True
     finally:
         os.close(fd)  # the lock goes with it
 
@@ -232,6 +238,11 @@ class TierStore:
     # new chunks to cascade before deciding again, after a decision that found no room
     countdown: int = field(default=0, init=False)
     asking: bool = field(default=False, init=False)  # below its fair share and left short: it asks for room
+    asked: int = field(default=0, init=False)  # the bytes its WANTING_FILE says (written when that changes)
+    # the other store it takes room from, kept open between decisions (opening one replays its index), and its
+    # USED_FILE's stamp then (another stamp: an engine has opened it since)
+    victim: ClosedStore | None = field(default=None, init=False)
+    victim_used: int = field(default=0, init=False)
 
     @property
     def extent(self) -> int:
@@ -249,10 +260,11 @@ class TierStore:
         if self.countdown > 0:
             self.countdown -= new
             return
-        with _deciding(self.path, say_wait=False):
-            grown = self._decide(short)
-        # a store at its share that could not grow decides again an extent later; one below it, at once
-        self.countdown = self.extent if grown < short and not self.asking else 0
+        with _deciding(self.path, wait=False) as deciding:
+            grown = self._decide(short) if deciding else 0
+        # a store at its share that could not grow (or found the path's lock held) decides again an extent
+        # later; one below its share and left short, at once
+        self.countdown = self.extent if grown < short and not (deciding and self.asking) else 0
 
     def _decide(self, short: int) -> int:
         """One decision under the path's lock for a cascade ``short`` blocks short; returns the blocks the store
@@ -296,8 +308,10 @@ class TierStore:
                     grown = 0
         # it asks once it is left short below its share, and until it has its share
         self.asking = store.room < fair and (self.asking or grown < short)
-        _write_int(os.path.join(self.folder, WANTING_FILE), (fair - store.room) * row_bytes if self.asking else 0)
-        _stamp(self.path, self.folder)
+        asking = (fair - store.room) * row_bytes if self.asking else 0
+        if asking != self.asked:  # (a file written only when it changes: a rename costs milliseconds under load)
+            _write_int(os.path.join(self.folder, WANTING_FILE), asking)
+            self.asked = asking
         return grown
 
     def _take(self, other: _Other, nbytes: int) -> int:
@@ -310,7 +324,8 @@ class TierStore:
         try:
             if other.readable:
                 try:
-                    freed, left = give_back_room(os.path.join(other.folder, STORE_DIR), nbytes)
+                    victim = self._opened(other)
+                    freed, left = victim.give_back(nbytes), victim.held
                 except (OSError, ValueError) as err:  # no chunk of it can go alone: the store goes
                     logger.warning("kvcopy disk tier: %s cannot give back room by chunks (%s)", other.folder, err)
                 else:
@@ -323,6 +338,7 @@ class TierStore:
                             left,
                         )
                         return freed
+            self._drop_victim()
             shutil.rmtree(other.folder, ignore_errors=True)
             self.removed.append(other.folder)
             logger.info("kvcopy disk tier: removed %s (another identity's store, empty or unreadable)", other.folder)
@@ -330,15 +346,32 @@ class TierStore:
         finally:
             os.close(fd)
 
+    def _opened(self, other: _Other) -> ClosedStore:
+        """``other``'s store opened to give back room: the one kept from the last decision when it is the same,
+        unchanged since (and opened by no engine since: the same USED_FILE stamp), else opened anew."""
+        path = os.path.join(other.folder, STORE_DIR)
+        victim = self.victim
+        if victim is not None and (victim.path != path or self.victim_used != other.used or not victim.unchanged()):
+            self._drop_victim()
+        if self.victim is None:
+            self.victim, self.victim_used = ClosedStore(path), other.used
+        return self.victim
+
+    def _drop_victim(self) -> None:
+        if self.victim is not None:
+            self.victim.close()
+            self.victim = None
+
     def close(self) -> None:
         """Closes the store (its IO in flight ended first), records its last use, then lets go of its lock."""
+        self._drop_victim()
         try:
             self.store.close()
         finally:
             if self.lock_fd >= 0:
                 try:
                     _write_int(os.path.join(self.folder, WANTING_FILE), 0)
-                    with _deciding(self.path, say_wait=False):
+                    with _deciding(self.path):
                         _stamp(self.path, self.folder)
                 except (OSError, ValueError):  # (its last use unrecorded: it counts from its last decision)
                     pass
