@@ -45,8 +45,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvcopy._checks import positive_int
@@ -221,6 +222,70 @@ def _say_what_differs(others: list[_Other], identity: TierIdentity) -> None:
     )
 
 
+class _Taker:
+    """A thread of the tier's that takes room from the stores no engine holds (``take``: TierStore.take_room,
+    under the path's lock), so that the IO thread's growths find it free: ahead of need, or while a cascade
+    waits. Started when first asked; a give-back of a large store (its index replayed, its chunks' holes
+    punched: tens of milliseconds a GiB on a filesystem that discards what it frees) then runs beside the
+    cascades, not before them."""
+
+    def __init__(self, take: Callable[[int], None]) -> None:
+        self._take = take
+        self._cond = threading.Condition()
+        self._asked = 0  # bytes of free room asked for, not yet taken up
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def ask(self, nbytes: int) -> None:
+        """Asks for ``nbytes`` of free room (at least: the largest asked since it last ran)."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._asked = max(self._asked, nbytes)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvcopy-disk-tier-room", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    @property
+    def working(self) -> bool:
+        """Whether it has room to take, or is taking it."""
+        with self._cond:
+            return bool(self._asked or self._busy)
+
+    def wait(self) -> None:
+        """Waits until what was asked has been taken (or could not be)."""
+        with self._cond:
+            while (self._asked or self._busy) and self._thread is not None and self._thread.is_alive():
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._asked or self._stopping):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                nbytes, self._asked, self._busy = self._asked, 0, True
+            try:
+                self._take(nbytes)
+            except Exception:  # (a store's files, a filesystem): the cascades go on within their room
+                logger.exception("kvcopy disk tier: taking room from other identities' stores failed")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Ends the thread, once what it is taking is taken."""
+        with self._cond:
+            self._stopping, self._asked = True, 0
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+
 @dataclass
 class TierStore:
     """The tier's open store, the lock that keeps it its own, its budget, and what opening it found: the stores
@@ -243,6 +308,12 @@ class TierStore:
     # USED_FILE's stamp then (another stamp: an engine has opened it since)
     victim: ClosedStore | None = field(default=None, init=False)
     victim_used: int = field(default=0, init=False)
+    takeable: bool = field(default=False, init=False)  # the last look found stores no engine holds
+    free_seen: int = field(default=0, init=False)  # the room no store had after the last decision, bytes
+    taker: _Taker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.taker = _Taker(self.take_room)
 
     @property
     def extent(self) -> int:
@@ -251,30 +322,47 @@ class TierStore:
 
     def room_for(self, new: int) -> None:
         """Makes room for a cascade of ``new`` chunks the store does not hold (see the module): nothing while the
-        store has that many spare blocks; else grows it, under the path's lock, from free room or other
-        identities' unheld stores, or asks for room, or gives back room another engine asks for. What it could
-        not get, the cascade takes by evicting the store's own least recently used chunks."""
-        short = new - self.store.spare
-        if short <= 0:
-            return
-        if self.countdown > 0:
+        store has that many spare blocks; else grows it into the room no store has (the path's lock tried, not
+        waited for), waiting for the taker thread where stores no engine holds can give room; or asks for room,
+        or gives back room another engine asks for. What it could not get, the cascade takes by evicting the
+        store's own least recently used chunks. Then, once the spare is below half an extent, the taker frees
+        the next extent's room ahead, while the cascades use the spare."""
+        store = self.store
+        short = new - store.spare
+        if short > 0 and self.countdown > 0:
             self.countdown -= new
-            return
+        elif short > 0:
+            grown, decided = self._try_decide(short)
+            if not decided and self.taker.working:  # the lock is the taker's, taking room ahead: wait for it
+                self.taker.wait()
+                grown, decided = self._try_decide(short)
+            if decided and grown < short and self.takeable:  # room the taker can free: the cascade waits for it
+                self.taker.ask(min(self.cap - store.room, max(short - grown, self.extent)) * self.row_bytes)
+                self.taker.wait()
+                more, decided = self._try_decide(short - grown)
+                grown += more
+            # a store at its share that could not grow (or found the path's lock held) decides again an extent
+            # later; one below its share and left short, at once
+            self.countdown = self.extent if grown < short and not (decided and self.asking) else 0
+        ahead = self.takeable and store.room < self.cap and self.free_seen < self.extent * self.row_bytes
+        if ahead and store.spare - new < self.extent // 2:
+            self.taker.ask(min(self.cap - store.room, self.extent) * self.row_bytes)
+
+    def _try_decide(self, short: int) -> tuple[int, bool]:
+        """A decision, if the path's lock is free now: (blocks grown, whether it decided)."""
         with _deciding(self.path, wait=False) as deciding:
-            grown = self._decide(short) if deciding else 0
-        # a store at its share that could not grow (or found the path's lock held) decides again an extent
-        # later; one below its share and left short, at once
-        self.countdown = self.extent if grown < short and not (deciding and self.asking) else 0
+            return (self._decide(short) if deciding else 0), deciding
 
     def _decide(self, short: int) -> int:
         """One decision under the path's lock for a cascade ``short`` blocks short; returns the blocks the store
-        grew by."""
+        grew by (into the room no store has: the taker thread takes from other stores)."""
         store, row_bytes = self.store, self.row_bytes
         others = _others(self.path, self.folder)
         held = [o for o in others if o.in_use]
         fair = min(self.cap, self.bytes_to_use // (1 + len(held)) // row_bytes)
         asked = sum(o.wants for o in held)
         free = self.bytes_to_use - store.room * row_bytes - sum(o.nbytes for o in others)
+        self.takeable = any(not o.in_use for o in others)
         grown = 0
         if asked and store.room >= fair:
             # others ask and this engine has its share: it takes nothing, and gives back what they lack
@@ -294,11 +382,6 @@ class TierStore:
                     )
         else:
             step = min(self.cap - store.room, max(short, self.extent))
-            unheld = sorted((o for o in others if not o.in_use), key=lambda o: (o.readable, o.used))
-            for other in unheld:  # the unreadable first, then the least recently used
-                if free >= step * row_bytes:
-                    break
-                free += self._take(other, step * row_bytes - max(free, 0))
             grown = min(step, max(free, 0) // row_bytes)
             if grown:
                 try:
@@ -306,13 +389,30 @@ class TierStore:
                 except OSError as err:  # the filesystem is fuller than the budget: the cascade evicts instead
                     logger.warning("kvcopy disk tier: %s could not grow by %d blocks: %s", self.folder, grown, err)
                     grown = 0
-        # it asks once it is left short below its share, and until it has its share
-        self.asking = store.room < fair and (self.asking or grown < short)
+        self.free_seen = free - grown * row_bytes
+        # it asks once it is left short below its share with no other store to take from, until it has its share
+        self.asking = store.room < fair and not self.takeable and (self.asking or grown < short)
         asking = (fair - store.room) * row_bytes if self.asking else 0
         if asking != self.asked:  # (a file written only when it changes: a rename costs milliseconds under load)
             _write_int(os.path.join(self.folder, WANTING_FILE), asking)
             self.asked = asking
         return grown
+
+    def take_room(self, nbytes: int) -> None:
+        """On the taker thread: makes the room no store has reach ``nbytes`` (within the budget), under the path's
+        lock (waited for), by taking from the stores no engine holds, the unreadable first, then the least
+        recently used."""
+        row_bytes = self.row_bytes
+        with _deciding(self.path):
+            others = _others(self.path, self.folder)
+            free = self.bytes_to_use - self.store.room * row_bytes - sum(o.nbytes for o in others)
+            unheld = sorted((o for o in others if not o.in_use), key=lambda o: (o.readable, o.used))
+            for other in unheld:
+                if free >= nbytes:
+                    break
+                free += self._take(other, nbytes - max(free, 0))
+            self.takeable = any(not o.in_use and o.folder not in self.removed for o in others)
+            self.free_seen = free
 
     def _take(self, other: _Other, nbytes: int) -> int:
         """Takes at least ``nbytes`` of room from ``other``, a store no engine held when found: its least
@@ -364,6 +464,7 @@ class TierStore:
 
     def close(self) -> None:
         """Closes the store (its IO in flight ended first), records its last use, then lets go of its lock."""
+        self.taker.stop()
         self._drop_victim()
         try:
             self.store.close()
