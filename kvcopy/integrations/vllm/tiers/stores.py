@@ -19,12 +19,15 @@ since, open in another engine, or left by a crash; kvcopy.storage.room.room_nbyt
 engine's store may hold up to its share of it (its cap: ``bytes_to_use`` over vLLM's data-parallel replicas on
 every node, each an identity of its own). A new store has no room; it grows as it fills:
 
-- When a cascade has more new chunks than the store has spare blocks, the engine takes ``path``'s lock
-  (``PATH_LOCK``) and grows its store by an extent (GROW_EXTENT_BYTES, at most 1/GROW_STEPS of its cap, at
-  least what the cascade needs), within its cap: from the room no store has, then from the stores no engine
-  holds, least recently used first. Each of those gives back its least recently used chunks
-  (kvcopy.storage.room.give_back_room) and is removed once empty; one whose files cannot be read (it serves
-  nothing) is removed whole, first.
+- When a cascade has more new chunks than the store has spare blocks, the IO thread tries ``path``'s lock
+  (``PATH_LOCK``; held by another engine, the cascade goes within the room it has) and grows its store by an
+  extent (GROW_EXTENT_BYTES, at most 1/GROW_STEPS of its cap, at least what the cascade needs), within its
+  cap, into the room no store has: a ``fallocate``.
+- Room the stores no engine holds can give, the tier's taker thread takes (under the lock, waited for), the
+  least recently used store first: each gives back its least recently used chunks
+  (kvcopy.storage.room.ClosedStore, kept open from one take to the next) and is removed once empty; one whose
+  files cannot be read (it serves nothing) is removed whole, first. The taker works an extent ahead of the
+  cascades, once the spare is below half an extent; a cascade left short waits for it.
 - Where none is left (each other store held), the store evicts its own least recently used chunks, as a full
   store does, and asks for room (``wanting``) while it has less than its fair share: the budget over the
   engines holding a store under ``path``, within its cap.
