@@ -195,3 +195,26 @@ def test_a_store_another_engine_holds_is_never_shrunk_by_another_engine(tmp_path
             assert s.store.room == NUM_ROWS - 3 and h.store.room == 3
     rows.close()
     other.close()
+
+
+def test_the_taker_frees_the_next_extent_ahead_of_the_cascades(tmp_path):
+    """With a budget of 64 chunks a store grows 4 at a time (1/16 of it). Taking from another identity's store
+    runs on the tier's taker thread: the first cascade waits for it; once the spare falls below half an extent,
+    it takes the next extent's room while the cascades go on, so the other store has given back one extent more
+    than the cascades used, its least recently used chunks, and no more."""
+    model, rows = model_dir(tmp_path), primary()
+    budget, extent = 64 * ROW_BYTES, 4
+    with tier_of(tmp_path / "tier", rows, engine_config(model), bytes_to_use=budget, cache_key_extra="A") as tier:
+        cascade(tier, rows, 0, 64, seed=100)
+        a_folder = tier._tier_store.folder
+    with tier_of(tmp_path / "tier", rows, engine_config(model), bytes_to_use=budget, cache_key_extra="B") as tier:
+        assert tier._tier_store.extent == extent
+        b = {}
+        for i in range(100, 108):
+            b |= cascade(tier, rows, i, seed=200)
+        tier._tier_store.taker.wait()
+        assert tier.store.room == 8
+        assert held_chunks(a_folder) == list(range(8 + extent, 64))
+        assert room_of(a_folder) == 64 - 8 - extent
+        assert served(tier, rows, range(100, 108)) == b
+    rows.close()

@@ -149,24 +149,26 @@ def _lock(folder: str) -> int | None:
 
 
 @contextlib.contextmanager
-def _deciding(path: str, *, wait: bool = True) -> Iterator[bool]:
+def _deciding(path: str, *, wait: bool = True, say_wait: bool = True) -> Iterator[bool]:
     """Holds ``path``'s PATH_LOCK while the caller decides, and says so (True); when an engine holds it, waits
-    for it, saying so in the log (an engine starting), or, without ``wait``, yields False at once (the IO
-    thread: it does not stall on an engine that replays a large index while it decides)."""
+    for it (saying so in the log with ``say_wait``: an engine starting), or, without ``wait``, yields False at
+    once (the IO thread: it does not stall on an engine that replays a large index while it decides)."""
     lock = os.path.join(path, PATH_LOCK)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        held = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if not wait:
-                yield False
-                return
-            logger.info("kvcopy disk tier: waiting for another engine deciding under %s (it holds %s)", path, lock)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = False
         except OSError as err:
             raise _unlockable(path, err) from None
-        yield True
+        if not held and wait:
+            if say_wait:
+                logger.info("kvcopy disk tier: waiting for another engine deciding under %s (it holds %s)", path, lock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
+        yield held
     finally:
         os.close(fd)  # the lock goes with it
 
@@ -406,7 +408,7 @@ class TierStore:
         lock (waited for), by taking from the stores no engine holds, the unreadable first, then the least
         recently used."""
         row_bytes = self.row_bytes
-        with _deciding(self.path):
+        with _deciding(self.path, say_wait=False):
             others = _others(self.path, self.folder)
             free = self.bytes_to_use - self.store.room * row_bytes - sum(o.nbytes for o in others)
             unheld = sorted((o for o in others if not o.in_use), key=lambda o: (o.readable, o.used))
@@ -475,7 +477,7 @@ class TierStore:
             if self.lock_fd >= 0:
                 try:
                     _write_int(os.path.join(self.folder, WANTING_FILE), 0)
-                    with _deciding(self.path):
+                    with _deciding(self.path, say_wait=False):
                         _stamp(self.path, self.folder)
                 except (OSError, ValueError):  # (its last use unrecorded: it counts from its last decision)
                     pass
