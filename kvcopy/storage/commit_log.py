@@ -118,6 +118,7 @@ class CommitLog:
         self._by_slot: OrderedDict[int, Entry] = OrderedDict()  # least recently committed or used first
         self._seq = 0
         self._records = 0
+        self.reordered = False  # touched since the log last recorded the order of use (compact writes it)
         self._unused: list[int] = []
         self._fd = self._open()
         self._end = self._size = os.lseek(self._fd, 0, os.SEEK_END)  # where the next record goes; the file's end
@@ -274,6 +275,7 @@ class CommitLog:
         self._fd = os.open(self.path, os.O_RDWR)
         self._end = self._size = len(payload)
         self._seq, self._records = len(live), len(live)
+        self.reordered = False
 
     # ------------------------------------------------------------------ lookups
 
@@ -285,10 +287,16 @@ class CommitLog:
         return self._by_slot.get(slot)
 
     def touch(self, slots: Iterable[int]) -> None:
-        """Marks ``slots`` most recently used (in memory: after a reopen the order is the commit order)."""
+        """Marks ``slots`` most recently used (in memory, until :meth:`compact` writes the order: after a reopen
+        the order is the last compaction's, then the commits since)."""
         for slot in slots:
             if slot in self._by_slot:
                 self._by_slot.move_to_end(slot)
+                self.reordered = True
+
+    def slots(self) -> list[int]:
+        """The slots that hold a block, least recently used first."""
+        return list(self._by_slot)
 
     def unused(self, count: int, skip: set[int] | dict[int, int]) -> list[int]:
         """Up to ``count`` slots that hold no block, lowest first, skipping ``skip`` (slots an unfinished put is

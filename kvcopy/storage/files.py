@@ -1,8 +1,9 @@
 """The files of a disk store and the NIXL agent that moves its bytes.
 
 A store is a directory: ``header.json`` (format, block layout, CacheKey
-context, block count), ``blocks.data`` (``num_blocks`` page-first blocks,
-reserved up front with fallocate) and ``index.log`` (kvcopy.storage.commit_log).
+context, block count, room), ``blocks.data`` (``num_blocks`` page-first blocks,
+of which ``room`` are backed on the disk with fallocate and the rest are holes:
+kvcopy.storage.room) and ``index.log`` (kvcopy.storage.commit_log).
 The data file is opened with O_DIRECT where every request a store posts is aligned
 (:func:`direct_io_fits`), so that what is measured is the disk and not the page cache; NIXL moves the bytes: its POSIX
 backend (io_uring, else Linux AIO, else POSIX AIO: the first this kernel
@@ -46,6 +47,7 @@ __all__ = [
     "max_blocks",
     "native_output_captured",
     "read_header",
+    "write_header",
 ]
 
 FORMAT = 1  # header.json's "format": bumped when the files change meaning
@@ -93,42 +95,62 @@ def layout_difference(stored: dict[str, Any], given: dict[str, Any]) -> str | No
     return None
 
 
-def create_files(path: str, layout: dict[str, Any], num_blocks: int, context_hash: str) -> None:
-    """The store's directory with its data file reserved, its empty index and its header (written last: a store
-    without one was never made); nothing left behind on an error."""
+def create_files(path: str, layout: dict[str, Any], num_blocks: int, context_hash: str, room: int) -> None:
+    """The store's directory with its data file (``num_blocks`` blocks long, the first ``room`` of them reserved,
+    the rest holes), its empty index and its header (written last: a store without one was never made); nothing
+    left behind on an error."""
     os.makedirs(path)  # FileExistsError for an existing path: a store is never created over another
     try:
         size = num_blocks * layout["nbytes_per_block"]
         fd = os.open(os.path.join(path, DATA), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.ftruncate(fd, size)  # holes: no disk taken
+                if room:
+                    os.posix_fallocate(fd, 0, room * layout["nbytes_per_block"])
             except OSError as err:
                 raise OSError(
-                    err.errno, f"path: {size} bytes for {num_blocks} blocks do not fit on {path}'s filesystem"
+                    err.errno,
+                    f"path: {room * layout['nbytes_per_block']} bytes for {room} blocks (of a file of {size} bytes) "
+                    f"do not fit on {path}'s filesystem",
                 ) from err
             os.fsync(fd)
         finally:
             os.close(fd)
         CommitLog(os.path.join(path, INDEX), num_blocks).close()  # empty, synced
-        header = {"format": FORMAT, "num_blocks": num_blocks, "context_hash": context_hash, **layout}
-        with open(os.path.join(path, HEADER), "w") as f:
-            json.dump(header, f)
-            f.flush()
-            os.fsync(f.fileno())
-        directory = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the three files' names are durable too
-        finally:
-            os.close(directory)
+        header = {"format": FORMAT, "num_blocks": num_blocks, "room": room, "context_hash": context_hash, **layout}
+        write_header(path, header)
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise
 
 
+def write_header(path: str, header: dict[str, Any], *, sync_directory: bool = True) -> None:
+    """Writes the store's header.json whole or not at all: a new file, synced, renamed over the old one (a crash
+    leaves the old header or the new one, never a torn one), the directory synced unless ``sync_directory`` is
+    False: then the rename is durable with the filesystem's next commit (a store's room: a header that a power
+    loss turns back to its previous room is repaired when the store opens, kvcopy.storage.room)."""
+    name = os.path.join(path, HEADER)
+    temporary = name + ".new"
+    with open(temporary, "w") as f:
+        json.dump(header, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, name)
+    if not sync_directory:
+        return
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename (and, for a new store, the other files' names) durable
+    finally:
+        os.close(directory)
+
+
 def read_header(path: str) -> dict[str, Any]:
     """The store's header.json, every field checked (FileFormatError naming the file and the field), and its
-    data file's size checked against it (the header's blocks are what the store writes into it)."""
+    data file's size checked against it (the header's blocks are what the store writes into it). A header
+    without ``room`` (a store made before stores grew) has every block backed: ``room`` is set to
+    ``num_blocks``."""
     name = os.path.join(path, HEADER)
     try:
         with open(name, "rb") as f:
@@ -179,6 +201,10 @@ def read_header(path: str) -> dict[str, Any]:
         raise FileFormatError(name, "nbytes_per_block", f"the planes' bytes per block ({total})", nbytes)
     if not 1 <= num_blocks <= max_blocks(nbytes):
         raise FileFormatError(name, "num_blocks", f"an int in [1, {max_blocks(nbytes)}]", num_blocks)
+    header.setdefault("room", num_blocks)
+    room = file_field(header, "room", int, f"the blocks backed on disk, an int in [0, {num_blocks}]", **fields)
+    if not 0 <= room <= num_blocks:
+        raise FileFormatError(name, "room", f"the blocks backed on disk, an int in [0, {num_blocks}]", room)
     data = os.path.join(path, DATA)
     try:
         size = os.stat(data).st_size
@@ -186,7 +212,7 @@ def read_header(path: str) -> dict[str, Any]:
         raise FileFormatError(
             data, "(the file)", f"the store's data file ({HEADER})", "nothing: it is missing"
         ) from None
-    if size != num_blocks * nbytes:
+    if size < num_blocks * nbytes:  # (longer: a raise of num_blocks a crash cut short; its tail is never read)
         raise FileFormatError(
             data,
             "size",
@@ -241,12 +267,15 @@ def open_data(path: str, nbytes_per_block: int, plane_bytes: Sequence[int] | Non
 
 
 def fill_with_zeros(path: str) -> None:
-    """Writes every byte of the data file of the store at ``path``, which holds no block yet, once (zeros,
-    synced), as a store in service has: a fresh file's first write of a slot also converts fallocate's
-    unwritten extent (a journaled metadata change), which no later write of that slot pays. For measuring a
-    store (kvcopy.calibration.disk, benchmarks/bench_disk.py): it never touches the index."""
+    """Writes every byte of the room of the store at ``path``, which holds no block yet (its first ``room``
+    blocks, the ones it backs), once (zeros, synced), as a store in service has: a fresh file's first write of
+    a slot also converts fallocate's unwritten extent (a journaled metadata change), which no later write of
+    that slot pays. For measuring a store (kvcopy.calibration.disk, benchmarks/bench_disk.py): it never
+    touches the index."""
     header = read_header(path)
-    nbytes = header["num_blocks"] * header["nbytes_per_block"]
+    nbytes = header["room"] * header["nbytes_per_block"]
+    if not nbytes:
+        return
     fd, _ = open_data(path, header["nbytes_per_block"])
     try:
         with mmap.mmap(-1, min(ZEROS_CHUNK_BYTES, nbytes)) as zeros:

@@ -24,6 +24,12 @@ GPU's blocks first waits for the work queued on the current stream;
 ``"auto"`` picks GDS for a store laid out like a GPU cache where it starts,
 else POSIX. The files are the same either way: a store written through one
 reopens through the other.
+
+Room (kvcopy.storage.room): a store's data file is ``num_blocks`` blocks long, and ``room`` of them are backed
+on the disk, the rest holes. A store made with ``room`` below ``num_blocks`` takes that much of the disk and
+no more; :meth:`DiskKVStore.grow` backs more blocks, :meth:`DiskKVStore.give_back` frees some (its spare
+blocks, then its least recently used ones, forgotten durably before their bytes go). A put fills the room,
+then evicts within it.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 import xxhash
 
-from kvcopy._checks import boolean, path_argument, positive_int, sequence_argument
+from kvcopy._checks import boolean, non_negative_int, path_argument, positive_int, sequence_argument
 from kvcopy.cachekey.key import context_hash_of
 from kvcopy.host.pool import HostKVPool
 from kvcopy.ids import BlockIds, prepare_host_ids
@@ -59,6 +65,7 @@ from kvcopy.storage.files import (
     read_header,
 )
 from kvcopy.storage.gpu_blocks import paged_checksums
+from kvcopy.storage.room import Room
 from kvcopy.storage.rounds import Rounds
 from kvcopy.storage.staging import GDS_REQUESTS, Round, Staging, plan_rounds, staging_blocks
 from kvcopy.storage.transfer import DiskTransfer
@@ -94,6 +101,11 @@ class DiskKVStore:
         self._layout = {k: header[k] for k in ("layout", "planes", "nbytes_per_block")}
         self._block_nbytes = int(header["nbytes_per_block"])
         self._index = CommitLog(os.path.join(path, INDEX), self.num_blocks, create=False)
+        try:
+            self._room = Room(path, header, self._index)  # the data file's backed blocks matched to its header
+        except BaseException:
+            self._index.close()
+            raise
         plane_bytes = [int(n) for n, _ in self._layout["planes"]]
         self._fd = -1
         try:
@@ -107,6 +119,7 @@ class DiskKVStore:
         except BaseException:  # no NIXL backend here: nothing stays open
             if self._fd >= 0:
                 os.close(self._fd)
+            self._room.close()
             self._index.close()
             raise
         self._table = file_table(plane_bytes)  # the file as a plane table, for kvcopy's range planner
@@ -143,8 +156,9 @@ class DiskKVStore:
         *,
         cache_key: object,
         backend: str = "auto",
+        room: int | None = None,
     ) -> DiskKVStore:
-        """A new store, its space reserved now: OSError when it does not fit, and nothing is left behind.
+        """A new store, its room reserved now: OSError when it does not fit, and nothing is left behind.
 
         Parameters:
 
@@ -154,6 +168,8 @@ class DiskKVStore:
         - ``num_blocks``: blocks the store holds.
         - ``cache_key``: the CacheKey whose blocks it holds; a store opened under another context refuses.
         - ``backend``: ``"posix"``, ``"gds"`` or ``"auto"`` (see the module documentation).
+        - ``room``: blocks backed on the disk now, from 0 to ``num_blocks`` (None, the default: every block);
+          the others are holes until :meth:`grow` backs them.
         """
         path = os.fspath(path_argument("path", path))
         paged = cls._paged(like)
@@ -166,7 +182,10 @@ class DiskKVStore:
                 f"num_blocks: expected at most {most} blocks of {paged.nbytes_per_block} bytes (a store numbers its "
                 f"slots in 32 bits, and its data file's size is a file offset), got {num_blocks}"
             )
-        create_files(path, layout_of(paged), num_blocks, context_hash)
+        room = num_blocks if room is None else non_negative_int("room", room)
+        if room > num_blocks:
+            raise ValueError(f"room: expected at most num_blocks ({num_blocks}) blocks, got {room}")
+        create_files(path, layout_of(paged), num_blocks, context_hash, room)
         try:
             return cls.open(path, like, cache_key=cache_key, backend=backend)
         except BaseException:  # the backend would not start here: nothing half-made is left
@@ -183,7 +202,8 @@ class DiskKVStore:
         header whose block count is not the data file's, a log with a slot beyond it, a missing log), with
         nothing changed. FileNotFoundError naming ``path`` where there is no store; NotADirectoryError naming it
         where it is a file (or lies under one), not a store. Opening cuts off only a torn tail of the log
-        (records a crash left unchecked). The parameters are :meth:`create`'s."""
+        (records a crash left unchecked) and matches the data file's backed blocks to its room
+        (kvcopy.storage.room). The parameters are :meth:`create`'s."""
         path = os.fspath(path_argument("path", path))
         paged = cls._paged(like)
         context_hash = context_hash_of(cache_key)
@@ -252,11 +272,17 @@ class DiskKVStore:
         return release
 
     def _transfer(
-        self, op: str, pool: HostKVPool | PagedKV, ids: torch.Tensor, slots: list[int], finish: Callable[[], None]
+        self,
+        op: str,
+        pool: HostKVPool | PagedKV,
+        ids: torch.Tensor,
+        slots: list[int],
+        finish: Callable[[], None],
+        ended: Callable[[], None] | None = None,
     ) -> DiskTransfer:
         """Posts the first round of the put (``op`` "WRITE") or get ("READ") of pool blocks ``ids`` to or from
         store ``slots`` (kvcopy.storage.staging: a GPU cache's through its staging buffer); the rest are posted
-        as the returned transfer is polled."""
+        as the returned transfer is polled. ``ended``: run once it ends (well or not), its slots free."""
         slot_ids = torch.tensor(slots, dtype=torch.int64)
         paged = self._paged(pool)
         staging = self._staging_for(paged) if isinstance(pool, PagedKV) else None
@@ -269,7 +295,7 @@ class DiskKVStore:
             per_round=0 if staging is None else staging.blocks,
         )
         if not rounds:  # nothing to move (NIXL refuses an empty transfer)
-            return DiskTransfer(None, finish, lambda: None)
+            return DiskTransfer(None, finish, ended or (lambda: None))
         written = WrittenBlocks("local", ids if op == "READ" else slot_ids)
         free_slots = self._hold(slots)
         ending: list[DiskTransfer] = []  # the DiskTransfer below, once made
@@ -278,6 +304,8 @@ class DiskKVStore:
             free_slots()
             self._in_flight.difference_update(ending)
             ending.clear()  # (the transfer holds this closure: no cycle keeps the pool alive after it)
+            if ended is not None:
+                ended()
 
         def explain(error: Exception) -> Exception | None:
             return self._failure_cause(error, op.lower(), written)
@@ -370,15 +398,16 @@ class DiskKVStore:
 
     def put(self, block_hashes: Sequence[str], pool: HostKVPool | PagedKV, pool_ids: BlockIds) -> DiskTransfer:
         """Writes ``pool``'s blocks ``pool_ids`` as the blocks of ``block_hashes``; they match once the returned
-        transfer is done. Hashes already stored are kept (and count as used). Full: the least recently used
-        blocks are evicted.
+        transfer is done. Hashes already stored are kept (and count as used). New blocks go to spare blocks of
+        the store's room; once it has none, the least recently used blocks are evicted.
 
         A block hash is the hex digest string of a SHA-256, as CacheKey.block_hashes gives it (64 hex digits;
         uppercase ones are taken as their lowercase). Every argument is checked before anything is evicted or
         written: a hash that is not a str (raw digest bytes, an int, None) or a ``block_hashes`` that is not a
         sequence of them (a single str) is a TypeError; a hash of another length or with other characters,
-        a length mismatch, duplicate hashes or more blocks than the store holds a ValueError; pool ids out of
-        range an IndexError, and pool ids not on the host a ValueError."""
+        a length mismatch, duplicate hashes, more blocks than the store holds or more new blocks than its room
+        has free or evictable a ValueError; pool ids out of range an IndexError, and pool ids not on the host a
+        ValueError."""
         self._check_open()
         hashes = self._hashes(block_hashes)
         if len(set(hashes)) != len(hashes):
@@ -390,14 +419,18 @@ class DiskKVStore:
         found = [index.get(h) for h in hashes]
         new = [(h, i) for h, i, entry in zip(hashes, ids.tolist(), found, strict=True) if entry is None]
         stored = [entry.slot for entry in found if entry is not None]
-        free = index.unused(len(new), skip=self._busy)
-        slots = free + index.least_recent(len(new) - len(free), keep=set(stored) | set(self._busy))
-        if len(slots) < len(new):
+        room = self._room
+        spare = room.spare
+        evictable = index.least_recent(len(new) - min(spare, len(new)), keep=set(stored) | set(self._busy))
+        if spare + len(evictable) < len(new):
             raise ValueError(
-                f"block_hashes: {len(new)} new blocks, but only {len(slots)} slots are neither in use by an "
-                "unfinished put or get nor kept by this one"
+                f"block_hashes: {len(new)} new blocks, but the store's room of {room.blocks} blocks has only "
+                f"{spare + len(evictable)} spare or neither in use by an unfinished put or get nor kept by this "
+                "one"
             )
         # every argument checked: from here on the store changes
+        free = room.take(len(new))
+        slots = free + evictable[: len(new) - len(free)]
         index.touch(stored)  # in the order given, as used again
         index.free(slots[len(free) :])  # evicted: durably forgotten before they are overwritten
         new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
@@ -409,7 +442,10 @@ class DiskKVStore:
             os.fdatasync(self._fd)  # the bytes, and the extents a first write converts; not the file's times
             index.append(records[0])
 
-        transfer = self._transfer("WRITE", pool, new_ids, slots, commit)
+        def ended() -> None:  # a block not committed (the put failed) leaves its slot spare
+            room.restore(slots, self._busy)
+
+        transfer = self._transfer("WRITE", pool, new_ids, slots, commit, ended)
         try:  # while NIXL writes (both only read the pool blocks): the checksums, and the COMMIT records
             checksums = self._checksums(pool, new_ids)
             records.append(index.prepare(Entry(s, h, c) for s, (h, _), c in zip(slots, new, checksums, strict=True)))
@@ -461,6 +497,7 @@ class DiskKVStore:
         self._check_open()
         entries = [e for e in (self._index.get(h) for h in self._hashes(block_hashes)) if e is not None]
         self._index.free(entry.slot for entry in entries)
+        self._room.restore((entry.slot for entry in entries), self._busy)
         return len(entries)
 
     def get(
@@ -491,7 +528,47 @@ class DiskKVStore:
             if bad:
                 raise CorruptBlockError(f"slots {bad}: read back different from what was committed", bad)
 
-        return self._transfer("READ", pool, ids, slot_ids.tolist(), check)
+        read = slot_ids.tolist()
+        return self._transfer("READ", pool, ids, read, check, lambda: self._room.restore(read, self._busy))
+
+    # ------------------------------------------------------------------ room
+
+    @property
+    def room(self) -> int:
+        """Blocks of the data file backed on the disk (held, being written, or spare): what the store takes."""
+        return self._room.blocks
+
+    @property
+    def spare(self) -> int:
+        """Blocks of the room that hold nothing: new blocks a put writes before it evicts any."""
+        return self._room.spare
+
+    def grow(self, blocks: int) -> None:
+        """Backs ``blocks`` more of the data file's blocks on the disk (fallocate), spare from then on; the
+        header counts them once the store closes (killed before: the next open punches those that hold
+        nothing). TypeError for a non-int, ValueError below 0 or beyond ``num_blocks - room``; OSError when the
+        filesystem has not the room; each with the store as it was."""
+        self._check_open()
+        blocks = non_negative_int("blocks", blocks)
+        if blocks > self.num_blocks - self._room.blocks:
+            raise ValueError(
+                f"blocks: expected at most {self.num_blocks - self._room.blocks} (num_blocks {self.num_blocks} - "
+                f"room {self._room.blocks}), got {blocks}"
+            )
+        if blocks:
+            self._room.grow(blocks, self._busy)
+
+    def give_back(self, blocks: int) -> int:
+        """Frees ``blocks`` of the store's room on the disk: its spare blocks first, then its least recently used
+        blocks (not those a put or get in flight uses), each forgotten durably before its bytes are punched
+        (FALLOC_FL_PUNCH_HOLE). Returns how many stored blocks it evicted. TypeError for a non-int, ValueError
+        below 0 or beyond what is free to go, OSError where the filesystem cannot punch holes; each with the
+        store as it was."""
+        self._check_open()
+        blocks = non_negative_int("blocks", blocks)
+        if blocks > self._room.blocks:
+            raise ValueError(f"blocks: expected at most the store's room ({self._room.blocks}), got {blocks}")
+        return self._room.give_back(blocks, self._busy) if blocks else 0
 
     def drop_page_cache(self) -> None:
         """Drops the data file's pages from the page cache, so the next get reads the disk (cold); nothing to
@@ -507,8 +584,9 @@ class DiskKVStore:
             raise ValueError(f"DiskKVStore {self.path}: closed")
 
     def close(self) -> None:
-        """Ends every put and get still in flight, then closes its files and NIXL registrations; then match, put
-        and get raise a "closed" ValueError. A second close does nothing.
+        """Ends every put and get still in flight, writes the order its blocks were used in (when it changed:
+        the log compacted), then closes its files and NIXL registrations; then match, put and get raise a
+        "closed" ValueError. A second close does nothing.
 
         Their IO still reads or writes the registered memory and the data file, so none is freed under it (a
         ``with`` block left by an exception while a put is in flight, say): close waits until NIXL reports each
@@ -526,6 +604,10 @@ class DiskKVStore:
         for staging in self._staging.values():
             self._agent.deregister_memory(staging.registered)
         self._agent.deregister_memory(self._file)
+        if self._index.reordered:  # the order of use, kept for the next open (evictions follow it)
+            with contextlib.suppress(OSError):
+                self._index.compact()
+        self._room.close()
         self._index.close()
         os.close(self._fd)
 

@@ -244,8 +244,9 @@ def test_a_tier_whose_only_change_is_rope_scaling_or_the_kv_dtype_finds_nothing(
     said = [r.getMessage() for r in caplog.records if "another identity" in r.getMessage()]
     assert len(said) == 1
     assert ("rope" if "hf_overrides" in changed else "cache_dtype") in said[0]
-    # the old identity's store was removed for the new one's room (the budget is one store's)
-    assert len([n for n in os.listdir(tmp_path / "tier") if n.startswith("kvcopy-")]) == 1
+    # the old identity's store is kept: the new one takes room only as it fills (tests/integrations/
+    # test_vllm_disk_tier_budget.py)
+    assert len([n for n in os.listdir(tmp_path / "tier") if n.startswith("kvcopy-")]) == 2
 
 
 @pytest.mark.parametrize(("entry", "value"), [("rope_theta", 500000.0), ("num_hidden_layers", 3)])
@@ -383,31 +384,26 @@ def test_data_parallel_replicas_on_one_path_each_take_their_share(tmp_path):
     other.close()
 
 
-def test_a_store_made_smaller_beside_another_engine_keeps_its_chunks_when_opened_alone(tmp_path):
-    model = model_dir(tmp_path)
-    rows, other = primary(), primary()
-    scaled = engine_config(model, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 4.0}})
-    with tier_of(tmp_path / "tier", other, scaled, bytes_to_use=3 * ROW_BYTES) as held:
-        assert held.store.num_blocks == 3
-        with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:
-            assert tier.store.num_blocks == NUM_ROWS - 3  # what the other engine's open store leaves
-            data = stored(tier, rows)
-    rows.rows[:] = 0
-    with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # alone now: the budget allows 8 rows
-        assert tier.store.num_blocks == NUM_ROWS - 3  # kept as it is, with its chunks
-        assert promoted(tier, rows) == data
-    rows.close()
-    other.close()
-
-
-def test_a_store_smaller_than_a_raised_budget_is_made_anew_at_its_size(tmp_path):
+def test_a_raised_budget_lets_the_store_grow_on_with_its_chunks(tmp_path):
+    """A store made under a smaller budget keeps its chunks when the budget is raised: its data file gets the
+    new budget's blocks (holes), and it grows into them as it fills."""
     model = model_dir(tmp_path)
     rows = primary()
     with tier_of(tmp_path / "tier", rows, engine_config(model), bytes_to_use=3 * ROW_BYTES) as tier:
-        stored(tier, rows, n=2)
+        data = stored(tier, rows, n=2)
+        assert tier.store.num_blocks == 3
+    rows.rows[:] = 0
     with tier_of(tmp_path / "tier", rows, engine_config(model)) as tier:  # bytes_to_use: NUM_ROWS rows now
-        assert tier.store.num_blocks == NUM_ROWS
-        assert tier.lookup(key(0), REQUEST) is LookupResult.MISS  # (made anew: what it held went with it)
+        assert tier.store.num_blocks == NUM_ROWS and tier.store.room == 2
+        assert run(tier, job([key(0), key(1)], [6, 7], promotion=True)).success
+        assert [rows.rows[6].tobytes(), rows.rows[7].tobytes()] == data
+        more = [rows.fill(i, seed=50 + i) for i in range(NUM_ROWS - 2)]
+        assert run(tier, job([key(i) for i in range(2, NUM_ROWS)], list(range(NUM_ROWS - 2)), promotion=False)).success
+        assert tier.store.room == NUM_ROWS
+        assert [tier.lookup(key(i), REQUEST) for i in range(NUM_ROWS)] == [LookupResult.HIT] * NUM_ROWS
+        rows.rows[:] = 0
+        assert run(tier, job([key(i) for i in range(2, NUM_ROWS)], list(range(NUM_ROWS - 2)), promotion=True)).success
+        assert [rows.rows[i].tobytes() for i in range(NUM_ROWS - 2)] == more
     rows.close()
 
 

@@ -357,7 +357,7 @@ def test_a_header_with_fewer_blocks_than_the_log_holds_is_refused_and_the_log_ke
     """Opening used to cut the log at the first record beyond the header's blocks: those blocks, lost for good."""
     path, pool = _made(tmp_path)
     header = json.loads((path / "header.json").read_text())
-    (path / "header.json").write_text(json.dumps({**header, "num_blocks": 2}))
+    (path / "header.json").write_text(json.dumps({**header, "num_blocks": 2, "room": 2}))
     os.truncate(path / "blocks.data", 2 * pool.nbytes_per_block)  # the data file agrees with the header
     _open_refused(path, pool, r"index.log: record 2 slot: expected a slot below the store's 2 \(header.json\)")
 

@@ -18,7 +18,8 @@ slot of it, as opaque bytes), one block of a :class:`~kvcopy.storage.DiskKVStore
 - ``lookup`` answers from the store's in-memory index, on the scheduler's thread, without touching the disk;
 - the store's identity (kvcopy.integrations.vllm.tiers.identity) holds everything of vLLM's configuration that
   changes a chunk's bytes: a store of another identity is never served (the tier says once what differs and
-  starts a store of its own), and ``bytes_to_use`` bounds ``path`` across identities
+  starts a store of its own), and ``bytes_to_use`` bounds ``path`` across identities: a store grows as it
+  fills, taking the room no store has, then other identities' least recently used chunks
   (kvcopy.integrations.vllm.tiers.stores).
 
 The tier runs in vLLM's scheduler process, under the tiering manager's lock. Its puts, gets and their
@@ -175,7 +176,8 @@ class KVCopyDiskTier(SecondaryTierManager):
     """vLLM's ``SecondaryTierManager`` on a kvcopy :class:`~kvcopy.storage.DiskKVStore` (see the module).
 
     Keys: ``path`` (required: a directory, made if missing), ``bytes_to_use`` (required: the bytes the tier's
-    stores may take under ``path``, across identities; at most the filesystem's free space), ``backend``
+    stores may take under ``path``, across identities, shared by use; at most the filesystem's free space),
+    ``backend``
     (``"auto"``, ``"posix"`` or ``"gds"``) and ``cache_key_extra`` (a string added to the identity). A missing
     or bad value is a ValueError, a wrong type a TypeError, and an unknown key a ValueError, each naming the
     key, when the tier is built.
@@ -231,11 +233,12 @@ class KVCopyDiskTier(SecondaryTierManager):
                 self._release_pool()
             raise
         logger.info(
-            "kvcopy disk tier %r: %d chunks of %d bytes in %s",
+            "kvcopy disk tier %r: room for %d chunks of %d bytes in %s, growing as it fills up to %d",
             tier_type,
-            self.store.num_blocks,
+            self.store.room,
             row_bytes,
             self._tier_store.folder,
+            self._tier_store.cap,
         )
 
     def _start(self, tier_type: str, label: str) -> None:
@@ -394,8 +397,10 @@ class KVCopyDiskTier(SecondaryTierManager):
                     queued.transfer = self.store.get(slots, pool, queued.rows[: len(slots)])
             else:
                 queued.new = sum(not self.store.contains(h) for h in queued.hashes)
+                self._make_room(queued.new)
                 queued.transfer = self.store.put(queued.hashes, pool, queued.rows)
-        except Exception as err:  # (a store smaller than the job, say): the job failed, the tier goes on
+        except Exception as err:  # (a store with no room for the job, say): the job failed, the tier goes on
+            err.__traceback__ = None  # (a log record keeps the error: its frames would keep the pool alive)
             logger.warning("kvcopy disk tier: job %d refused: %s", queued.job.job_id, err)
             self._finish(queued, None, err)
             return
@@ -404,6 +409,15 @@ class KVCopyDiskTier(SecondaryTierManager):
         else:
             with self._lock:
                 self._in_flight.append(queued)
+
+    def _make_room(self, new: int) -> None:
+        """Grows the store for a cascade of ``new`` chunks it does not hold, as the budget allows (or gives back
+        room another engine asks for): kvcopy.integrations.vllm.tiers.stores. On an error the cascade goes on
+        within the store's room."""
+        try:
+            self._tier_store.room_for(new)
+        except Exception:
+            logger.exception("kvcopy disk tier: making room for a cascade failed; it evicts within the store's room")
 
     def _poll(self) -> None:
         for queued in list(self._in_flight):
