@@ -460,13 +460,7 @@ class KVCopyTieringSpec(TieringOffloadingSpec):
         primary: CPUPrimaryTierOffloadingManager | None = None
         tiers: list[Any] = []
         try:
-            region = SharedOffloadRegion(
-                engine_id=self._engine_id,
-                num_chunks=self.num_chunks,
-                rank=None,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
-            )
+            region = self._region(rank=None)
             self._scheduler_mmap = region
             primary = CPUPrimaryTierOffloadingManager(
                 num_chunks=self.num_chunks,
@@ -503,17 +497,21 @@ class KVCopyTieringSpec(TieringOffloadingSpec):
             raise
         return self._manager
 
+    def _region(self, *, rank: int | None) -> SharedOffloadRegion:
+        """vLLM's shared primary region, as vLLM's tiering spec maps it: the scheduler's view of every row (rank
+        None), or one worker's slot."""
+        return SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """kvcopy's worker over this worker's slot of vLLM's shared region (kvcopy.integrations.vllm.primary_region)."""
         if self._kvcopy_worker is None:
-            rank = 0 if self.replicated_layout else self.config.parallel.rank
-            region = SharedOffloadRegion(
-                engine_id=self._engine_id,
-                num_chunks=self.num_chunks,
-                rank=rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
-            )
+            region = self._region(rank=0 if self.replicated_layout else self.config.parallel.rank)
             try:
                 self._kvcopy_worker = KVCopyOffloadingWorker(
                     paged_kv_of(kv_caches),
