@@ -157,6 +157,28 @@ def test_done_frees_the_sessions_chunks_first(tmp_path):
         rig.close()
 
 
+def test_two_sessions_in_one_batch_keep_their_own_hints(tmp_path):
+    rig = agents_rig(tmp_path)
+    try:
+        pauses = rig.manager.pauses
+        seen = counted(rig)
+        sessions = {"s-a": (PROMPT, 30.0), "s-b": (OTHER, 5.0)}
+        for turn in (1, 2):  # each turn's two requests in one batch: both arrive before either finishes
+            for session, (tokens, gap) in sessions.items():
+                hint = {"kvcopy": {"session": session, "resume_in_s": gap}}
+                rig.add(f"{session}-{turn}", [*tokens, *range(turn)], kv_transfer_params=hint)
+            rig.run()
+            rig.drain()
+            for session, (tokens, gap) in sessions.items():
+                pause = pauses.tracker.pause_of(session)
+                assert pause is not None and (pause.request_id, pause.resume_in_s) == (f"{session}-{turn}", gap)
+                held = pauses.policy.keys_of(session)
+                assert held and set(held) <= set(rig.offload_keys(tokens))  # each session leases its own chunks
+        assert seen[RESUMES][("host",)] == 2  # each second turn resumed its own session
+    finally:
+        rig.close()
+
+
 @pytest.mark.parametrize(
     ("params", "hints", "kind"),
     [
