@@ -184,14 +184,23 @@ def check_calibration_descriptor(data: bytes) -> None:
 
 
 def add_remote_link(
-    profile: Profile, remote_descriptor: bytes | None = None, *, quick: bool = True, progress: bool = True
+    profile: Profile,
+    remote_descriptor: bytes | None = None,
+    *,
+    quick: bool = True,
+    progress: bool = True,
+    sweep: RangeSweep | None = None,
 ) -> Profile:
     """Measures the link to the peer whose calibration descriptor is ``remote_descriptor`` (from
     :func:`serve_calibration_peer` on the other node), or to a loopback peer in another process of this
     machine when None, and adds it to ``profile``: ``directions["r2h"]["nixl"]``, ``peaks["r2h"]`` and
     ``hardware["remote_link"]`` (which peer; LOOPBACK on one machine) and ``hardware["remote_transport"]``
-    (what carried the bytes: :func:`probe_transport`)."""
-    sweep = QUICK_SWEEP if quick else FULL_SWEEP
+    (what carried the bytes: :func:`probe_transport`). ``sweep``: the reads timed (default QUICK_SWEEP, or
+    FULL_SWEEP when not ``quick``); a smaller cap suits a slow link (its 64 MiB reads take seconds each)."""
+    if sweep is None:
+        sweep = QUICK_SWEEP if quick else FULL_SWEEP
+    elif not isinstance(sweep, RangeSweep):
+        raise TypeError(f"sweep: expected a RangeSweep or None, got {type(sweep).__name__}")
     if remote_descriptor is not None:
         check_calibration_descriptor(remote_descriptor)
     with (
