@@ -106,13 +106,16 @@ def _serving_peer(link, descriptor, name: str) -> subprocess.Popen:
 
 # Measures the link again into a profile already calibrated (what ``kvcopy calibrate --remote`` runs after the
 # local calibration, kvcopy.calibration.network.add_remote_link), run in namespace a: argv base, descriptor, out.
+# The link alone measured into a base profile: the quick sweep's ranges capped at 16 MiB a read (2 MiB ranges
+# 1 and 8 a read), a quarter of its bytes: at 250 Mbit/s the quick sweep's 64 MiB reads take 2 s each.
 _ADD_REMOTE_LINK = """
 import sys
 import kvcopy
-from kvcopy.calibration.network import add_remote_link
+from kvcopy.calibration.network import RangeSweep, add_remote_link
 base, descriptor, out = sys.argv[1:]
+sweep = RangeSweep((16384, 262144, 2 << 20), (1, 8), 16 << 20, 5)
 with open(descriptor, "rb") as f:
-    add_remote_link(kvcopy.Profile.load(base), f.read(), quick=True, progress=False).save(out)
+    add_remote_link(kvcopy.Profile.load(base), f.read(), progress=False, sweep=sweep).save(out)
 """
 
 
