@@ -115,6 +115,7 @@ class _Prefetch:
     due: float
     until: float
     waiting: set[OffloadKey] = field(default_factory=set)  # promoted, not landed yet
+    read: list[OffloadKey] = field(default_factory=list)  # every chunk it promoted (landed or not)
     started: bool = False
 
 
@@ -313,6 +314,7 @@ class AgentPauses:
                 if not self._tiered._initiate_promotion(tier, key, prefetch.context):
                     break  # the host tier is full: the rest waits for the resume
                 prefetch.waiting.add(key)
+                prefetch.read.append(key)
             if not prefetch.waiting:
                 self._lease_prefetched(prefetch)
         return started
