@@ -212,6 +212,18 @@ class Rig:
         self.scheduler.add_request(request)
         return request
 
+    def add_from_frontend(self, request: object) -> Request:
+        """Adds ``request`` (vLLM's ``EngineCoreRequest``) as vLLM's engine core receives it from its front end
+        (``AsyncLLM``, ``vllm serve``): encoded and decoded by vLLM's msgpack IPC codec, then made a Request."""
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        received = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(request))
+        made = Request.from_engine_core_request(received, self._hasher)
+        self.requests[made.request_id] = made
+        self.scheduler.add_request(made)
+        return made
+
     def _forward(self, output) -> dict[str, int]:
         """Writes the KV of the blocks the step computes: each block's page, in every layer, holds kv_value of
         the request's prefix up to the block's last token computed so far (so a full block's value depends on

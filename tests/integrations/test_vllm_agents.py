@@ -179,6 +179,57 @@ def test_two_sessions_in_one_batch_keep_their_own_hints(tmp_path):
         rig.close()
 
 
+def _frontend_request(request_id: str, sampling_params, kv_hints=None):
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=list(PROMPT),
+        mm_features=None,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        kv_hints=kv_hints,
+    )
+
+
+def test_both_carriers_reach_the_spec_through_vllms_front_end_and_ipc(tmp_path):
+    """The README's HTTP body, parsed by `vllm serve`'s own request model and made sampling parameters as its
+    chat endpoint does, and a `kvcopy.pause` action in vLLM's hint envelope (AsyncLLM.generate's kv_hints):
+    each sent through vLLM's engine-core IPC codec, each planned under its own session."""
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {
+        "model": "model",
+        "messages": [{"role": "user", "content": "run the tests"}],
+        "kv_transfer_params": {"kvcopy": {"session": "s-17", "tool": "run_tests", "resume_in_s": 12.0}},
+    }
+    http = ChatCompletionRequest.model_validate(body).to_sampling_params(1, {})
+    envelope = KvHintsEnvelope(
+        protocol_version="1",
+        message_id="m1",
+        actions=[KvHintAction("a1", "kvcopy.pause", "1", {"session": "s-18", "tool": "grep", "resume_in_s": 2.0})],
+    )
+    rig = agents_rig(tmp_path)
+    try:
+        seen = counted(rig)
+        rig.add_from_frontend(_frontend_request("http-1", http))
+        rig.add_from_frontend(_frontend_request("hints-1", SamplingParams(max_tokens=1), envelope))
+        rig.run()
+        rig.drain()
+        tracker = rig.manager.pauses.tracker
+        for session, request_id, tool, gap in (("s-17", "http-1", "run_tests", 12.0), ("s-18", "hints-1", "grep", 2.0)):
+            pause = tracker.pause_of(session)
+            assert pause is not None and (pause.request_id, pause.tool, pause.resume_in_s) == (request_id, tool, gap)
+        assert HINT_FAULTS not in seen and sum(seen[PAUSES].values()) == 2
+    finally:
+        rig.close()
+
+
 @pytest.mark.parametrize(
     ("params", "hints", "kind"),
     [
@@ -337,6 +388,21 @@ def test_a_lease_holds_no_more_than_its_share(tmp_path):
         share = int(policy.cache_capacity * 0.1)
         assert 0 < policy.leased("s-17") == share < CHUNKS  # the leading chunks, to its share
         assert policy.keys_of("s-17") == tuple(rig.offload_keys(PROMPT)[:share])
+    finally:
+        rig.close()
+
+
+def test_the_chunks_past_a_sessions_share_stay_lrus(tmp_path):
+    """A session larger than its share leases its leading chunks; the rest are as recent as they are, not the
+    first to go: a request that needs room takes it from older requests' chunks."""
+    rig = agents_rig(tmp_path, kvcopy_agent_max_session_fraction=0.1)
+    try:
+        run_one(rig, "older", OTHER)
+        run_one(rig, "turn-1", PROMPT, HINT)
+        assert 0 < rig.manager.pauses.policy.leased("s-17") < CHUNKS
+        run_one(rig, "small", THIRD[: 4 * BLOCK_TOKENS])  # 4 chunks: 2 slots free, 2 evicted
+        assert all(in_primary(rig, PROMPT))  # the session's unleased tail stayed
+        assert sum(in_primary(rig, OTHER)) == CHUNKS - 2  # LRU took the older request's
     finally:
         rig.close()
 

@@ -7,7 +7,8 @@ learned by prefix continuation: kvcopy.agents.sessions), forecasts the pause (kv
 plans it (kvcopy.agents.plan_pause) over the chunks the request left in host RAM:
 
 - **keep**: the host tier's eviction policy leases them until the plan's lease end (kvcopy.integrations.vllm
-  .leases: bounded, displaced before they keep a request from room, LRU's again once expired);
+  .leases: bounded, displaced before they keep a request from room, LRU's again once expired); the chunks a
+  lease cannot hold (past the session's share, or all when the leases are full) stay LRU's;
 - **demote**: they go first when room is needed (vLLM's tiering has already cascaded them to the secondary
   tiers); with a prefetch, a promotion job reads them back from the plan's prefetch time, started at the step
   that reaches it (``on_schedule_end``, while ``has_pending_work``) or, while the engine is idle, by a timer
@@ -271,7 +272,12 @@ class AgentPauses:
         held = chunks[: self.policy.room(pause.session)]  # (a session holds its leading chunks, to its share)
         plan = self._plan(pause.session, hint, held or chunks, room=bool(held))
         now = self.clock()
-        self.policy.demote(chunks[len(held) :] if plan.choice == "keep" else chunks)
+        # A plan made with room to hold that holds nothing frees the chunks; the chunks a lease cannot hold (past
+        # the session's share, or all of them when the leases are full) stay LRU's, as recent as they are: a
+        # session back at once still finds them (demoted, they went first: bench_agents.py's turns without
+        # pauses ran 1.38x LRU's makespan with them demoted).
+        if held and plan.choice != "keep":
+            self.policy.demote(chunks)
         if plan.choice == "keep" and plan.lease_end_s is not None:
             leased = self.policy.lease(pause.session, held, now + plan.lease_end_s)
             self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("keep",))
