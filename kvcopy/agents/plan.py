@@ -20,11 +20,12 @@ A plan is a timeline after the pause; what a resume at G pays is
 - ``recompute_s`` when nothing is retained;
 
 plus the price of the host bytes the plan holds before G: ``hold_price`` seconds of other sessions' delay per
-byte-second (:func:`hold_price` prices it from how fast the host tier turns over). A lease, and a prefetched
-hold, end at the latest at ``lease_cap_s`` (the forecast's high quantile plus slack): past it the chunks fall
-back to LRU, as if demoted. Early prefetches cost only residency and late ones forfeit the gain, so the best
-start is a low quantile of G minus the read; the optimum is found exactly on the forecast's points (every
-breakpoint of the piecewise-linear cost is a candidate), with numpy, in well under a millisecond.
+byte-second (:func:`hold_price` prices it from how much of what the host tier evicts traffic asks for again).
+A lease, and a prefetched hold, end at the latest at ``lease_cap_s`` (the forecast's high quantile plus
+slack): past it the chunks fall back to LRU, as if demoted. Early prefetches cost only residency and late ones
+forfeit the gain, so the best start is a low quantile of G minus the read; the optimum is found exactly on the
+forecast's points (every breakpoint of the piecewise-linear cost is a candidate), with numpy, in well under a
+millisecond.
 """
 
 from __future__ import annotations
@@ -153,19 +154,24 @@ def lease_cap(gaps: GapDistribution) -> float:
     return float(gaps.quantile(LEASE_QUANTILE)) + LEASE_SLACK_S
 
 
-def hold_price(*, turnover_per_s: float, miss_s_per_byte: float) -> float:
+def hold_price(*, reuse_per_s: float, miss_s_per_byte: float) -> float:
     """The price of holding one host byte for one second, in seconds of other sessions' delay.
 
-    ``turnover_per_s``: the fraction of the host tier's capacity evicted per second by the other sessions'
-    traffic (evicted bytes per second / capacity bytes); ``miss_s_per_byte``: what a displaced byte costs its
-    session when it is needed again (the tier's read, or the recompute, per byte). A byte kept from LRU for a
-    second displaces the byte LRU would have kept for that second; at the tier's turnover rate, that byte is
-    one a later request would have read with that probability. An idle host tier (no evictions) holds for
-    free, and then every pause keeps its chunks until its lease cap.
+    ``reuse_per_s``: the fraction of the host tier's capacity that the other sessions' traffic asks for again,
+    per second, soon after the tier evicted it (within one capacity's worth of later evictions: the chunks a
+    tier one capacity larger would still have held); ``miss_s_per_byte``: what such a byte costs its session
+    when it is not there (the tier's read, or the recompute, per byte). A byte held for a second takes that
+    second from LRU's room; a tier whose evicted chunks come back at that rate misses that share of them more.
+    A host tier whose evicted chunks are never asked for again (or that evicts nothing) holds for free, and
+    then every pause keeps its chunks until its lease cap.
+
+    (Priced by eviction alone, the fraction evicted per second, every evicted byte counted as a miss: on the
+    agent bench's busy host tier, 10 of the 13 hinted pauses longer than 14 s were left in the tier with no
+    read ahead.)
     """
-    non_negative_number("turnover_per_s", turnover_per_s)
+    non_negative_number("reuse_per_s", reuse_per_s)
     non_negative_number("miss_s_per_byte", miss_s_per_byte)
-    return turnover_per_s * miss_s_per_byte
+    return reuse_per_s * miss_s_per_byte
 
 
 def plan_pause(

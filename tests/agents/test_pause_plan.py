@@ -176,11 +176,11 @@ def test_a_released_plan_holds_nothing() -> None:
     assert "done" in plan.explanation
 
 
-def test_hold_price_is_turnover_times_the_cost_of_a_miss() -> None:
-    assert hold_price(turnover_per_s=0.01, miss_s_per_byte=1e-9) == pytest.approx(1e-11)
-    assert hold_price(turnover_per_s=0.0, miss_s_per_byte=1e-9) == 0.0
-    with pytest.raises(ValueError, match="turnover_per_s"):
-        hold_price(turnover_per_s=-1.0, miss_s_per_byte=1e-9)
+def test_hold_price_is_reuse_after_eviction_times_the_cost_of_a_miss() -> None:
+    assert hold_price(reuse_per_s=0.01, miss_s_per_byte=1e-9) == pytest.approx(1e-11)
+    assert hold_price(reuse_per_s=0.0, miss_s_per_byte=1e-9) == 0.0
+    with pytest.raises(ValueError, match="reuse_per_s"):
+        hold_price(reuse_per_s=-1.0, miss_s_per_byte=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -129,3 +129,27 @@ def test_bad_bounds_are_named() -> None:
         LeasedPolicy(LRUCachePolicy(cache_capacity=4), max_leased_fraction=1.5)
     with pytest.raises(TypeError, match="max_session_fraction"):
         LeasedPolicy(LRUCachePolicy(cache_capacity=4), max_session_fraction="0.1")  # type: ignore[arg-type]
+
+
+def test_a_chunk_evicted_lately_and_stored_again_is_told_as_reused(name: str) -> None:
+    """What prices a lease: a key among the last ``cache_capacity`` evicted that comes back is told once; a new
+    key, or one evicted more than a capacity's worth of evictions ago, is not."""
+    policy, _ = filled(name, 4)
+    reused: list[int] = []
+    policy.on_reuse = lambda k: reused.append(int.from_bytes(k, "little"))
+
+    def store(i: int) -> None:
+        evicted(policy, 1)  # (room for it, as the CPU manager makes before it stores)
+        chunk = ChunkStatus(i)
+        chunk.ref_cnt = 0
+        policy.insert(key(i), chunk, ReqContext(req_id=f"r{i}"))
+
+    gone = evicted(policy, 2)
+    assert gone is not None and len(gone) == 2
+    store(gone[0])  # back after two later evictions' room: reused
+    store(100)  # never held: not
+    assert reused == [gone[0]]
+    for i in range(101, 106):  # five more evictions: more than the capacity's worth since gone[1] went
+        store(i)
+    store(gone[1])
+    assert reused == [gone[0]]

@@ -12,13 +12,18 @@ an out-of-tree one) and answers every call as it does, except ``evict``:
 
 Bounds: all leases together hold at most ``max_leased_fraction`` of the tier's chunks, and one session at most
 ``max_session_fraction`` (:meth:`LeasedPolicy.room`); a lease asked beyond its room is cut to it. Clock:
-``time.monotonic`` seconds, as the tiering manager's own; ``on_evict``, when given, is told how many chunks
-each eviction took.
+``time.monotonic`` seconds, as the tiering manager's own.
+
+What a lease costs the others is the room it takes from LRU: the chunks LRU evicts that traffic asks for again
+soon after. The policy remembers the keys of the last ``cache_capacity`` chunks it evicted (the chunks one more
+capacity's worth of room would have kept); ``on_reuse``, when given, is told each such key when it comes back
+(stored or promoted again), which is what prices a lease (kvcopy.agents.hold_price).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -47,7 +52,7 @@ class LeasedPolicy(CachePolicy):
         max_leased_fraction: float = DEFAULT_MAX_LEASED_FRACTION,
         max_session_fraction: float = DEFAULT_MAX_SESSION_FRACTION,
         clock: Callable[[], float] = time.monotonic,
-        on_evict: Callable[[int], None] | None = None,
+        on_reuse: Callable[[OffloadKey], None] | None = None,
     ) -> None:
         super().__init__(inner.cache_capacity)
         for name, fraction in (
@@ -60,7 +65,8 @@ class LeasedPolicy(CachePolicy):
         self.max_leased = int(inner.cache_capacity * max_leased_fraction)
         self.max_per_session = int(inner.cache_capacity * max_session_fraction)
         self.clock = clock
-        self.on_evict = on_evict  # told how many chunks each eviction took (what prices a lease)
+        self.on_reuse = on_reuse  # told each recently evicted key that comes back (what prices a lease)
+        self._evicted: OrderedDict[OffloadKey, None] = OrderedDict()  # the last cache_capacity evicted, oldest first
         self._leases: dict[str, _Lease] = {}
         self._demoted: dict[OffloadKey, None] = {}  # (insertion-ordered: the first demoted go first)
         self.displaced = 0  # leases ended early to give a request room
@@ -155,9 +161,13 @@ class LeasedPolicy(CachePolicy):
             del self._demoted[key]
         for key, _ in rest or ():
             self._demoted.pop(key, None)
-        if self.on_evict is not None:
-            self.on_evict(n)
-        return first + (rest or [])
+        out = first + (rest or [])
+        for key, _ in out:
+            self._evicted[key] = None
+            self._evicted.move_to_end(key)
+        while len(self._evicted) > self.cache_capacity:
+            self._evicted.popitem(last=False)
+        return out
 
     # ------------------------------------------------------------------ the rest, as the inner policy
 
@@ -165,6 +175,8 @@ class LeasedPolicy(CachePolicy):
         return self.inner.get(key)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        if self._evicted.pop(key, 0) is None and self.on_reuse is not None:  # (evicted lately, needed again)
+            self.on_reuse(key)
         self.inner.insert(key, chunk, req_context)
 
     def remove(self, key: OffloadKey) -> None:

@@ -79,9 +79,9 @@ AGENT_METRICS: dict[str, tuple[str, str]] = {  # name -> (documentation, label)
 }
 # |forecast median / actual gap - 1|: from a close forecast to one off by 100x.
 FORECAST_ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0)
-# The host tier's turnover (what prices a lease) is taken over the evictions of the last minute: long enough to
-# span a few agent turns (TraceLab's median LLM step is 5.7 s), short enough to follow a burst.
-TURNOVER_WINDOW_S = 60.0
+# The host tier's reuse after eviction (what prices a lease) is taken over the last minute: long enough to span a
+# few agent turns (TraceLab's median LLM step is 5.7 s), short enough to follow a burst.
+REUSE_WINDOW_S = 60.0
 # A prefetch is timed for a read this much longer than the disk line predicts: bench_vllm_tiers.py measured every
 # promotion slower than predicted, |predicted / measured - 1| p90 0.37-0.49 (the tier's one IO thread also
 # writes other sessions' cascades), and a read that lands late forfeits the gain while one early costs only
@@ -164,7 +164,7 @@ class AgentPauses:
             max_leased_fraction=settings.max_leased_fraction,
             max_session_fraction=settings.max_session_fraction,
             clock=clock,
-            on_evict=self.evicted,
+            on_reuse=self.reused,
         )
         primary._policy = self.policy
         self.forecast_path = settings.forecast_path
@@ -179,7 +179,7 @@ class AgentPauses:
         self._planned: dict[str, _Planned] = {}  # by paused session
         self._prefetches: dict[str, _Prefetch] = {}  # by paused session
         self._warned: set[str] = set()  # the kinds of hint fault already logged
-        self._evictions: list[tuple[float, int]] = []  # (when, chunks) of recent evictions: the tier's turnover
+        self._reuses: list[float] = []  # when lately evicted chunks came back, over the last REUSE_WINDOW_S
         self._wake = threading.Condition()
         self._stopping = False
         self._timer: threading.Thread | None = None
@@ -317,9 +317,10 @@ class AgentPauses:
                 tier = self._tier_holding(key, prefetch.context)
                 if tier is None:
                     break  # (its chunks past this one would not be a prefix: left to the resume)
+                prefetch.waiting.add(key)  # (before the promotion takes a row: its read back is not a reuse)
                 if not self._tiered._initiate_promotion(tier, key, prefetch.context):
+                    prefetch.waiting.discard(key)
                     break  # the host tier is full: the rest waits for the resume
-                prefetch.waiting.add(key)
                 prefetch.read.append(key)
             if not prefetch.waiting:
                 self._lease_prefetched(prefetch)
@@ -400,7 +401,7 @@ class AgentPauses:
             tier_s=None if read is None else read + host,
             read_s=None if read is None else read * (1 + PREFETCH_READ_MARGIN),  # (a prefetch's: with margin)
         )
-        price = hold_price(turnover_per_s=self._turnover(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
+        price = hold_price(reuse_per_s=self._reuse_rate(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
         return plan_pause(self._forecast(session, hint), costs, hold_price=price, room_bytes=None if room else 0)
 
     def _forecast(self, session: str, hint: PauseHint | None) -> GapForecast:
@@ -409,19 +410,21 @@ class AgentPauses:
             return self.forecaster.forecast(session=session)
         return self.forecaster.forecast(session=session, tool=hint.tool, resume_in_s=hint.resume_in_s)
 
-    def evicted(self, count: int) -> None:
-        """The host tier evicted ``count`` chunks now (what prices a lease: kvcopy.agents.hold_price)."""
-        if count:
-            self._evictions.append((self.clock(), count))
+    def reused(self, key: OffloadKey) -> None:
+        """A chunk the host tier evicted lately came back: traffic needed the room it had (what prices a lease:
+        kvcopy.agents.hold_price). A prefetch's own read back is not counted: it is the plan, not the others."""
+        if not any(key in prefetch.waiting for prefetch in self._prefetches.values()):
+            self._reuses.append(self.clock())
 
-    def _turnover(self) -> float:
-        """The fraction of the host tier evicted per second over the last minute."""
+    def _reuse_rate(self) -> float:
+        """The fraction of the host tier's capacity that came back within a capacity's worth of evictions, per
+        second, over the last REUSE_WINDOW_S."""
         now = self.clock()
-        self._evictions = [(t, c) for t, c in self._evictions if now - t <= TURNOVER_WINDOW_S]
-        if not self._evictions:
+        self._reuses = [t for t in self._reuses if now - t <= REUSE_WINDOW_S]
+        if not self._reuses:
             return 0.0
-        span = max(now - self._evictions[0][0], 1.0)
-        return sum(c for _, c in self._evictions) / span / max(self.policy.cache_capacity, 1)
+        span = max(now - self._reuses[0], 1.0)
+        return len(self._reuses) / span / max(self.policy.cache_capacity, 1)
 
     def _in_host(self, key: OffloadKey) -> bool:
         """Whether ``key``'s chunk is in host RAM, ready (asked of the policy: a lookup would judge)."""
