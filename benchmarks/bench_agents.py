@@ -305,6 +305,9 @@ class ExactGap:
     def quantile(self, q: float) -> float:
         return self.gap_s
 
+    def quantiles(self, qs: Sequence[float]) -> np.ndarray:
+        return np.full(len(qs), self.gap_s)
+
 
 @dataclass
 class ArmResult:

@@ -64,14 +64,14 @@ BUGS = (
     Bug(
         "a quantile taken too high",
         "kvcopy/agents/gap_forecast.py",
-        "return math.exp(self._log_quantile(q))",
-        "return math.exp(self._log_quantile(min(0.999, q * 1.2)))",
+        "return np.exp(self._log_quantiles(np.asarray(qs, dtype=np.float64)))",
+        "return np.exp(self._log_quantiles(np.minimum(0.999, np.asarray(qs, dtype=np.float64) * 1.2)))",
     ),
     Bug(
         "a quantile taken mirrored (1 - q)",
         "kvcopy/agents/gap_forecast.py",
-        "return math.exp(self._log_quantile(q))",
-        "return math.exp(self._log_quantile(1 - q))",
+        "return np.exp(self._log_quantiles(np.asarray(qs, dtype=np.float64)))",
+        "return np.exp(self._log_quantiles(1 - np.asarray(qs, dtype=np.float64)))",
     ),
 )
 

@@ -47,6 +47,11 @@ _KERNEL_VARIANCE = (KERNEL_SCALE * math.pi) ** 2 / 3.0
 _STANDARD = NormalDist()
 # e^z is clipped to e^700, within a float64: past it a logistic's CDF is below 1e-304 or above 1 - 1e-16.
 _EXP_LIMIT = 700.0
+_ERFC = np.frompyfunc(math.erfc, 1, 1)  # (numpy has no erfc: a normal component's CDF, element by element)
+
+
+def _erfc(x: np.ndarray) -> np.ndarray:
+    return _ERFC(x).astype(np.float64)
 
 
 @dataclass(frozen=True)
@@ -111,20 +116,20 @@ class GapForecast:
 
     # ------------------------------------------------------------------ the distribution in log-space
 
-    def _cdf_and_density(self, y: float) -> tuple[float, float]:
-        """F(y) and its derivative dF/dy, y = ln(seconds)."""
-        cdf = density = 0.0
+    def _cdf_and_density(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """F(y) and its derivative dF/dy at each of ``y`` (ln(seconds))."""
+        cdf, density = np.zeros_like(y), np.zeros_like(y)
         if len(self._centres):
             # a logistic's CDF p = 1 / (1 + e^-z), accurate to its last digits in the lower tail too (low
             # quantiles matter: a prefetch is timed to one); its density p (1 - p) / s = e^-z p^2 / s
-            e = np.exp(np.clip((self._centres - y) * (1.0 / KERNEL_SCALE), -_EXP_LIMIT, _EXP_LIMIT))
+            e = np.exp(np.clip((self._centres[None, :] - y[:, None]) * (1.0 / KERNEL_SCALE), -_EXP_LIMIT, _EXP_LIMIT))
             p = 1.0 / (1.0 + e)
-            cdf = float(self._weights @ p)
-            density = float(self._weights @ (e * p * p)) * (1.0 / KERNEL_SCALE)
+            cdf += p @ self._weights
+            density += ((e * p * p) @ self._weights) * (1.0 / KERNEL_SCALE)
         for weight, mu, sigma in self._normals:
             z = (y - mu) / sigma
-            cdf += weight * 0.5 * math.erfc(-z / math.sqrt(2.0))
-            density += weight * math.exp(-0.5 * z * z) / (sigma * math.sqrt(2.0 * math.pi))
+            cdf += weight * 0.5 * _erfc(-z / math.sqrt(2.0))
+            density += weight * np.exp(-0.5 * z * z) / (sigma * math.sqrt(2.0 * math.pi))
         return cdf, density
 
     def log_moments(self) -> tuple[float, float]:
@@ -135,34 +140,33 @@ class GapForecast:
         variance += sum(w * (sigma * sigma + (mu - mean) ** 2) for w, mu, sigma in self._normals)
         return mean, variance
 
-    def _log_quantile(self, q: float) -> float:
-        # the bracket: the components' own q-quantiles, in closed form
-        logit = math.log(q) - math.log1p(-q)
-        ends = [mu + sigma * _STANDARD.inv_cdf(q) for _, mu, sigma in self._normals]
+    def _log_quantiles(self, qs: np.ndarray) -> np.ndarray:
+        """ln of each of ``qs``' quantiles, all at once: a safeguarded Newton search per quantile, bracketed by
+        the components' own quantiles (a mixture's q-quantile lies between them), run on every unfinished one
+        together (a plan asks for 255)."""
+        logit = np.log(qs) - np.log1p(-qs)
+        standard = np.array([_STANDARD.inv_cdf(float(q)) for q in qs])
+        ends = [mu + sigma * standard for _, mu, sigma in self._normals]
         if len(self._centres):
-            ends += [
-                float(self._centres.min()) + KERNEL_SCALE * logit,
-                float(self._centres.max()) + KERNEL_SCALE * logit,
-            ]
-        lo, hi = min(ends), max(ends)
+            ends += [float(c) + KERNEL_SCALE * logit for c in (self._centres.min(), self._centres.max())]
+        lo, hi = np.min(ends, axis=0), np.max(ends, axis=0)
         y = 0.5 * (lo + hi)
+        found = np.zeros(len(qs), dtype=bool)
         for _ in range(MAX_QUANTILE_STEPS):
-            if hi - lo <= QUANTILE_LOG_TOLERANCE:
+            at = np.flatnonzero(~found & (hi - lo > QUANTILE_LOG_TOLERANCE))
+            if not len(at):
                 break
-            cdf, density = self._cdf_and_density(y)
-            if cdf == q:
-                return y
-            if cdf < q:
-                lo = y
-            else:
-                hi = y
-            step = y - (cdf - q) / density if density > 0 else math.nan
-            if not lo < step < hi:
-                step = 0.5 * (lo + hi)
-            if abs(step - y) <= QUANTILE_LOG_TOLERANCE:
-                return step
-            y = step
-        return 0.5 * (lo + hi)
+            ya, qa = y[at], qs[at]
+            cdf, density = self._cdf_and_density(ya)
+            lo[at] = np.where(cdf < qa, ya, lo[at])
+            hi[at] = np.where(cdf > qa, ya, hi[at])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                step = np.where(density > 0, ya - (cdf - qa) / density, np.nan)
+            step = np.where((lo[at] < step) & (step < hi[at]), step, 0.5 * (lo[at] + hi[at]))
+            exact = cdf == qa
+            y[at] = np.where(exact, ya, step)
+            found[at] = exact | (np.abs(step - ya) <= QUANTILE_LOG_TOLERANCE)
+        return np.where(found, y, 0.5 * (lo + hi))
 
     # ------------------------------------------------------------------ seconds
 
@@ -173,12 +177,17 @@ class GapForecast:
             return 0.0
         if math.isinf(t_s):
             return 1.0
-        return min(1.0, max(0.0, self._cdf_and_density(math.log(t_s))[0]))
+        return min(1.0, max(0.0, float(self._cdf_and_density(np.array([math.log(t_s)]))[0][0])))
 
     def quantile(self, q: float) -> float:
         """The pause length in seconds that the pause stays under with probability ``q`` (in (0, 1), taken as
         checked): ``cdf(quantile(q)) == q`` to within the quantile's tolerance."""
-        return math.exp(self._log_quantile(q))
+        return float(self.quantiles([q])[0])
+
+    def quantiles(self, qs: Sequence[float]) -> np.ndarray:
+        """:meth:`quantile` of each of ``qs`` (each in (0, 1), taken as checked), found together: what a plan
+        asks for (kvcopy.agents.plan_pause: 255 of them) in one search."""
+        return np.exp(self._log_quantiles(np.asarray(qs, dtype=np.float64)))
 
     @property
     def median_s(self) -> float:

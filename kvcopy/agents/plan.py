@@ -78,7 +78,8 @@ LEASE_SLACK_S = 1.0
 
 
 class GapDistribution(Protocol):
-    """A pause's length as a distribution: what :func:`plan_pause` needs of a forecast."""
+    """A pause's length as a distribution: what :func:`plan_pause` needs of a forecast (one that also has
+    ``quantiles(qs)``, as GapForecast, is asked for all its quantiles at once)."""
 
     def quantile(self, q: float) -> float:
         """The gap, in seconds, that the pause is shorter than with probability ``q``."""
@@ -257,7 +258,11 @@ def _bins(gaps: GapDistribution) -> tuple[np.ndarray, np.ndarray]:
     """The gap's GAP_POINTS equal-probability bins, in seconds: their inner edges (GAP_POINTS - 1) and their
     medians (GAP_POINTS), ascending. A forecast that gives a negative or non-finite quantile is refused."""
     qs = np.arange(1, 2 * GAP_POINTS) / (2 * GAP_POINTS)  # odd: the bins' medians; even: their edges
-    points = np.array([float(gaps.quantile(float(q))) for q in qs])
+    many = getattr(gaps, "quantiles", None)  # (a GapForecast finds them all in one search)
+    if many is not None:
+        points = np.asarray(many(qs), dtype=np.float64)
+    else:
+        points = np.array([float(gaps.quantile(float(q))) for q in qs])
     if not np.all(np.isfinite(points)) or np.any(points < 0):
         raise ValueError(f"gaps: its quantiles must be finite seconds >= 0, got {points[:3]}...")
     points = np.maximum.accumulate(points)  # (a forecast's rounding never makes them decrease)

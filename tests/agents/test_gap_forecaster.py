@@ -532,3 +532,13 @@ def test_cdf_is_monotone_and_a_probability(a, b, where):
     lo, hi = sorted((a, b))
     low, high = FORECASTER.cdf(lo, **where), FORECASTER.cdf(hi, **where)
     assert 0.0 <= low <= high <= 1.0
+
+
+@pytest.mark.parametrize("where", QUERIES)
+def test_all_of_a_plans_quantiles_at_once_are_each_q(where):
+    """What plan_pause asks: 255 quantiles in one search, each the q-quantile to the scalar's tolerance."""
+    forecast = FORECASTER.forecast(**where)
+    qs = np.arange(1, 256) / 256
+    found = forecast.quantiles(qs)
+    assert np.all(np.diff(found) >= 0)
+    assert [forecast.cdf(float(t)) for t in found] == pytest.approx(qs.tolist(), abs=1e-9)

@@ -270,7 +270,8 @@ class AgentPauses:
             return None  # a session not hinted and not learned yet: LRU's, as without agents
         self._end(pause.session)
         held = chunks[: self.policy.room(pause.session)]  # (a session holds its leading chunks, to its share)
-        plan = self._plan(pause.session, hint, held or chunks, room=bool(held))
+        forecast = self._forecast(pause.session, hint)
+        plan = self._plan(forecast, held or chunks, room=bool(held))
         now = self.clock()
         # A plan made with room to hold that holds nothing frees the chunks; the chunks a lease cannot hold (past
         # the session's share, or all of them when the leases are full) stay LRU's, as recent as they are: a
@@ -287,10 +288,8 @@ class AgentPauses:
             )
             self._notify()
         self.stats.increase_counter(PAUSES, 1, (plan.choice,))
-        forecast = self._forecast(pause.session, hint)
-        self._planned[pause.session] = _Planned(
-            forecast.quantile(0.5), (forecast.quantile(0.1), forecast.quantile(0.9))
-        )
+        p10, p50, p90 = (float(q) for q in forecast.quantiles((0.1, 0.5, 0.9)))
+        self._planned[pause.session] = _Planned(p50, (p10, p90))
         while len(self._planned) > MAX_PAUSED:  # (sessions that never came back: the oldest forgotten)
             self._planned.pop(next(iter(self._planned)))
         logger.debug("kvcopy: session %s paused over %d chunks: %s", pause.session, len(chunks), plan.explanation)
@@ -379,16 +378,16 @@ class AgentPauses:
 
     # ------------------------------------------------------------------ costs
 
-    def _plan(self, session: str, hint: PauseHint | None, chunks: list[OffloadKey], *, room: bool) -> PausePlan:
-        """The plan for ``chunks`` (the session's leading chunks in host RAM, within its share); ``room``: False
-        when the session may lease nothing now (it is then demoted or dropped)."""
+    def _plan(self, forecast: GapForecast, chunks: list[OffloadKey], *, room: bool) -> PausePlan:
+        """The plan for ``chunks`` (the session's leading chunks in host RAM, within its share) over the pause's
+        ``forecast``; ``room``: False when the session may lease nothing now (it is then demoted or dropped)."""
         manager = self.manager
         planner, _ = manager.session.live.current()
         n = len(chunks)
         rows = n * manager.row_bytes
         if planner is None:  # no profile: keep while the leases allow, as LRU would have kept them at best
             costs = PauseCosts(host_s=0.0, recompute_s=1.0, nbytes=rows)
-            return plan_pause(self._forecast(session, hint), costs, hold_price=0.0, room_bytes=None if room else 0)
+            return plan_pause(forecast, costs, hold_price=0.0, room_bytes=None if room else 0)
         group = get_offload_group_idx(chunks[0])
         tokens = n * manager.geometry.tokens_per_chunk[group]
         host = planner.t_load_nbytes(n * manager.chunk_bytes)
@@ -402,7 +401,7 @@ class AgentPauses:
             read_s=None if read is None else read * (1 + PREFETCH_READ_MARGIN),  # (a prefetch's: with margin)
         )
         price = hold_price(reuse_per_s=self._reuse_rate(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
-        return plan_pause(self._forecast(session, hint), costs, hold_price=price, room_bytes=None if room else 0)
+        return plan_pause(forecast, costs, hold_price=price, room_bytes=None if room else 0)
 
     def _forecast(self, session: str, hint: PauseHint | None) -> GapForecast:
         """The pause's forecast: its session's, under its tool, with its client's estimate."""
