@@ -275,8 +275,7 @@ class AgentPauses:
         now = self.clock()
         # A plan made with room to hold that holds nothing frees the chunks; the chunks a lease cannot hold (past
         # the session's share, or all of them when the leases are full) stay LRU's, as recent as they are: a
-        # session back at once still finds them (demoted, they went first: bench_agents.py's turns without
-        # pauses ran 1.38x LRU's makespan with them demoted).
+        # session back at once still finds them (demoted, they would go before any other request's).
         if held and plan.choice != "keep":
             self.policy.demote(chunks)
         if plan.choice == "keep" and plan.lease_end_s is not None:
