@@ -108,7 +108,7 @@ Z_90 = 1.2815515655446004  # the standard normal's 90% quantile
 
 # The full run and the smoke test. Sessions arrive over ARRIVAL_SPAN_S (Poisson); turns uniform in [lo, hi].
 # The trace without pauses is short (a few seconds an arm) and its makespan varies run to run by more than the
-# 2% it is judged at (vLLM's fs tier: 3.3-4.0 s over four runs on an idle machine): each arm runs it
+# 2% it is judged at (vLLM's fs tier: 3.26-4.98 s over the committed run's five, on an idle machine): each arm runs it
 # no_pause_runs times, and the medians are compared.
 FULL = {"sessions": 12, "turns": "4,10", "truncate_s": 30.0, "arrival_span_s": 20.0, "first_context": FIRST_CONTEXT,
         "no_pause_runs": 5}  # fmt: skip
