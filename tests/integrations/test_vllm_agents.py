@@ -295,6 +295,27 @@ class Clock:
         return self.now
 
 
+def test_the_reuse_that_prices_a_lease_is_kept_to_its_window_with_no_pause_planned(tmp_path):
+    """An engine whose requests carry no hints plans no pause; the reuses it counts still stay within the last
+    minute (they priced every lease over the run before: a list that only a plan trimmed)."""
+    from kvcopy.integrations.vllm.agents.pauses import REUSE_WINDOW_S
+
+    rig = agents_rig(tmp_path)
+    try:
+        pauses = rig.manager.pauses
+        clock = Clock(1000.0)
+        pauses.clock = clock
+        keys = rig.offload_keys(PROMPT)
+        for second in range(10 * int(REUSE_WINDOW_S)):
+            clock.now = 1000.0 + second
+            pauses.reused(keys[second % len(keys)])
+        assert len(pauses._reuses) == int(REUSE_WINDOW_S) + 1  # the last minute's, ends included
+        per_s = len(pauses._reuses) / REUSE_WINDOW_S
+        assert pauses._reuse_rate() == pytest.approx(per_s / pauses.policy.cache_capacity)
+    finally:
+        rig.close()
+
+
 def demoted_with_prefetch(rig, monkeypatch, *, at_s: float) -> Clock:
     """The pauses' clock made the test's, and every plan a demotion read back ``at_s`` after the pause (the plan
     itself is tests/agents/test_pause_plan.py's: here, what the engine does with one)."""

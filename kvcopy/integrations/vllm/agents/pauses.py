@@ -29,6 +29,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -179,7 +180,7 @@ class AgentPauses:
         self._planned: dict[str, _Planned] = {}  # by paused session
         self._prefetches: dict[str, _Prefetch] = {}  # by paused session
         self._warned: set[str] = set()  # the kinds of hint fault already logged
-        self._reuses: list[float] = []  # when lately evicted chunks came back, over the last REUSE_WINDOW_S
+        self._reuses: deque[float] = deque()  # when lately evicted chunks came back, over the last REUSE_WINDOW_S
         self._wake = threading.Condition()
         self._stopping = False
         self._timer: threading.Thread | None = None
@@ -412,17 +413,23 @@ class AgentPauses:
         """A chunk the host tier evicted lately came back: traffic needed the room it had (what prices a lease:
         kvcopy.agents.hold_price). A prefetch's own read back is not counted: it is the plan, not the others."""
         if not any(key in prefetch.waiting for prefetch in self._prefetches.values()):
-            self._reuses.append(self.clock())
+            now = self.clock()
+            self._reuses.append(now)
+            self._forget_reuses(now)  # (kept to its window here too: with no pause planned, nothing else trims it)
 
     def _reuse_rate(self) -> float:
         """The fraction of the host tier's capacity that came back within a capacity's worth of evictions, per
         second, over the last REUSE_WINDOW_S."""
         now = self.clock()
-        self._reuses = [t for t in self._reuses if now - t <= REUSE_WINDOW_S]
+        self._forget_reuses(now)
         if not self._reuses:
             return 0.0
         span = max(now - self._reuses[0], 1.0)
         return len(self._reuses) / span / max(self.policy.cache_capacity, 1)
+
+    def _forget_reuses(self, now: float) -> None:
+        while self._reuses and now - self._reuses[0] > REUSE_WINDOW_S:
+            self._reuses.popleft()
 
     def _in_host(self, key: OffloadKey) -> bool:
         """Whether ``key``'s chunk is in host RAM, ready (asked of the policy: a lookup would judge)."""
