@@ -3,8 +3,9 @@
 Issue #40 asks that every seeded bug in the pause paths fail a test: a lease never released, a prefetch at the
 wrong time, a hint's session mixed with another's, a wrong quantile. Each entry of BUGS is one such bug, as an
 exact replacement in one file; the script applies it, runs the agents' tests (AGENT_TESTS, about 40 s on two
-cores), puts the file back, and says which test caught it. It exits 1 when a bug survives. It is not part of
-scripts/test.sh (nine runs of the agents' tests): run it after changing these paths.
+cores), puts the file back, and says which test caught it; the tests must pass first, without a bug. It exits
+1 when a bug survives. It is not part of scripts/test.sh (ten runs of the agents' tests): run it after changing
+these paths.
 
     .venv/bin/python scripts/seed_bugs.py [index ...]
 """
@@ -76,6 +77,22 @@ BUGS = (
 )
 
 
+def failing_tests() -> list[str]:
+    """The agents' tests that fail as the tree is now (the first, with -x), or pytest's exit status when it
+    failed without naming a test (a collection or usage error: no bug is caught by that)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *AGENT_TESTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    failed = [line.split()[1] for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if run.returncode not in (0, 1) or (run.returncode == 1 and not failed):
+        raise SystemExit(f"pytest ended with status {run.returncode} without a failing test:\n{run.stdout[-2000:]}")
+    return failed
+
+
 def caught_by(bug: Bug) -> list[str]:
     """The tests that fail with ``bug`` seeded (empty: it survived)."""
     path = ROOT / bug.path
@@ -84,20 +101,16 @@ def caught_by(bug: Bug) -> list[str]:
         raise SystemExit(f"{bug.name}: {bug.path} no longer holds its line once; update BUGS")
     path.write_text(text.replace(bug.correct, bug.seeded))
     try:
-        run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *AGENT_TESTS],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        return failing_tests()
     finally:
         path.write_text(text)
-    return [line.split()[1] for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
 
 
 def main(argv: list[str]) -> int:
     chosen = [int(a) for a in argv] or range(len(BUGS))
+    already = failing_tests()
+    if already:  # (then every seeded bug would look caught)
+        raise SystemExit(f"the agents' tests fail without a seeded bug: {already[0]}")
     survived = 0
     for i in chosen:
         failed = caught_by(BUGS[i])
