@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,8 +33,8 @@ from helpers.disk_tier import (
     run,
     tier_of,
 )
+from helpers.forked import Child
 
-TESTS = str(Path(__file__).resolve().parents[1])
 CHUNKS = 120  # cascaded by the child, more than the store holds: it evicts as it goes
 STORE_ROWS = 48
 # Submissions before SIGKILL: the first job, jobs in flight while the store fills (it holds STORE_ROWS), and
@@ -47,8 +44,6 @@ KILL_AFTER = (1, 6, 15, 36, 55, 78)
 METADATA_SLACK = 4096
 
 CHILD = """
-import sys
-sys.path.insert(0, {tests!r})
 from helpers.disk_tier import chunk_bytes, engine_config, job, key, primary, tier_of, NUM_ROWS
 rows = primary()
 with tier_of({path!r}, rows, engine_config({model!r}), bytes_to_use={budget}) as tier:
@@ -75,19 +70,19 @@ def test_a_tier_killed_mid_cascade_serves_only_what_it_stored(tmp_path):
     served_total = 0
     for kill_after in KILL_AFTER:
         path = str(tmp_path / f"tier-{kill_after}")  # a fresh path: each kill point is checked on its own
-        code = CHILD.format(tests=TESTS, path=path, model=model, budget=STORE_ROWS * ROW_BYTES, chunks=CHUNKS)
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        code = CHILD.format(path=path, model=model, budget=STORE_ROWS * ROW_BYTES, chunks=CHUNKS)
         posted, done = 0, []
-        for line in child.stdout:
-            words = line.split()
-            if words[:1] == ["posted"]:
-                posted += 1
-                if posted == kill_after:
-                    os.kill(child.pid, signal.SIGKILL)
-                    break
-            elif words[:1] == ["done"] and words[2] == "True":
-                done.append(int(words[1]))
-        child.communicate()
+        with Child(code) as child:
+            for line in child.lines():
+                words = line.split()
+                if words[:1] == ["posted"]:
+                    posted += 1
+                    if posted == kill_after:
+                        child.kill()
+                        break
+                elif words[:1] == ["done"] and words[2] == "True":
+                    done.append(int(words[1]))
+            child.communicate()
         assert child.returncode == -signal.SIGKILL, f"the child ended before its kill ({child.returncode})"
         rows = primary()
         with tier_of(path, rows, engine_config(model), bytes_to_use=STORE_ROWS * ROW_BYTES) as tier:
@@ -125,8 +120,7 @@ GROWTH_CHUNKS = 6  # the child cascades chunks GROWTH_FIRST.. of identity B, few
 GROWTH_FIRST = 100
 
 GROWTH_CHILD = """
-import os, sys
-sys.path.insert(0, {tests!r})
+import os, time
 import kvcopy.storage.room as room
 from helpers.disk_tier import chunk_bytes, engine_config, job, key, primary, run, tier_of
 point, at, calls = {point!r}, {at}, [0]
@@ -137,7 +131,7 @@ def paused(*args, **kwargs):
     calls[0] += 1
     if calls[0] == at:
         print("paused", point, at, flush=True)
-        sys.stdin.readline()  # killed here
+        time.sleep(3600)  # killed here
     return real(*args, **kwargs)
 setattr(owner, point, paused)
 rows = primary()
@@ -177,20 +171,20 @@ def test_a_tier_killed_while_it_takes_room_and_grows_serves_only_what_it_stored(
                 rows.rows[0] = chunk_bytes(i)
                 assert run(tier, job([key(i)], [0], promotion=False)).success
         code = GROWTH_CHILD.format(
-            tests=TESTS, point=point, at=at, path=path, model=model, budget=budget, first=GROWTH_FIRST,
+            point=point, at=at, path=path, model=model, budget=budget, first=GROWTH_FIRST,
             chunks=GROWTH_CHUNKS,
         )  # fmt: skip
-        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         done, paused = [], False
-        for line in child.stdout:
-            words = line.split()
-            if words[:1] == ["paused"]:
-                paused = True
-                os.kill(child.pid, signal.SIGKILL)
-                break
-            if words[:1] == ["done"] and words[2] == "True":
-                done.append(int(words[1]))
-        child.communicate()
+        with Child(code) as child:
+            for line in child.lines():
+                words = line.split()
+                if words[:1] == ["paused"]:
+                    paused = True
+                    child.kill()
+                    break
+                if words[:1] == ["done"] and words[2] == "True":
+                    done.append(int(words[1]))
+            child.communicate()
         assert paused and child.returncode == -signal.SIGKILL, (point, at, child.returncode)
         other = primary()
         with (

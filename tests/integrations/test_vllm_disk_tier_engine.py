@@ -31,6 +31,7 @@ from kvcopy.integrations.vllm import KVCopyDiskTier
 from kvcopy.integrations.vllm.tiers.disk import store_hash
 from kvcopy.storage.files import DATA
 
+from helpers.forked import Child
 from helpers.vllm import BLOCK_TOKENS, PROMPT, assert_blocks_hold
 from helpers.vllm_tiers import REGION_PATH, make_tiering_rig, record_calls
 
@@ -203,13 +204,13 @@ def test_an_engine_killed_mid_cascade_restarts_serving_only_blocks_it_stored(tmp
             engine_id=engine_id,
             prompts=CRASH_PROMPTS,
         )
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
-            for line in child.stdout:
-                if line.split() == ["ran", str(kill_after)]:
-                    os.kill(child.pid, signal.SIGKILL)  # its cascades of the last prompts are in flight
-                    break
-            child.communicate(timeout=600)
+            with Child(code) as child:
+                for line in child.lines():
+                    if line.split() == ["ran", str(kill_after)]:
+                        child.kill()  # its cascades of the last prompts are in flight
+                        break
+                child.communicate()
         finally:
             region = glob.escape(REGION_PATH.format(engine_id=engine_id))
             for leftover in glob.glob(region) + glob.glob(region + ".*"):

@@ -8,14 +8,14 @@ import hashlib
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from kvcopy._checks import FileFormatError
 from kvcopy.storage.commit_log import COMPACT_FACTOR, EXTEND_BYTES, MAGIC, RECORD_BYTES, CommitLog, Entry
+
+from helpers.forked import Child
 
 
 def h(i: int) -> str:
@@ -178,11 +178,12 @@ for i in range(100000):
 @pytest.mark.parametrize("delay_s", [0.05, 0.1, 0.2, 0.3, 0.5, 0.8])
 def test_a_writer_killed_mid_append_leaves_every_reported_commit(tmp_path, delay_s):
     path = tmp_path / "index.log"
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
-    first = child.stdout.readline()  # it has started appending (importing kvcopy takes a while)
-    time.sleep(delay_s)
-    os.kill(child.pid, signal.SIGKILL)
-    reported = [int(first), *(int(line) for line in child.communicate()[0].split())]
+    with Child(WRITER, [str(path)]) as child:
+        first = child.readline()  # it has started appending
+        time.sleep(delay_s)
+        child.kill()
+        reported = [int(first), *(int(line) for line in child.communicate())]
+    assert child.returncode == -signal.SIGKILL
     assert len(reported) > 1  # killed in the middle of its appends, not before them
     log = CommitLog(path, 64)  # never raises
     last = reported[-1] if reported else -1

@@ -27,6 +27,7 @@ from kvcopy.storage.store import CorruptBlockError, DiskKVStore
 
 from helpers import HAS_CUDA
 from helpers.exit_status import assert_ucx_modules_chosen_for_this_machine, run_python
+from helpers.forked import Child
 from helpers.storage import filled_pool, hashes, key, layout
 
 NUM_BLOCKS = 16
@@ -288,14 +289,14 @@ def test_a_writer_killed_mid_put_leaves_only_right_blocks(tmp_path, delay_s):
     path = str(tmp_path / "store")
     DiskKVStore.create(path, layout(), NUM_BLOCKS, cache_key=key()).close()
     code = WRITER.format(tests=TESTS, path=path)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    first = child.stdout.readline()
-    while first and not first.strip().isdigit():  # NIXL's own start-up lines
-        first = child.stdout.readline()
-    time.sleep(delay_s)
-    os.kill(child.pid, signal.SIGKILL)
-    rest = child.communicate()[0].split("\n")
-    reported = [int(first), *(int(line) for line in rest if line.strip().isdigit())]
+    with Child(code) as child:
+        first = child.readline()
+        while first and not first.strip().isdigit():  # a start-up line of NIXL's, printed from Python
+            first = child.readline()
+        time.sleep(delay_s)
+        child.kill()
+        reported = [int(first), *(int(line) for line in child.communicate() if line.strip().isdigit())]
+    assert child.returncode == -signal.SIGKILL
     assert len(reported) > 1  # killed among its puts
     pool = kvcopy.HostKVPool(layout(), 32, pin_memory=False)
     with DiskKVStore.open(path, pool, cache_key=key()) as store:  # never raises
