@@ -14,7 +14,6 @@ import datetime
 import itertools
 import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -184,21 +183,9 @@ def test_calibrator_rejects_what_it_cannot_measure(fake_timer):
 # --------------------------------------------------------------------------- real calibration
 
 
-@pytest.fixture(scope="module")
-def real_profile() -> Profile:
-    """One quick CPU calibration for the whole module (a few seconds)."""
-    try:
-        return kvcopy.calibrate("cpu", quick=True, progress=False)
-    except ValueError as err:
-        # Seen once on a loaded 2-core machine: three prefill shapes timed three times each, one
-        # slowed by another process, and the prefill fit found no growth. Retry once, loudly.
-        warnings.warn(f"kvcopy.calibrate failed once ({err}); retrying", stacklevel=1)
-        return kvcopy.calibrate("cpu", quick=True, progress=False)
-
-
 @pytest.mark.slow
-def test_real_calibration_fits_are_positive(real_profile):
-    p = real_profile
+def test_real_calibration_fits_are_positive(cpu_calibration):
+    p = cpu_calibration
     assert set(p.directions) == {"h2h"}
     assert set(p.methods("h2h")) == CPU_CALIBRATED
     for method, mp in p.directions["h2h"].items():
@@ -220,8 +207,8 @@ def test_real_calibration_fits_are_positive(real_profile):
 
 
 @pytest.mark.slow
-def test_real_calibration_records_the_hardware(real_profile):
-    hw = real_profile.hardware
+def test_real_calibration_records_the_hardware(cpu_calibration):
+    hw = cpu_calibration.hardware
     assert hw["device"] == "cpu"
     assert isinstance(hw["device_name"], str) and hw["device_name"]
     assert isinstance(hw["host_cpu"], str) and hw["host_cpu"]
@@ -235,21 +222,21 @@ def test_real_calibration_records_the_hardware(real_profile):
 
 
 @pytest.mark.slow
-def test_real_profile_round_trips_through_json(real_profile, tmp_path):
+def test_cpu_calibration_round_trips_through_json(cpu_calibration, tmp_path):
     path = tmp_path / "cache" / "kvcopy" / "profile.json"
-    real_profile.save(path)
+    cpu_calibration.save(path)
     loaded = Profile.load(path)
-    assert loaded.to_dict() == real_profile.to_dict()
-    assert loaded == real_profile
-    for method in real_profile.methods("h2h"):
-        assert loaded.predict("h2h", 3 << 20, num_blocks=6, method=method) == real_profile.predict(
+    assert loaded.to_dict() == cpu_calibration.to_dict()
+    assert loaded == cpu_calibration
+    for method in cpu_calibration.methods("h2h"):
+        assert loaded.predict("h2h", 3 << 20, num_blocks=6, method=method) == cpu_calibration.predict(
             "h2h", 3 << 20, num_blocks=6, method=method
         )
 
 
 @pytest.mark.slow
-def test_real_predict_grows_with_bytes(real_profile):
-    p = real_profile
+def test_real_predict_grows_with_bytes(cpu_calibration):
+    p = cpu_calibration
     for block in (4096, 32768, 262144):
         times = [p.predict("h2h", block * CAL_PLANES * n, num_blocks=n) for n in (1, 4, 16, 64, 512)]
         assert all(t > 0 for t in times)
@@ -260,8 +247,8 @@ def test_real_predict_grows_with_bytes(real_profile):
 
 
 @pytest.mark.slow
-def test_real_best_method_is_measured(real_profile):
-    p = real_profile
+def test_real_best_method_is_measured(cpu_calibration):
+    p = cpu_calibration
     for block, count in ((4096, 1), (32768, 8), (262144, 64)):
         assert p.best_method("h2h", block * CAL_PLANES, count) in p.methods("h2h")
     with pytest.raises(ValueError):
@@ -273,7 +260,7 @@ def test_real_best_method_is_measured(real_profile):
 
 
 @pytest.mark.slow
-def test_real_prediction_is_near_a_fresh_measurement(real_profile):
+def test_real_prediction_is_near_a_fresh_measurement(cpu_calibration):
     """A mid-size copy (8 blocks of 16 x 32 KiB planes, 4 MiB) measured afresh, cold blocks as the
     calibrator times them: the prediction is within a loose factor (a sanity bound, not a benchmark)."""
     block, count = 32768, 8
@@ -283,7 +270,7 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     pool = kvcopy.HostKVPool(kv, pool_blocks, pin_memory=False)
     pool.buffer.fill_(1)  # fault the pages in: first touches are not what a copy costs
     host = pool.paged
-    method = real_profile.best_method("h2h", block * CAL_PLANES, count)
+    method = cpu_calibration.best_method("h2h", block * CAL_PLANES, count)
     gen = torch.Generator().manual_seed(5)
     id_sets = [
         (torch.randperm(pool_blocks, generator=gen)[:count], torch.randperm(pool_blocks, generator=gen)[:count])
@@ -295,7 +282,7 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
         src_ids, dst_ids = id_sets[next(calls) % 16]
         kvcopy.copy_blocks(kv, src_ids, host, dst_ids, method=method)
 
-    predicted = real_profile.predict("h2h", block * CAL_PLANES * count, num_blocks=count, method=method)
+    predicted = cpu_calibration.predict("h2h", block * CAL_PLANES * count, num_blocks=count, method=method)
     assert predicted > 0
 
     def close(t: float) -> bool:
@@ -319,7 +306,7 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
     seen = [f"{n} threads: p20 {t.p20 * 1e6:.0f} us, median {t.median * 1e6:.0f} us" for n, t in timings]
     # Still apart. Tell a calibration made noisy by load (or a machine whose load changed since)
     # from a prediction that does not match what was measured.
-    mp = real_profile.directions["h2h"][method]
+    mp = cpu_calibration.directions["h2h"][method]
     used = mp.by_block_nbytes.get(block, mp.fit)
     recorded = [row[3] for row in mp.points if row[1] == count and row[2] == block]
     fresh = min(t.p20 for _, t in timings)
@@ -332,10 +319,10 @@ def test_real_prediction_is_near_a_fresh_measurement(real_profile):
 
 
 @pytest.mark.slow
-def test_real_profile_gives_a_planner(real_profile):
+def test_cpu_calibration_gives_a_planner(cpu_calibration):
     spec = kvcopy.ModelSpec.preset("llama-3.1-8b")
-    planner = kvcopy.Planner.from_profile(real_profile, spec)
-    assert planner.prefill_flops_per_s == real_profile.prefill.flops_per_s
+    planner = kvcopy.Planner.from_profile(cpu_calibration, spec)
+    assert planner.prefill_flops_per_s == cpu_calibration.prefill.flops_per_s
     assert planner.load.beta_bytes_per_s > 0 and planner.load.alpha_s >= 0
     d = planner.decide(2048)
     assert d.action in ("reload", "recompute", "split")

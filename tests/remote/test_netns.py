@@ -104,10 +104,11 @@ def _serving_peer(link, descriptor, name: str) -> subprocess.Popen:
     return serving
 
 
-# Measures the link again into a profile already calibrated (what ``kvcopy calibrate --remote`` runs after the
-# local calibration, kvcopy.calibration.network.add_remote_link), run in namespace a: argv base, descriptor, out.
-# The link alone measured into a base profile: the quick sweep's ranges capped at 16 MiB a read (2 MiB ranges
-# 1 and 8 a read), a quarter of its bytes: at 250 Mbit/s the quick sweep's 64 MiB reads take 2 s each.
+# The link measured into a profile already calibrated, run in namespace a (argv: base, descriptor, out):
+# add_remote_link, what ``kvcopy calibrate --remote`` runs after the local calibration (the CLI's own path is
+# tests/calibration/test_calibrate_network.py's, over a loopback peer). The quick sweep's ranges are capped at
+# 16 MiB a read (2 MiB ranges 1 and 8 a read), a quarter of its bytes: at 250 Mbit/s its 64 MiB reads take 2 s
+# each.
 _ADD_REMOTE_LINK = """
 import sys
 import kvcopy
@@ -123,38 +124,28 @@ def _link_fit(profile: kvcopy.Profile):
     return profile.directions["r2h"][REMOTE_METHOD].by_block_nbytes[2 << 20]  # 2 MiB ranges: a llama-8b block
 
 
-def _calibrate(link, tmp_path, rate: str, base: kvcopy.Profile | None) -> kvcopy.Profile:
-    """The link at ``rate``, measured in namespace a against ``kvcopy peer`` in b: ``kvcopy calibrate --remote
-    FILE --quick`` when there is no ``base`` profile, else the link alone measured into ``base`` (its local
-    fits and prefill do not depend on the link: one local calibration serves both rates).
+def _calibrate(link, tmp_path, rate: str, base: kvcopy.Profile) -> kvcopy.Profile:
+    """The link at ``rate``, measured in namespace a against ``kvcopy peer`` in b, into ``base``: this machine's
+    local calibration (its local fits and prefill do not depend on the link: one serves both rates).
 
     A busy machine only slows a measurement, and the shaping caps it: one below its rate's band is taken again
     (up to MEASURE_TRIES in all) and the fastest kept, so that a test fails on what was measured, not on a
     moment when the 2 cores were taken."""
     descriptor, out = tmp_path / f"{rate}.descriptor", tmp_path / f"{rate}.json"
     serving = _serving_peer(link, descriptor, f"netns-peer-{rate}")
-
-    def run(command: list[str]) -> subprocess.CompletedProcess:
-        done = subprocess.run(link.argv(0, command), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-        assert done.returncode == 0, done.stderr
-        return done
-
+    base.save(out)
+    best: kvcopy.Profile | None = None
+    lowest = _lowest_rate(rate) * RATES_BIT_S[rate] / 8
     try:
-        if base is None:
-            calibrate = ["calibrate", "--quick", "--no-progress", "--remote", str(descriptor), "--out", str(out)]
-            cli = run([*KVCOPY_CLI, *calibrate])
-            assert "carried by network" in cli.stdout
-        else:
-            base.save(out)
-        best = kvcopy.Profile.load(out) if base is None else None
-        lowest = _lowest_rate(rate) * RATES_BIT_S[rate] / 8
-        for attempt in range(MEASURE_TRIES - (base is None)):
-            if best is not None and _link_fit(best).beta_bytes_per_s >= lowest:
-                break
+        for attempt in range(MEASURE_TRIES):
             if best is not None:
+                if _link_fit(best).beta_bytes_per_s >= lowest:
+                    break
                 print(f"{rate}: {_link_fit(best).beta_bytes_per_s * 8e-9:.3f} Gbit/s, below its band: measuring again")
             again = tmp_path / f"{rate}-{attempt}.json"
-            run([sys.executable, "-c", _ADD_REMOTE_LINK, str(out), str(descriptor), str(again)])
+            command = [sys.executable, "-c", _ADD_REMOTE_LINK, str(out), str(descriptor), str(again)]
+            done = subprocess.run(link.argv(0, command), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+            assert done.returncode == 0, done.stderr
             measured = kvcopy.Profile.load(again)
             if best is None or _link_fit(measured).beta_bytes_per_s > _link_fit(best).beta_bytes_per_s:
                 best = measured
@@ -171,14 +162,14 @@ def _lowest_rate(rate: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def profiles(link, tmp_path_factory):
-    """The link calibrated at each rate (1 Gbit/s with the CLI, then 250 Mbit/s into the same local calibration;
-    the link is left at 1 Gbit/s)."""
+def profiles(link, tmp_path_factory, cpu_calibration):
+    """The link calibrated at each rate into this machine's quick local calibration (the link is left at 1
+    Gbit/s)."""
     measured: dict[str, kvcopy.Profile] = {}
     try:
         for rate in ("1gbit", "250mbit"):
             link.shape(rate)
-            measured[rate] = _calibrate(link, tmp_path_factory.mktemp("calibrate"), rate, measured.get("1gbit"))
+            measured[rate] = _calibrate(link, tmp_path_factory.mktemp("calibrate"), rate, cpu_calibration)
     finally:
         link.shape("1gbit")
     return measured
