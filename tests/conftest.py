@@ -22,6 +22,14 @@ import pytest
 import kvcopy
 import kvcopy.profile
 
+from helpers import COLLECTED_TESTS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Records every collected test before -m or -k deselects any (tests/test_architecture.py reads them)."""
+    config.stash[COLLECTED_TESTS] = [(item.nodeid, item.get_closest_marker("slow") is not None) for item in items]
+
 
 @pytest.fixture
 def gen() -> torch.Generator:

@@ -73,6 +73,9 @@ _MAX_LOAD_NBYTES = (1 << 63) - 1
 _DEFAULT_SPLIT_MARGIN = 0.0
 # Where a cached prefix is: in this host's pool (reload), on a peer or in the disk store (fetch).
 Source = Literal["host", "peer", "disk"]
+# Forwards whose costs a planner keeps: a threshold scan over a 128K context asks for about 20 000 distinct
+# ones; past this many the memo starts again (an engine's live planner sees ever new batch shapes).
+_FORWARD_COSTS_KEPT = 1 << 16
 SOURCES: tuple[Source, ...] = ("host", "peer", "disk")
 # Planner's keywords before its cost lines (0.1): (alpha_s keyword, bytes_per_s keyword) -> the line's keyword.
 _RENAMED_LINES = {
@@ -173,6 +176,10 @@ class Planner:
         self.note = note
         self.fetch = fetch
         self.disk = disk
+        # forward_costs by (new, cached), for self.spec: a threshold scan asks for the same forwards thousands of
+        # times (each split bisection computes the same fronts), and they depend on the spec alone.
+        self._forward_costs: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
+        self._forward_costs_of = spec
         self.block_tokens = block_tokens
 
     @classmethod
@@ -311,10 +318,23 @@ class Planner:
         fixed = self.prefill_alpha_s + (len(new) - 1) * self.prefill_extra_request_s
         if self.prefill_tokens_per_s is not None:
             return fixed + sum(new) / self.prefill_tokens_per_s
-        flops, read = forward_costs(self.spec, new, cached)
+        flops, read = self._costs(new, cached)
         memory = read / self.weight_bytes_per_s if self.weight_bytes_per_s else 0.0
         assert self.prefill_flops_per_s is not None  # one of the two rates is given (checked in __init__)
         return fixed + max(flops / self.prefill_flops_per_s, memory)
+
+    def _costs(self, new: Sequence[int], cached: Sequence[int]) -> tuple[float, float]:
+        """forward_costs(self.spec, new, cached), each forward computed once for a spec."""
+        if self._forward_costs_of is not self.spec:  # the spec was replaced: what was kept is another model's
+            self._forward_costs.clear()
+            self._forward_costs_of = self.spec
+        key = (tuple(new), tuple(cached))
+        costs = self._forward_costs.get(key)
+        if costs is None:
+            if len(self._forward_costs) >= _FORWARD_COSTS_KEPT:
+                self._forward_costs.clear()
+            costs = self._forward_costs[key] = forward_costs(self.spec, new, cached)
+        return costs
 
     # ------------------------------------------------------------------ decisions
 

@@ -31,6 +31,8 @@ HANG_TIMEOUT_S = 300.0
 # A command a test runs: `kvcopy calibrate --quick` about 60 s idle, the device check's dry run and the
 # benchmarks some minutes, an example or a kernel compile under a minute.
 SUBPROCESS_TIMEOUT_S = 1800.0
+# Every test this run collected, before -m or -k deselected any: (node id, marked slow); conftest.py fills it.
+COLLECTED_TESTS = pytest.StashKey[list[tuple[str, bool]]]()
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 gpu = pytest.mark.gpu
 

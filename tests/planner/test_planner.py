@@ -105,6 +105,17 @@ def test_prefill_is_the_slower_of_compute_and_weight_reads(spec):
     assert without_floor.t_prefill(1) == pytest.approx(1e-4 + spec.prefill_flops(1) / 4e14, rel=1e-12)
 
 
+def test_a_planner_predicts_for_its_spec_and_rates_as_they_are_now():
+    """A planner keeps each forward's FLOPs and bytes (a threshold scan asks for the same ones thousands of
+    times): a spec put in its place, or a rate learned online, is what the next prediction uses."""
+    planner = flops(LLAMA, la=0.0, bw=1e9, fps=4e14, pa=1e-4)
+    assert planner.t_prefill(1000, 64) == pytest.approx(1e-4 + LLAMA.prefill_flops(1000, 64) / 4e14, rel=1e-12)
+    planner.spec = MIXTRAL
+    assert planner.t_prefill(1000, 64) == pytest.approx(1e-4 + MIXTRAL.prefill_flops(1000, 64) / 4e14, rel=1e-12)
+    planner.prefill_flops_per_s = 1e14
+    assert planner.t_prefill(1000, 64) == pytest.approx(1e-4 + MIXTRAL.prefill_flops(1000, 64) / 1e14, rel=1e-12)
+
+
 def test_weight_bytes_of_a_dense_model_from_its_parameters():
     """Every non-embedding weight and the LM head once per forward, in the checkpoint's dtype, plus the
     cached KV; the same for one token or a thousand."""
