@@ -21,6 +21,13 @@ A plan is a timeline after the pause; what a resume at G pays is
 
 plus the price of the host bytes the plan holds before G: ``hold_price`` seconds of other sessions' delay per
 byte-second (:func:`hold_price` prices it from how much of what the host tier evicts traffic asks for again).
+
+Without a lease the chunks are LRU's, and LRU keeps them too: a request that just finished left the tier's
+most recent chunks, which go only after ``lru_s`` seconds of the tier's evictions (a capacity's worth). So a
+resume within ``lru_s`` is a host hit at no price, whatever the plan but a demotion, and a lease pays only
+for what it holds past ``lru_s``; a keep whose lease ends by then needs no lease at all (``PausePlan.leased``
+is False): the chunks are left to LRU, and a pause shorter than LRU's memory, an agent's back-to-back turn,
+costs the other sessions nothing.
 A lease, and a prefetched hold, end at the latest at ``lease_cap_s`` (the forecast's high quantile plus
 slack): past it the chunks fall back to LRU, as if demoted. Early prefetches cost only residency and late ones
 forfeit the gain, so the best start is a low quantile of G minus the read; the optimum is found exactly on the
@@ -128,8 +135,9 @@ class PausePlan:
 
     ``choice``: "keep" (in host RAM under a lease until ``lease_end_s``), "demote" (host RAM freed; read back
     from the tier from ``prefetch_at_s``, then held until ``lease_end_s``; with ``prefetch_at_s`` None, left
-    in the tier) or "drop" (nothing retained). ``p_in_host``: the forecast's probability that the chunks are
-    in host RAM when the session returns. ``expected_cost_s``: the plan's expected resume delay plus its
+    in the tier) or "drop" (nothing retained); a keep whose lease ends within ``lru_s`` (how long LRU keeps
+    them unleased) is left to LRU (:attr:`leased` False). ``p_in_host``: the forecast's probability that the
+    chunks are in host RAM when the session returns. ``expected_cost_s``: the plan's expected resume delay plus its
     holding price; ``expected_saving_s``: what it saves over dropping. ``options``: each choice's best
     expected cost (the ones not possible absent). ``explanation`` says it in words, as a Decision does.
     """
@@ -142,6 +150,13 @@ class PausePlan:
     p_in_host: float
     explanation: str
     options: dict[str, float] = field(default_factory=dict)
+    lru_s: float = 0.0
+
+    @property
+    def leased(self) -> bool:
+        """Whether the plan holds the chunks under a lease: a keep (or a read back) whose hold outlasts
+        ``lru_s``, what LRU keeps them for without one."""
+        return self.lease_end_s is not None and self.lease_end_s > self.lru_s
 
     @classmethod
     def released(cls, reason: str) -> PausePlan:
@@ -182,13 +197,17 @@ def plan_pause(
     hold_price: float,
     room_bytes: int | None = None,
     cap_s: float | None = None,
+    lru_s: float = 0.0,
 ) -> PausePlan:
     """The plan of least expected cost for a paused session (see the module).
 
     ``gaps``: the pause's forecast (``quantile(q)``, seconds). ``costs``: what a resume pays, by where the
     chunks are. ``hold_price``: seconds of delay per byte-second held (:func:`hold_price`). ``room_bytes``: the
     host bytes the session may hold under a lease (its share; None: no bound): a session larger than that is
-    not kept nor prefetched. ``cap_s``: the latest a lease ends (default :func:`lease_cap` of ``gaps``).
+    not leased nor prefetched (LRU may still keep it). ``cap_s``: the latest a lease ends (default
+    :func:`lease_cap` of ``gaps``). ``lru_s``: how long the host tier's LRU keeps the chunks without a lease
+    (0: not at all, as a tier whose every new chunk evicts one of them; ``math.inf``: a tier that evicts
+    nothing).
     """
     if not isinstance(costs, PauseCosts):
         raise TypeError(f"costs: expected a PauseCosts, got {type(costs).__name__}")
@@ -196,17 +215,24 @@ def plan_pause(
     if room_bytes is not None and (not isinstance(room_bytes, int) or isinstance(room_bytes, bool)):
         raise TypeError(f"room_bytes: expected an int or None, got {type(room_bytes).__name__}")
     cap = lease_cap(gaps) if cap_s is None else non_negative_number("cap_s", cap_s)
+    lru = math.inf if lru_s == math.inf else non_negative_number("lru_s", lru_s)  # (inf: a tier that evicts nothing)
     edges, g = _bins(gaps)
     host, fallback = costs.host_s, costs.fallback_s
     may_hold = room_bytes is None or costs.nbytes <= room_bytes
 
     options: dict[str, float] = {"drop": costs.recompute_s}
     plans: dict[str, tuple[float, float | None, float | None, float]] = {"drop": (costs.recompute_s, None, None, 0.0)}
-    if may_hold:
-        # keep until L: a resume at g <= L is a host hit (held g seconds), a later one falls back (held L).
-        leases = np.unique(np.concatenate(([cap], edges[(edges > 0.0) & (edges < cap)])))  # (0: a demotion)
+    # keep until L: a resume at g <= max(L, lru) is a host hit (leased for what of g is past lru), a later one
+    # falls back (leased for what of L is past lru). L = lru is LRU's keeping, unleased (with lru 0, a
+    # demotion); a longer lease only with room for it.
+    leases = np.array([lru] if lru > 0 else [])
+    if may_hold and lru < cap:
+        leases = np.unique(np.concatenate((leases, [cap], edges[(edges > lru) & (edges < cap)])))
+    if len(leases):
         inside = g[None, :] <= leases[:, None]
-        cost = np.where(inside, host + price * g[None, :], fallback + price * leases[:, None]).mean(axis=1)
+        held = np.minimum(g[None, :], leases[:, None]) - lru
+        held = np.where(np.isfinite(held), np.maximum(held, 0.0), 0.0)  # (inf - inf: LRU keeps them, unleased)
+        cost = np.where(inside, host, fallback).mean(axis=1) + price * held.mean(axis=1)
         best = _last_min(cost)  # (on a tie, the longer lease: holding was free)
         plans["keep"] = (float(cost[best]), float(leases[best]), None, float(inside[best].mean()))
         options["keep"] = float(cost[best])
@@ -246,8 +272,9 @@ def plan_pause(
         expected_cost_s=expected,
         expected_saving_s=costs.recompute_s - expected,
         p_in_host=in_host,
-        explanation=_explain(choice, lease_end, prefetch_at, in_host, options, g, may_hold),
+        explanation=_explain(choice, lease_end, prefetch_at, in_host, options, g, may_hold, lru),
         options=options,
+        lru_s=lru,
     )
 
 
@@ -282,10 +309,14 @@ def _explain(
     options: dict[str, float],
     g: np.ndarray,
     may_hold: bool,
+    lru: float,
 ) -> str:
     median = float(np.median(g))
     said = ", ".join(f"{name} {seconds_text(cost)}" for name, cost in sorted(options.items(), key=lambda o: o[1]))
-    if choice == "keep":
+    if choice == "keep" and lease_end is not None and lease_end <= lru:
+        kept = "as long as the tier evicts nothing" if math.isinf(lru) else f"about {seconds_text(lru)}"
+        what = f"keep in host RAM without a lease: LRU keeps them {kept} (back by then with p={in_host:.2f})"
+    elif choice == "keep":
         assert lease_end is not None
         what = f"keep in host RAM until {seconds_text(lease_end)} (back by then with p={in_host:.2f})"
     elif choice == "demote" and prefetch_at is not None:
@@ -294,7 +325,7 @@ def _explain(
         what = "demote, no read ahead (the tier's read at the resume is cheaper than holding)"
     else:
         what = "drop (the resume recomputes)"
-    room = "" if may_hold else "; larger than its share of the leases: not held"
+    room = "" if may_hold else "; larger than its share of the leases: not leased"
     if not math.isfinite(median):
         return f"{choice}: {what}"
     return f"{what}: expected {said}; gap median {seconds_text(median)}{room}"

@@ -10,6 +10,11 @@ arrival ends and teaches the gap to a :class:`~kvcopy.agents.GapForecaster`:
   request's last stored chunk continues that request (an agent's next turn carries the whole conversation
   before it), so it resumes that pause, and the session is named after the request that began it.
 
+A session's next request can arrive before the engine reports its previous one finished (an agent's
+back-to-back turn, while the engine still stores the last chunks): that request resumes nothing yet, so the
+tracker holds it as *ahead* until its session pauses, and then the pause ends as it begins (a gap of 0, the
+Pause's ``resumed_by``), instead of waiting for a resume that has already come.
+
 Keys are whatever the engine names chunks by (vLLM's ``OffloadKey`` bytes); the clock is ``time.monotonic``.
 """
 
@@ -36,7 +41,8 @@ MAX_PAUSED = 65536
 class Pause:
     """A session waiting between two of its requests: since ``since`` (the clock's seconds), after
     ``request_id`` stored ``last_key`` (None: it stored nothing); ``tool`` and ``resume_in_s`` as its hint said
-    (None without one); ``learned``: found by prefix continuation rather than named by a hint."""
+    (None without one); ``learned``: found by prefix continuation rather than named by a hint; ``resumed_by``:
+    the request that had already resumed it when it began (None: it waits)."""
 
     session: str
     request_id: str
@@ -45,6 +51,7 @@ class Pause:
     tool: str | None = None
     resume_in_s: float | None = None
     learned: bool = False
+    resumed_by: str | None = None
 
 
 class PauseTracker:
@@ -57,14 +64,18 @@ class PauseTracker:
         self._paused: OrderedDict[str, Pause] = OrderedDict()  # by session, the oldest first
         self._by_last_key: dict[Hashable, str] = {}  # a learned pause's last key -> its session
         self._session_of: dict[str, str] = {}  # a live request -> its learned session
+        # live requests that resumed no pause, oldest first: -> (their hint's session, or their keys without one)
+        self._ahead: OrderedDict[str, tuple[str | None, frozenset[Hashable]]] = OrderedDict()
 
     def paused(self, request_id: str, hint: PauseHint | None, last_key: Hashable | None) -> Pause | None:
         """``request_id`` finished: its session pauses (None when its hint said ``done``: nothing waits)."""
         learned = self._session_of.pop(request_id, None)
+        self._ahead.pop(request_id, None)
         if hint is not None and hint.done:
             self._forget(hint.session)
             return None
         session = hint.session if hint is not None else (learned or LEARNED_PREFIX + request_id)
+        ahead = self._ahead_of(session if hint is not None else None, last_key)
         pause = Pause(
             session=session,
             request_id=request_id,
@@ -73,8 +84,15 @@ class PauseTracker:
             tool=None if hint is None else hint.tool,
             resume_in_s=None if hint is None else hint.resume_in_s,
             learned=hint is None,
+            resumed_by=ahead,
         )
         self._forget(session)
+        if ahead is not None:  # resumed already: a pause of no length, learned as such
+            del self._ahead[ahead]
+            if pause.learned:
+                self._session_of[ahead] = session
+            self._observe(pause, 0.0)
+            return pause
         self._paused[session] = pause
         if pause.learned and last_key is not None:
             self._by_last_key[last_key] = session
@@ -98,16 +116,32 @@ class PauseTracker:
                     pause = self._paused.get(found)
                     break
         if pause is None:
+            self._ahead[request_id] = (session, frozenset() if session is not None else frozenset(keys))
+            while len(self._ahead) > MAX_PAUSED:  # (requests that never finished: the oldest forgotten)
+                self._ahead.popitem(last=False)
             return None
         self._forget(pause.session)
         if pause.learned:
             self._session_of[request_id] = pause.session
         gap = max(0.0, (self.clock() if at is None else at) - pause.since)
+        self._observe(pause, gap)
+        return pause, gap
+
+    def _ahead_of(self, session: str | None, last_key: Hashable | None) -> str | None:
+        """A live request that already continues a request finishing now: one hinted with ``session``, or (for
+        a request without a hint, ``session`` None) one whose prompt holds its ``last_key``."""
+        for request_id, (named, keys) in self._ahead.items():
+            if (session is not None and named == session) or (
+                session is None and named is None and last_key is not None and last_key in keys
+            ):
+                return request_id
+        return None
+
+    def _observe(self, pause: Pause, gap: float) -> None:
         if self.forecaster is not None:
             self.forecaster.observe(  # type: ignore[attr-defined]
                 gap, session=pause.session, tool=pause.tool, resume_in_s=pause.resume_in_s
             )
-        return pause, gap
 
     def pause_of(self, session: str) -> Pause | None:
         """The session's pause, None when it is not paused."""

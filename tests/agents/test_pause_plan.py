@@ -215,3 +215,53 @@ def test_a_read_longer_than_the_lease_cap_is_never_started_ahead() -> None:
     costs = PauseCosts(0.05, 8.0, GIB, tier_s=5.1, read_s=5.0)
     plan = plan_pause(gaps, costs, hold_price=1e-9)
     assert plan.prefetch_at_s is None and plan.choice in ("keep", "demote")
+
+
+def lru_resume_cost(g: float, costs: PauseCosts, price: float, lru: float, lease: float) -> float:
+    """A resume at ``g`` when the chunks are kept until ``lease`` and LRU keeps them ``lru`` seconds anyway: a
+    host hit until the later of the two, the lease charged only for what it holds past ``lru`` (the
+    reference, apart from the module)."""
+    fallback = costs.recompute_s if costs.tier_s is None else min(costs.tier_s, costs.recompute_s)
+    hold = price * costs.nbytes
+    if g <= max(lease, lru):
+        return costs.host_s + hold * max(0.0, min(g, lease) - lru)
+    return fallback + hold * max(0.0, lease - lru)
+
+
+@pytest.mark.parametrize("lru", [0.05, 2.0, 30.0])
+@pytest.mark.parametrize("name", ["tool_gap_busy_host", "minute_gap_dear_host", "no_tier_dear_hold", "slow_tier"])
+def test_with_lrus_memory_the_plan_costs_no_more_than_a_brute_force_search(name: str, lru: float) -> None:
+    gaps, costs, price = SCENARIOS[name]
+    plan = plan_pause(gaps, costs, hold_price=price, lru_s=lru)
+    cap = gaps.quantile(LEASE_QUANTILE) + LEASE_SLACK_S
+    points = fine_points(gaps)
+
+    def keeping(lease: float) -> float:
+        return sum(lru_resume_cost(g, costs, price, lru, lease) for g in points) / len(points)
+
+    common = dict(costs=costs, price=price, cap=cap)
+    if plan.choice == "keep":
+        assert plan.lease_end_s is not None
+        mine = keeping(plan.lease_end_s)
+        assert plan.leased == (plan.lease_end_s > lru)
+    else:
+        mine = plan_cost(plan, points, costs, price, cap)  # a demotion or a drop: LRU keeps nothing of it
+    best = min(
+        expected(points, lease=None, prefetch=None, kept=False, **common),  # drop
+        keeping(lru),  # left to LRU, unleased
+        *(keeping(lru + (cap - lru) * i / 80) for i in range(81) if lru < cap),
+    )
+    assert mine <= best * 1.02 + 1e-3, (plan.explanation, mine, best)
+
+
+def test_a_pause_shorter_than_lrus_memory_is_left_to_lru_and_a_longer_one_leased() -> None:
+    costs = PauseCosts(0.05, 8.0, 2 * GIB, tier_s=0.6, read_s=0.5)
+    back_to_back = plan_pause(LogNormal(0.03, 0.5), costs, hold_price=2e-11, lru_s=2.0)
+    assert back_to_back.choice == "keep" and not back_to_back.leased and back_to_back.lease_end_s == 2.0
+    assert "without a lease" in back_to_back.explanation and back_to_back.p_in_host > 0.99
+    tool_run = plan_pause(LogNormal(20.0, 0.3), PauseCosts(0.05, 8.0, 2 * GIB), hold_price=1e-12, lru_s=2.0)
+    assert tool_run.choice == "keep" and tool_run.leased and tool_run.lease_end_s > 20.0
+    idle = plan_pause(LogNormal(20.0, 0.3), costs, hold_price=0.0, lru_s=math.inf)  # a tier that evicts nothing
+    assert idle.choice == "keep" and not idle.leased and idle.p_in_host == 1.0
+    full = plan_pause(LogNormal(0.03, 0.5), costs, hold_price=0.0, room_bytes=0, lru_s=2.0)  # no room to lease
+    assert full.choice == "keep" and not full.leased  # LRU still keeps it

@@ -89,3 +89,34 @@ def test_the_oldest_pauses_are_forgotten_past_the_bound(monkeypatch) -> None:
     assert len(pauses) == 2 and pauses.pause_of(LEARNED_PREFIX + "r0") is None
     assert pauses.resumed("n", None, keys=[b"k0"]) is None
     assert pauses.resumed("n", None, keys=[b"k2"]) is not None
+
+
+def test_a_hinted_turn_that_arrives_before_its_previous_one_is_done_ends_that_pause_at_once() -> None:
+    """vLLM can report a request finished after its session's next request arrived (it was still storing its
+    last chunks): that pause ends as it begins, a gap of 0, and waits for nothing."""
+    pauses, clock, recorder = tracker()
+    hint = PauseHint("s-3", tool="read_file", resume_in_s=0.1)
+    assert pauses.resumed("r1", "s-3", keys=()) is None  # the session's first request: nothing to resume
+    assert pauses.resumed("r2", "s-3", keys=()) is None  # its next one, while r1 is not reported done
+    assert pauses.resumed("r7", "s-other", keys=()) is None  # another session's
+    pause = pauses.paused("r1", hint, last_key=b"k3")
+    assert pause is not None and pause.resumed_by == "r2" and pauses.pause_of("s-3") is None
+    assert recorder.seen == [(0.0, "s-3", "read_file", 0.1)]
+    clock.now += 2.0
+    later = pauses.paused("r2", hint, last_key=b"k5")  # r2 itself pauses as usual: r7 is not of its session
+    assert later is not None and later.resumed_by is None and pauses.pause_of("s-3") is later
+
+
+def test_a_learned_turn_that_arrives_before_its_previous_one_is_done_continues_its_session() -> None:
+    pauses, _clock, recorder = tracker()
+    first = pauses.paused("r1", None, last_key=b"k2")
+    assert first is not None
+    assert pauses.resumed("r2", None, keys=[b"k0", b"k1", b"k2"]) is not None  # r2 continues r1: learned
+    assert pauses.resumed("r3", None, keys=[b"k0", b"k1", b"k2", b"k3", b"k4"]) is None  # before r2 is done
+    assert pauses.resumed("r8", None, keys=[b"x4"]) is None  # another conversation's
+    second = pauses.paused("r2", None, last_key=b"k4")
+    assert second is not None and second.resumed_by == "r3" and second.session == first.session
+    assert pauses.pause_of(first.session) is None  # nothing waits for a resume that has come
+    third = pauses.paused("r3", None, last_key=b"k6")  # r3 is of the learned session: its own pause waits
+    assert third is not None and third.session == first.session and third.resumed_by is None
+    assert [gap for gap, *_ in recorder.seen] == [0.0, 0.0]  # r2's resume (clock unmoved) and r3's early one

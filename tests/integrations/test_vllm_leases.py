@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs it)")
@@ -11,7 +13,7 @@ from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
+from kvcopy.integrations.vllm.agents.leases import STORE_WINDOW_S, LeasedPolicy
 
 POLICIES = {"lru": LRUCachePolicy, "arc": ARCCachePolicy}
 
@@ -153,3 +155,16 @@ def test_a_chunk_evicted_lately_and_stored_again_is_told_as_reused(name: str) ->
         store(i)
     store(gone[1])
     assert reused == [gone[0]]
+
+
+def test_lru_keeps_a_chunk_for_as_long_as_the_tier_takes_to_store_what_it_holds_outside_the_leases(name: str) -> None:
+    clock = Clock()
+    policy = LeasedPolicy(POLICIES[name](cache_capacity=10), clock=clock)
+    assert policy.lru_s() == math.inf  # a tier that stored nothing evicts nothing: no lease is needed
+    policy, clock = filled(name, 10)  # 10 chunks stored at t=0
+    clock.now = 5.0
+    assert policy.lru_s() == pytest.approx(10 / (10 / 5.0))  # 2 chunks a second, 10 held: 5 s
+    policy.lease("s", [key(0), key(1)], until=100.0)
+    assert policy.lru_s() == pytest.approx(8 / 2.0)  # what the leases hold is not LRU's
+    clock.now = 5.0 + STORE_WINDOW_S + 1.0
+    assert policy.lru_s() == math.inf  # the window has passed: nothing stored lately

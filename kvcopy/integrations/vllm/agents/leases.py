@@ -17,13 +17,16 @@ Bounds: all leases together hold at most ``max_leased_fraction`` of the tier's c
 What a lease costs the others is the room it takes from LRU: the chunks LRU evicts that traffic asks for again
 soon after. The policy remembers the keys of the last ``cache_capacity`` chunks it evicted (the chunks one more
 capacity's worth of room would have kept); ``on_reuse``, when given, is told each such key when it comes back
-(stored or promoted again), which is what prices a lease (kvcopy.agents.hold_price).
+(stored or promoted again), which is what prices a lease (kvcopy.agents.hold_price). What a lease buys is the
+time past what LRU would have kept the chunks anyway: :meth:`LeasedPolicy.lru_s`, from the rate the tier stores
+chunks at.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +36,11 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from kvcopy._checks import non_negative_number
 from kvcopy.agents.plan import DEFAULT_MAX_LEASED_FRACTION, DEFAULT_MAX_SESSION_FRACTION
 
-__all__ = ["LeasedPolicy"]
+__all__ = ["STORE_WINDOW_S", "LeasedPolicy"]
+
+# The window over which the tier's store rate is measured (lru_s): a minute, as the reuses that price a lease
+# (kvcopy.integrations.vllm.agents.pauses.REUSE_WINDOW_S): long beside a turn, short beside a shift in traffic.
+STORE_WINDOW_S = 60.0
 
 
 @dataclass
@@ -69,6 +76,7 @@ class LeasedPolicy(CachePolicy):
         self._evicted: OrderedDict[OffloadKey, None] = OrderedDict()  # the last cache_capacity evicted, oldest first
         self._leases: dict[str, _Lease] = {}
         self._demoted: dict[OffloadKey, None] = {}  # (insertion-ordered: the first demoted go first)
+        self._stores: deque[float] = deque()  # when each chunk of the window was stored
         self.displaced = 0  # leases ended early to give a request room
         self.expired = 0  # leases that ran to their end
 
@@ -118,6 +126,22 @@ class LeasedPolicy(CachePolicy):
         self._expire()
         lease = self._leases.get(session)
         return None if lease is None else lease.until
+
+    def lru_s(self) -> float:
+        """How long LRU keeps a chunk stored now without a lease: it goes once the tier has stored as many
+        chunks after it as it holds outside the leases (each new one takes free room or evicts the least
+        recently used), so the seconds that takes at the rate it stored chunks over the last STORE_WINDOW_S
+        (``math.inf`` when it stored none: then nothing needs a lease)."""
+        now = self.clock()
+        self._forget_stores(now)
+        if not self._stores:
+            return math.inf
+        rate = len(self._stores) / max(now - self._stores[0], 1.0)  # chunks a second (a burst counted over 1 s)
+        return max(self.cache_capacity - self.leased(), 0) / rate
+
+    def _forget_stores(self, now: float) -> None:
+        while self._stores and now - self._stores[0] > STORE_WINDOW_S:
+            self._stores.popleft()
 
     def _expire(self) -> None:
         now = self.clock()
@@ -177,6 +201,9 @@ class LeasedPolicy(CachePolicy):
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         if self._evicted.pop(key, 0) is None and self.on_reuse is not None:  # (evicted lately, needed again)
             self.on_reuse(key)
+        now = self.clock()
+        self._stores.append(now)
+        self._forget_stores(now)
         self.inner.insert(key, chunk, req_context)
 
     def remove(self, key: OffloadKey) -> None:

@@ -8,7 +8,9 @@ plans it (kvcopy.agents.plan_pause) over the chunks the request left in host RAM
 
 - **keep**: the host tier's eviction policy leases them until the plan's lease end (kvcopy.integrations.vllm
   .leases: bounded, displaced before they keep a request from room, LRU's again once expired); the chunks a
-  lease cannot hold (past the session's share, or all when the leases are full) stay LRU's;
+  lease cannot hold (past the session's share, or all when the leases are full) stay LRU's, and so do all of
+  them when the lease would end before LRU would let them go anyway (``LeasedPolicy.lru_s``: a pause shorter
+  than the tier's memory, as an agent's back-to-back turn, holds nothing from the others);
 - **demote**: they go first when room is needed (vLLM's tiering has already cascaded them to the secondary
   tiers); with a prefetch, a promotion job reads them back from the plan's prefetch time, started at the step
   that reaches it (``on_schedule_end``, while ``has_pending_work``) or, while the engine is idle, by a timer
@@ -267,6 +269,11 @@ class AgentPauses:
             self.policy.demote(chunks)
             self.stats.increase_counter(PAUSES, 1, ("done",))
             return PausePlan.released("the client said done")
+        if pause.resumed_by is not None:  # its next request came before this one was done: nothing waits
+            self._end(pause.session)
+            if hint is not None or learned_before:
+                self.stats.increase_counter(RESUMES, 1, ("host",))
+            return None
         if (hint is None and not learned_before) or not chunks:
             return None  # a session not hinted and not learned yet: LRU's, as without agents
         self._end(pause.session)
@@ -279,7 +286,8 @@ class AgentPauses:
         # session back at once still finds them (demoted, they would go before any other request's).
         if held and plan.choice != "keep":
             self.policy.demote(chunks)
-        if plan.choice == "keep" and plan.lease_end_s is not None:
+        if plan.choice == "keep" and plan.leased:
+            assert plan.lease_end_s is not None
             leased = self.policy.lease(pause.session, held, now + plan.lease_end_s)
             self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("keep",))
         elif plan.prefetch_at_s is not None and plan.lease_end_s is not None:
@@ -382,12 +390,13 @@ class AgentPauses:
         """The plan for ``chunks`` (the session's leading chunks in host RAM, within its share) over the pause's
         ``forecast``; ``room``: False when the session may lease nothing now (it is then demoted or dropped)."""
         manager = self.manager
+        lru = self.policy.lru_s()  # (what a lease buys is the time past this)
         planner, _ = manager.session.live.current()
         n = len(chunks)
         rows = n * manager.row_bytes
         if planner is None:  # no profile: keep while the leases allow, as LRU would have kept them at best
             costs = PauseCosts(host_s=0.0, recompute_s=1.0, nbytes=rows)
-            return plan_pause(forecast, costs, hold_price=0.0, room_bytes=None if room else 0)
+            return plan_pause(forecast, costs, hold_price=0.0, room_bytes=None if room else 0, lru_s=lru)
         group = get_offload_group_idx(chunks[0])
         tokens = n * manager.geometry.tokens_per_chunk[group]
         host = planner.t_load_nbytes(n * manager.chunk_bytes)
@@ -401,7 +410,7 @@ class AgentPauses:
             read_s=None if read is None else read * (1 + PREFETCH_READ_MARGIN),  # (a prefetch's: with margin)
         )
         price = hold_price(reuse_per_s=self._reuse_rate(), miss_s_per_byte=costs.fallback_s / max(rows, 1))
-        return plan_pause(forecast, costs, hold_price=price, room_bytes=None if room else 0)
+        return plan_pause(forecast, costs, hold_price=price, room_bytes=None if room else 0, lru_s=lru)
 
     def _forecast(self, session: str, hint: PauseHint | None) -> GapForecast:
         """The pause's forecast: its session's, under its tool, with its client's estimate."""
