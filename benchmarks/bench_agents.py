@@ -706,12 +706,19 @@ def main() -> int:
     began = time.monotonic()
     try:
         costs = make_costs(model, max_model_len, work)
-        results = {arm: run_arm(arm, trace, os.path.join(work, arm), model, costs, sizes) for arm in ARMS}
+
+        def run_once(arm: str, sessions: list[Session], name: str) -> ArmResult:
+            where = os.path.join(work, name)
+            try:
+                return run_arm(arm, sessions, where, model, costs, sizes)
+            finally:  # (each run's tier takes its whole budget of the disk: 30 runs would not fit)
+                shutil.rmtree(where, ignore_errors=True)
+
+        results = {arm: run_once(arm, trace, arm) for arm in ARMS}
         flat_results: dict[str, list[ArmResult]] = {arm: [] for arm in ARMS}
         for run in range(args.no_pause_runs):  # (interleaved, each round in another order: a drift hits every arm)
             for arm in ARMS[run % len(ARMS) :] + ARMS[: run % len(ARMS)]:
-                where = os.path.join(work, f"flat-{arm}-{run}")
-                flat_results[arm].append(run_arm(arm, flat, where, model, costs, sizes))
+                flat_results[arm].append(run_once(arm, flat, f"flat-{arm}-{run}"))
     finally:
         shutil.rmtree(directory if args.dir is None else work, ignore_errors=True)
     took = time.monotonic() - began

@@ -4,7 +4,7 @@ Issue #40 asks that every seeded bug in the pause paths fail a test: a lease nev
 wrong time, a hint's session mixed with another's, a wrong quantile. Each entry of BUGS is one such bug, as an
 exact replacement in one file; the script applies it, runs the agents' tests (AGENT_TESTS, about 40 s on two
 cores), puts the file back, and says which test caught it; the tests must pass first, without a bug. It exits
-1 when a bug survives. It is not part of scripts/test.sh (ten runs of the agents' tests): run it after changing
+1 when a bug survives. It is not part of scripts/test.sh (twelve runs of the agents' tests): run it after changing
 these paths.
 
     .venv/bin/python scripts/seed_bugs.py [index ...]
@@ -54,7 +54,19 @@ BUGS = (
         "a gap learned under another session",
         "kvcopy/agents/sessions.py",
         "gap, session=pause.session, tool=pause.tool",
-        "gap, session=request_id, tool=pause.tool",
+        "gap, session=pause.request_id, tool=pause.tool",
+    ),
+    Bug(
+        "a resume that came before its pause waited for",
+        "kvcopy/agents/sessions.py",
+        "ahead = self._ahead_of(session if hint is not None else None, last_key)",
+        "ahead = None",
+    ),
+    Bug(
+        "a lease charged for the time LRU keeps the chunks anyway",
+        "kvcopy/agents/plan.py",
+        "held = np.minimum(g[None, :], leases[:, None]) - lru",
+        "held = np.minimum(g[None, :], leases[:, None]) - 0.0",
     ),
     Bug(
         "one request's hint read for another's",

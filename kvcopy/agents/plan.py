@@ -23,7 +23,7 @@ plus the price of the host bytes the plan holds before G: ``hold_price`` seconds
 byte-second (:func:`hold_price` prices it from how much of what the host tier evicts traffic asks for again).
 
 Without a lease the chunks are LRU's, and LRU keeps them too: a request that just finished left the tier's
-most recent chunks, which go only after ``lru_s`` seconds of the tier's evictions (a capacity's worth). So a
+most recent chunks, which go only once the tier has stored a capacity's worth after them (``lru_s``). So a
 resume within ``lru_s`` is a host hit at no price, whatever the plan but a demotion, and a lease pays only
 for what it holds past ``lru_s``; a keep whose lease ends by then needs no lease at all (``PausePlan.leased``
 is False): the chunks are left to LRU, and a pause shorter than LRU's memory, an agent's back-to-back turn,
