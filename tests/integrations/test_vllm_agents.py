@@ -141,6 +141,28 @@ def test_a_hinted_session_comes_back_to_a_host_hit_that_lru_would_have_evicted(t
         rig.close()
 
 
+def test_a_pause_shorter_than_lrus_keeping_leases_nothing_and_comes_back_to_a_host_hit(tmp_path):
+    """A turn back at once (a forecast well inside what LRU keeps the chunks for) is left to LRU: no lease
+    holds room from the others, and the resume is a host hit, counted as one."""
+    rig = agents_rig(tmp_path)
+    try:
+        seen = counted(rig)
+        quick = {"kvcopy": {"session": "s-17", "tool": "read_file", "resume_in_s": 0.001}}
+        run_one(rig, "turn-1", PROMPT, quick)
+        policy = rig.manager.pauses.policy
+        assert policy.lru_s() > 1.0  # (a tier that stored a few chunks this second keeps them for seconds)
+        assert policy.leased() == 0
+        rig.reset_prefix_cache(zero=True)
+        tokens = [*PROMPT, 5, 6, 7]
+        rig.add("turn-2", tokens, max_tokens=4, kv_transfer_params=quick)
+        rig.run_until_prefilled("turn-2")
+        assert sum(f.get("turn-2", 0) for f in rig.forwards) == len(tokens) - CHUNKS * BLOCK_TOKENS
+        rig.run()  # (turn-2 pauses in its turn, left to LRU too)
+        assert seen[PAUSES] == {("keep",): 2} and seen[RESUMES] == {("host",): 1} and policy.leased() == 0
+    finally:
+        rig.close()
+
+
 def test_done_frees_the_sessions_chunks_first(tmp_path):
     rig = agents_rig(tmp_path)
     try:

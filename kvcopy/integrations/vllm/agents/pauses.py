@@ -245,6 +245,8 @@ class AgentPauses:
             where = "prefetch"
         elif held and all(self._in_host(key) for key in held):
             where = "host"
+        elif not held and pause.last_key is not None and self._in_host(cast(OffloadKey, pause.last_key)):
+            where = "host"  # (left to LRU, unleased, and LRU kept them: its last chunk is the newest)
         elif pause.last_key is not None and self._in_a_tier(pause.last_key, context):
             where = "tier"
         self.stats.increase_counter(RESUMES, 1, (where,))
