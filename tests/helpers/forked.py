@@ -25,8 +25,9 @@ from helpers import HANG_TIMEOUT_S
 __all__ = ["Child"]
 
 # What the children import: each one's import is paid once, by the server. A module that is not installed is
-# skipped by the server (it imports each inside `except ImportError`); none of these runs code at import that
-# a fork would break (no thread, no NIXL agent, no CUDA context).
+# skipped by the server (it imports each inside `except ImportError`). None of these makes a NIXL agent or a
+# CUDA context at import; torch's import starts one idle thread, which a fork leaves behind as it does for
+# torch's own DataLoader workers.
 PRELOAD = [
     "numpy",
     "torch",
