@@ -215,7 +215,6 @@ def test_no_test_module_imports_another():
     assert not found, f"imports of test modules: {found}"
 
 
-@pytest.mark.slow  # one more collection of the whole suite (about 20 s on 2 idle cores)
 def _quick_tests_by_room(node_ids: list[str]) -> dict[str, int]:
     """How many of ``node_ids`` (pytest's, from the repository root) each room's tests/ folder holds."""
     quick: dict[str, int] = {}
