@@ -36,11 +36,36 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from kvcopy._checks import non_negative_number
 from kvcopy.agents.plan import DEFAULT_MAX_LEASED_FRACTION, DEFAULT_MAX_SESSION_FRACTION
 
-__all__ = ["STORE_WINDOW_S", "LeasedPolicy"]
+__all__ = ["STORE_WINDOW_S", "LeasedPolicy", "RecentEvents"]
 
 # The window over which the tier's store rate is measured (lru_s): a minute, as the reuses that price a lease
 # (kvcopy.integrations.vllm.agents.pauses.REUSE_WINDOW_S): long beside a turn, short beside a shift in traffic.
 STORE_WINDOW_S = 60.0
+
+
+class RecentEvents:
+    """When events happened over the last ``window_s`` seconds (a clock's), and how often: the tier's stores
+    (:meth:`LeasedPolicy.lru_s`) and its evicted chunks coming back (what prices a lease)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._times: deque[float] = deque()  # oldest first
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+        self._forget(now)  # (trimmed as they come: with nobody asking for the rate, nothing else would)
+
+    def per_s(self, now: float) -> float:
+        """Events a second over the window (0.0 with none in it; a burst is counted over 1 s)."""
+        self._forget(now)
+        return len(self._times) / max(now - self._times[0], 1.0) if self._times else 0.0
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def _forget(self, now: float) -> None:
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
 
 
 @dataclass
@@ -76,7 +101,7 @@ class LeasedPolicy(CachePolicy):
         self._evicted: OrderedDict[OffloadKey, None] = OrderedDict()  # the last cache_capacity evicted, oldest first
         self._leases: dict[str, _Lease] = {}
         self._demoted: dict[OffloadKey, None] = {}  # (insertion-ordered: the first demoted go first)
-        self._stores: deque[float] = deque()  # when each chunk of the window was stored
+        self._stores = RecentEvents(STORE_WINDOW_S)  # when each chunk was stored
         self.displaced = 0  # leases ended early to give a request room
         self.expired = 0  # leases that ran to their end
 
@@ -132,16 +157,8 @@ class LeasedPolicy(CachePolicy):
         chunks after it as it holds outside the leases (each new one takes free room or evicts the least
         recently used), so the seconds that takes at the rate it stored chunks over the last STORE_WINDOW_S
         (``math.inf`` when it stored none: then nothing needs a lease)."""
-        now = self.clock()
-        self._forget_stores(now)
-        if not self._stores:
-            return math.inf
-        rate = len(self._stores) / max(now - self._stores[0], 1.0)  # chunks a second (a burst counted over 1 s)
-        return max(self.cache_capacity - self.leased(), 0) / rate
-
-    def _forget_stores(self, now: float) -> None:
-        while self._stores and now - self._stores[0] > STORE_WINDOW_S:
-            self._stores.popleft()
+        rate = self._stores.per_s(self.clock())  # chunks a second
+        return max(self.cache_capacity - self.leased(), 0) / rate if rate else math.inf
 
     def _expire(self) -> None:
         now = self.clock()
@@ -201,9 +218,7 @@ class LeasedPolicy(CachePolicy):
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         if self._evicted.pop(key, 0) is None and self.on_reuse is not None:  # (evicted lately, needed again)
             self.on_reuse(key)
-        now = self.clock()
-        self._stores.append(now)
-        self._forget_stores(now)
+        self._stores.add(self.clock())
         self.inner.insert(key, chunk, req_context)
 
     def remove(self, key: OffloadKey) -> None:

@@ -31,7 +31,6 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -54,7 +53,7 @@ from kvcopy.agents.sessions import MAX_PAUSED, Pause, PauseTracker
 from kvcopy.integrations.common.offload_session import OffloadSession
 from kvcopy.integrations.common.online_planner import forward_seconds
 from kvcopy.integrations.vllm._config import SpecConfig
-from kvcopy.integrations.vllm.agents.leases import LeasedPolicy
+from kvcopy.integrations.vllm.agents.leases import LeasedPolicy, RecentEvents
 from kvcopy.integrations.vllm.manager import HitGeometry
 
 if TYPE_CHECKING:
@@ -182,7 +181,7 @@ class AgentPauses:
         self._planned: dict[str, _Planned] = {}  # by paused session
         self._prefetches: dict[str, _Prefetch] = {}  # by paused session
         self._warned: set[str] = set()  # the kinds of hint fault already logged
-        self._reuses: deque[float] = deque()  # when lately evicted chunks came back, over the last REUSE_WINDOW_S
+        self._reuses = RecentEvents(REUSE_WINDOW_S)  # when lately evicted chunks came back
         self._wake = threading.Condition()
         self._stopping = False
         self._timer: threading.Thread | None = None
@@ -424,23 +423,12 @@ class AgentPauses:
         """A chunk the host tier evicted lately came back: traffic needed the room it had (what prices a lease:
         kvcopy.agents.hold_price). A prefetch's own read back is not counted: it is the plan, not the others."""
         if not any(key in prefetch.waiting for prefetch in self._prefetches.values()):
-            now = self.clock()
-            self._reuses.append(now)
-            self._forget_reuses(now)  # (kept to its window here too: with no pause planned, nothing else trims it)
+            self._reuses.add(self.clock())
 
     def _reuse_rate(self) -> float:
         """The fraction of the host tier's capacity that came back within a capacity's worth of evictions, per
         second, over the last REUSE_WINDOW_S."""
-        now = self.clock()
-        self._forget_reuses(now)
-        if not self._reuses:
-            return 0.0
-        span = max(now - self._reuses[0], 1.0)
-        return len(self._reuses) / span / max(self.policy.cache_capacity, 1)
-
-    def _forget_reuses(self, now: float) -> None:
-        while self._reuses and now - self._reuses[0] > REUSE_WINDOW_S:
-            self._reuses.popleft()
+        return self._reuses.per_s(self.clock()) / max(self.policy.cache_capacity, 1)
 
     def _in_host(self, key: OffloadKey) -> bool:
         """Whether ``key``'s chunk is in host RAM, ready (asked of the policy: a lookup would judge)."""
