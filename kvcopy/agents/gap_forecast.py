@@ -38,15 +38,23 @@ __all__ = [
 KERNEL_SCALE = 0.05
 # A quantile is found to this width in ln-seconds: a relative error of 1e-10 in seconds.
 QUANTILE_LOG_TOLERANCE = 1e-10
+# ... or to where the CDF is this close to q: past it, a step is rounding (a CDF's sum of ~1,000 terms is exact
+# to ~1e-16), and in a valley between two modes, where the density is ~1e-6, the steps would wander ~1e-10
+# and bisection would go on to the width above.
+QUANTILE_CDF_TOLERANCE = 1e-13
 # Newton's steps, each falling back to bisection when it would leave the bracket: it converges in about ten;
 # the bound (bisection alone halves a bracket of at most ~100 in log-space to the tolerance in ~40) only
 # guards against a pathological mixture.
 MAX_QUANTILE_STEPS = 200
+# Before Newton's steps, the CDF is taken on this many points across every quantile's bracket, and each search
+# starts inside the one cell that holds its quantile, where the CDF crosses q on the cell's chord: a cell of a
+# typical forecast's span (~20 in log-space) is ~0.16 wide, three kernel scales, and a plan's 255 quantiles
+# are then found in four of Newton's steps (from the components' bracket alone, bisection took ~50; 16 to 256
+# points were timed, 128 the quickest with 60 to 3,000 pauses remembered).
+START_GRID = 128
 # The kernel's variance in log-space: a logistic of scale s has variance s^2 pi^2 / 3.
 _KERNEL_VARIANCE = (KERNEL_SCALE * math.pi) ** 2 / 3.0
 _STANDARD = NormalDist()
-# e^z is clipped to e^700, within a float64: past it a logistic's CDF is below 1e-304 or above 1 - 1e-16.
-_EXP_LIMIT = 700.0
 _ERFC = np.frompyfunc(math.erfc, 1, 1)  # (numpy has no erfc: a normal component's CDF, element by element)
 
 
@@ -120,12 +128,17 @@ class GapForecast:
         """F(y) and its derivative dF/dy at each of ``y`` (ln(seconds))."""
         cdf, density = np.zeros_like(y), np.zeros_like(y)
         if len(self._centres):
-            # a logistic's CDF p = 1 / (1 + e^-z), accurate to its last digits in the lower tail too (low
-            # quantiles matter: a prefetch is timed to one); its density p (1 - p) / s = e^-z p^2 / s
-            e = np.exp(np.clip((self._centres[None, :] - y[:, None]) * (1.0 / KERNEL_SCALE), -_EXP_LIMIT, _EXP_LIMIT))
-            p = 1.0 / (1.0 + e)
-            cdf += p @ self._weights
-            density += ((e * p * p) @ self._weights) * (1.0 / KERNEL_SCALE)
+            # a logistic's CDF is (1 + tanh(z / 2)) / 2 and its density (1 - tanh(z / 2)^2) / 4s, z = (y - c) / s:
+            # one tanh over the (y x centres) matrix, in place, and two products with the weights (three times
+            # faster than its exp form, and as exact in the probabilities a plan asks for: its error is ~1e-16
+            # absolute, so a CDF below that reads 0, far under a plan's lowest quantile, 1/256)
+            half = np.subtract.outer(y, self._centres)
+            half *= 0.5 / KERNEL_SCALE
+            tanh = np.tanh(half, out=half)
+            total = float(self._weights.sum())
+            cdf += 0.5 * (total + tanh @ self._weights)
+            tanh *= tanh
+            density += np.maximum(total - tanh @ self._weights, 0.0) * (0.25 / KERNEL_SCALE)
         for weight, mu, sigma in self._normals:
             z = (y - mu) / sigma
             cdf += weight * 0.5 * _erfc(-z / math.sqrt(2.0))
@@ -141,16 +154,26 @@ class GapForecast:
         return mean, variance
 
     def _log_quantiles(self, qs: np.ndarray) -> np.ndarray:
-        """ln of each of ``qs``' quantiles, all at once: a safeguarded Newton search per quantile, bracketed by
-        the components' own quantiles (a mixture's q-quantile lies between them), run on every unfinished one
-        together (a plan asks for 255)."""
+        """ln of each of ``qs``' quantiles, all at once (a plan asks for 255): bracketed by the components' own
+        quantiles (a mixture's q-quantile lies between them), each bracket narrowed to one cell of the CDF taken
+        on START_GRID points across them all and started where the CDF crosses q inside it, then a safeguarded
+        Newton search, run on every unfinished one together."""
         logit = np.log(qs) - np.log1p(-qs)
         standard = np.array([_STANDARD.inv_cdf(float(q)) for q in qs])
         ends = [mu + sigma * standard for _, mu, sigma in self._normals]
         if len(self._centres):
             ends += [float(c) + KERNEL_SCALE * logit for c in (self._centres.min(), self._centres.max())]
         lo, hi = np.min(ends, axis=0), np.max(ends, axis=0)
-        y = 0.5 * (lo + hi)
+        grid = np.linspace(lo.min(), hi.max(), START_GRID)
+        at_grid = np.maximum.accumulate(self._cdf_and_density(grid)[0])  # (monotone, as the CDF is)
+        cell = np.searchsorted(at_grid, qs)  # at_grid[cell - 1] < q <= at_grid[cell]
+        below, above = np.maximum(cell - 1, 0), np.minimum(cell, START_GRID - 1)
+        lo = np.where(cell > 0, np.maximum(lo, grid[below]), lo)
+        hi = np.where(cell < START_GRID, np.minimum(hi, grid[above]), hi)
+        rise = at_grid[above] - at_grid[below]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = grid[below] + (qs - at_grid[below]) / rise * (grid[above] - grid[below])
+        y = np.where((lo < y) & (y < hi), y, 0.5 * (lo + hi))
         found = np.zeros(len(qs), dtype=bool)
         for _ in range(MAX_QUANTILE_STEPS):
             at = np.flatnonzero(~found & (hi - lo > QUANTILE_LOG_TOLERANCE))
@@ -163,7 +186,7 @@ class GapForecast:
             with np.errstate(divide="ignore", invalid="ignore"):
                 step = np.where(density > 0, ya - (cdf - qa) / density, np.nan)
             step = np.where((lo[at] < step) & (step < hi[at]), step, 0.5 * (lo[at] + hi[at]))
-            exact = cdf == qa
+            exact = np.abs(cdf - qa) <= QUANTILE_CDF_TOLERANCE
             y[at] = np.where(exact, ya, step)
             found[at] = exact | (np.abs(step - ya) <= QUANTILE_LOG_TOLERANCE)
         return np.where(found, y, 0.5 * (lo + hi))

@@ -214,9 +214,10 @@ def plan_pause(
     price = non_negative_number("hold_price", hold_price) * costs.nbytes
     if room_bytes is not None and (not isinstance(room_bytes, int) or isinstance(room_bytes, bool)):
         raise TypeError(f"room_bytes: expected an int or None, got {type(room_bytes).__name__}")
-    cap = lease_cap(gaps) if cap_s is None else non_negative_number("cap_s", cap_s)
+    given_cap = None if cap_s is None else non_negative_number("cap_s", cap_s)
     lru = math.inf if lru_s == math.inf else non_negative_number("lru_s", lru_s)  # (inf: a tier that evicts nothing)
-    edges, g = _bins(gaps)
+    edges, g, high = _bins(gaps)
+    cap = high + LEASE_SLACK_S if given_cap is None else given_cap  # (lease_cap's, from the same search)
     host, fallback = costs.host_s, costs.fallback_s
     may_hold = room_bytes is None or costs.nbytes <= room_bytes
 
@@ -281,19 +282,20 @@ def plan_pause(
 _BY_HOLDING: tuple[Choice, ...] = ("drop", "demote", "keep")
 
 
-def _bins(gaps: GapDistribution) -> tuple[np.ndarray, np.ndarray]:
+def _bins(gaps: GapDistribution) -> tuple[np.ndarray, np.ndarray, float]:
     """The gap's GAP_POINTS equal-probability bins, in seconds: their inner edges (GAP_POINTS - 1) and their
-    medians (GAP_POINTS), ascending. A forecast that gives a negative or non-finite quantile is refused."""
-    qs = np.arange(1, 2 * GAP_POINTS) / (2 * GAP_POINTS)  # odd: the bins' medians; even: their edges
+    medians (GAP_POINTS), ascending; and its LEASE_QUANTILE, asked with them. A forecast that gives a negative or
+    non-finite quantile is refused."""
+    qs = np.append(np.arange(1, 2 * GAP_POINTS) / (2 * GAP_POINTS), LEASE_QUANTILE)  # odd: medians; even: edges
     many = getattr(gaps, "quantiles", None)  # (a GapForecast finds them all in one search)
     if many is not None:
-        points = np.asarray(many(qs), dtype=np.float64)
+        found = np.asarray(many(qs), dtype=np.float64)
     else:
-        points = np.array([float(gaps.quantile(float(q))) for q in qs])
-    if not np.all(np.isfinite(points)) or np.any(points < 0):
-        raise ValueError(f"gaps: its quantiles must be finite seconds >= 0, got {points[:3]}...")
-    points = np.maximum.accumulate(points)  # (a forecast's rounding never makes them decrease)
-    return points[1::2], points[0::2]
+        found = np.array([float(gaps.quantile(float(q))) for q in qs])
+    if not np.all(np.isfinite(found)) or np.any(found < 0):
+        raise ValueError(f"gaps: its quantiles must be finite seconds >= 0, got {found[:3]}...")
+    points = np.maximum.accumulate(found[:-1])  # (a forecast's rounding never makes them decrease)
+    return points[1::2], points[0::2], float(found[-1])
 
 
 def _last_min(cost: np.ndarray) -> int:

@@ -46,10 +46,18 @@ THIRD = [(5 * i + 11) % 250 for i in range(len(PROMPT))]
 HINT = {"kvcopy": {"session": "s-17", "tool": "run_tests", "resume_in_s": 30.0}}
 
 
-def agents_rig(tmp_path, *, agents: str = "auto", primary_chunks: int = 2 * CHUNKS + 2, disk_s: float = 1e9, **extra):
+def agents_rig(
+    tmp_path,
+    *,
+    agents: str = "auto",
+    primary_chunks: int = 2 * CHUNKS + 2,
+    disk_s: float = 1e9,
+    measured: bool = True,
+    **extra,
+):
     """kvcopy's tiered spec over a KVCopyDiskTier whose reads take ``disk_s`` a call (by default far slower than
     recomputing: a chunk not in host RAM is computed), with a host tier of ``primary_chunks`` chunks that one
-    session may lease whole."""
+    session may lease whole; ``measured``: its reuse taken as measured (:func:`reuse_measured`)."""
     profile = write_profile(
         tmp_path / f"disk_{disk_s:g}.json",
         "model",
@@ -59,7 +67,7 @@ def agents_rig(tmp_path, *, agents: str = "auto", primary_chunks: int = 2 * CHUN
         disk=(disk_s, 1e15),
     )
     tier = {"type": "KVCopyDiskTier", "module_path": "kvcopy.integrations.vllm", "path": str(tmp_path / "tier")}
-    return make_tiering_rig(
+    rig = make_tiering_rig(
         tmp_path,
         secondary_tiers=[{**tier, "bytes_to_use": 1 << 22}],
         spec=SPEC_PATH,
@@ -73,6 +81,17 @@ def agents_rig(tmp_path, *, agents: str = "auto", primary_chunks: int = 2 * CHUN
             **extra,
         },
     )
+    if measured and rig.manager.pauses is not None:
+        reuse_measured(rig)
+    return rig
+
+
+def reuse_measured(rig) -> None:
+    """The host tier's reuse taken as measured, and none: as after a capacity's worth of evictions that nothing
+    asked for again. Holding is then free, and a hinted pause leases to its cap. (A fresh tier prices holding at
+    its store rate until then: the test of that is test_holding_is_priced_at_the_store_rate_until_...)"""
+    policy = rig.manager.pauses.policy
+    policy.evicted = policy.cache_capacity
 
 
 def counted(rig) -> dict[str, dict]:
@@ -327,6 +346,7 @@ def test_the_reuse_that_prices_a_lease_is_kept_to_its_window_with_no_pause_plann
         pauses = rig.manager.pauses
         clock = Clock(1000.0)
         pauses.clock = clock
+        pauses.policy.evicted = pauses.policy.cache_capacity  # (the reuses are measured: see the next test)
         keys = rig.offload_keys(PROMPT)
         for second in range(10 * int(REUSE_WINDOW_S)):
             clock.now = 1000.0 + second
@@ -334,6 +354,31 @@ def test_the_reuse_that_prices_a_lease_is_kept_to_its_window_with_no_pause_plann
         assert len(pauses._reuses) == int(REUSE_WINDOW_S) + 1  # the last minute's, ends included
         per_s = len(pauses._reuses) / REUSE_WINDOW_S
         assert pauses._reuse_rate() == pytest.approx(per_s / pauses.policy.cache_capacity)
+    finally:
+        rig.close()
+
+
+def test_holding_is_priced_at_the_store_rate_until_the_tier_has_evicted_a_capacitys_worth(tmp_path):
+    """Before the reuses are measured (a chunk counts as reused only while among the last capacity's worth
+    evicted), every chunk the tier stores is taken to evict one that comes back: holding is priced at the store
+    rate, the most the reuse rate can be. After, at the reuses seen: here none, so holding is free."""
+    rig = agents_rig(tmp_path, measured=False)
+    try:
+        pauses = rig.manager.pauses
+        policy = pauses.policy
+        clock = Clock(1000.0)
+        pauses.clock = policy.clock = pauses.tracker.clock = clock
+        assert pauses._reuse_rate() == 0.0  # nothing stored yet
+        priced = []
+        for k in range(1, 8):  # distinct prompts, each its own chunks: nothing evicted comes back
+            clock.now += 1.0
+            run_one(rig, f"r{k}", [(k * i + 3 * k) % 250 for i in range(len(PROMPT))])
+            if policy.evicted < policy.cache_capacity:
+                priced.append(pauses._reuse_rate())
+                assert priced[-1] == pytest.approx(policy.stored_per_s() / policy.cache_capacity)
+        assert len(priced) >= 2 and min(priced) > 0.0
+        assert policy.evicted >= policy.cache_capacity
+        assert pauses._reuse_rate() == 0.0
     finally:
         rig.close()
 
@@ -502,6 +547,8 @@ def test_the_untiered_spec_leases_a_hinted_session_that_lru_would_have_evicted(t
     try:
         assert isinstance(rig.manager, KVCopyOffloadingManager)
         assert (rig.manager.pauses is None) == (agents == "off")
+        if agents == "auto":
+            reuse_measured(rig)
         for name, tokens, params in (("turn-1", PROMPT, HINT), ("other", OTHER, None), ("third", THIRD, None)):
             rig.add(name, list(tokens), kv_transfer_params=params)
             rig.run()
@@ -529,6 +576,7 @@ def test_the_agents_metrics_reach_vllms_logger(tmp_path, tiered):
         )
         whole = {"kvcopy_agent_max_leased_fraction": 1.0, "kvcopy_agent_max_session_fraction": 1.0}
         rig = make_rig(tmp_path, extra={"cpu_bytes_to_use": 4 * CHUNKS * ROW_BYTES, "kvcopy_profile": profile, **whole})
+        reuse_measured(rig)
     try:
         registry = prometheus_logger(rig)
         run_one(rig, "turn-1", PROMPT, HINT)

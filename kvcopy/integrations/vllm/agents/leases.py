@@ -102,6 +102,7 @@ class LeasedPolicy(CachePolicy):
         self._leases: dict[str, _Lease] = {}
         self._demoted: dict[OffloadKey, None] = {}  # (insertion-ordered: the first demoted go first)
         self._stores = RecentEvents(STORE_WINDOW_S)  # when each chunk was stored
+        self.evicted = 0  # chunks evicted in all
         self.displaced = 0  # leases ended early to give a request room
         self.expired = 0  # leases that ran to their end
 
@@ -157,8 +158,12 @@ class LeasedPolicy(CachePolicy):
         chunks after it as it holds outside the leases (each new one takes free room or evicts the least
         recently used), so the seconds that takes at the rate it stored chunks over the last STORE_WINDOW_S
         (``math.inf`` when it stored none: then nothing needs a lease)."""
-        rate = self._stores.per_s(self.clock())  # chunks a second
+        rate = self.stored_per_s()
         return max(self.cache_capacity - self.leased(), 0) / rate if rate else math.inf
+
+    def stored_per_s(self) -> float:
+        """Chunks the tier stored a second, over the last STORE_WINDOW_S."""
+        return self._stores.per_s(self.clock())
 
     def _expire(self) -> None:
         now = self.clock()
@@ -208,6 +213,7 @@ class LeasedPolicy(CachePolicy):
             self._evicted.move_to_end(key)
         while len(self._evicted) > self.cache_capacity:
             self._evicted.popitem(last=False)
+        self.evicted += len(out)
         return out
 
     # ------------------------------------------------------------------ the rest, as the inner policy

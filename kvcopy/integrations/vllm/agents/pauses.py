@@ -427,8 +427,20 @@ class AgentPauses:
 
     def _reuse_rate(self) -> float:
         """The fraction of the host tier's capacity that came back within a capacity's worth of evictions, per
-        second, over the last REUSE_WINDOW_S."""
-        return self._reuses.per_s(self.clock()) / max(self.policy.cache_capacity, 1)
+        second, over the last REUSE_WINDOW_S.
+
+        Until the tier has evicted a capacity's worth of chunks, that is not measured yet (a chunk counts as
+        reused only while it is among the last capacity's worth evicted), and the rate is taken at the most it
+        can be: the tier's store rate (once full, each chunk stored evicts one, and each is taken to come
+        back). An engine starts from what LRU does, then, and leases for longer as it sees the others' traffic
+        leave it room. (Priced at nothing until a reuse was seen, the first pauses leased to their cap while
+        the tier filled, a session's last turn to the end of its forecast: a fifth of the agent bench's time on
+        back-to-back turns.)
+        """
+        capacity = max(self.policy.cache_capacity, 1)
+        if self.policy.evicted < capacity:
+            return self.policy.stored_per_s() / capacity
+        return self._reuses.per_s(self.clock()) / capacity
 
     def _in_host(self, key: OffloadKey) -> bool:
         """Whether ``key``'s chunk is in host RAM, ready (asked of the policy: a lookup would judge)."""
