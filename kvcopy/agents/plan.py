@@ -27,12 +27,13 @@ most recent chunks, which go only once the tier has stored a capacity's worth af
 resume within ``lru_s`` is a host hit at no price, whatever the plan but a demotion, and a lease pays only
 for what it holds past ``lru_s``; a keep whose lease ends by then needs no lease at all (``PausePlan.leased``
 is False): the chunks are left to LRU, and a pause shorter than LRU's memory, an agent's back-to-back turn,
-costs the other sessions nothing.
+costs the other sessions nothing. Chunks read back are LRU's most recent in their turn: a read back from P is
+kept ``lru_s`` after P unleased, and priced only past that.
 A lease, and a prefetched hold, end at the latest at ``lease_cap_s`` (the forecast's high quantile plus
 slack): past it the chunks fall back to LRU, as if demoted. Early prefetches cost only residency and late ones
 forfeit the gain, so the best start is a low quantile of G minus the read; the optimum is found exactly on the
 forecast's points (every breakpoint of the piecewise-linear cost is a candidate), with numpy, in well under a
-millisecond.
+millisecond (the forecast's 255 quantiles take most of a plan's few milliseconds).
 """
 
 from __future__ import annotations
@@ -154,9 +155,12 @@ class PausePlan:
 
     @property
     def leased(self) -> bool:
-        """Whether the plan holds the chunks under a lease: a keep (or a read back) whose hold outlasts
-        ``lru_s``, what LRU keeps them for without one."""
-        return self.lease_end_s is not None and self.lease_end_s > self.lru_s
+        """Whether the plan holds the chunks under a lease: a keep whose hold outlasts ``lru_s``, what LRU keeps
+        them for without one, or a read back whose hold outlasts ``lru_s`` after it starts (LRU keeps the chunks
+        it reads back as it keeps those it stores)."""
+        if self.lease_end_s is None:
+            return False
+        return self.lease_end_s > (self.prefetch_at_s or 0.0) + self.lru_s
 
     @classmethod
     def released(cls, reason: str) -> PausePlan:
@@ -244,22 +248,25 @@ def plan_pause(
         options["demote"] = fallback
         starts = np.empty(0)
         if may_hold:
-            starts = np.concatenate((edges, edges - read))
+            starts = np.concatenate((edges, edges - read, edges - lru, [cap - lru]))
             # after the pause (a read back at once is a keep with a round trip) and landing by the cap
             starts = np.unique(starts[(starts > 0.0) & (starts + read < cap)])
         if len(starts):
-            # read back from P: released before P, in flight on [P, P + read), held from P until the resume
-            # or the cap; every breakpoint (a bin's edge, or an edge less the read) is a candidate.
+            # read back from P: released before P, in flight on [P, P + read), then in host RAM until the resume,
+            # or until the cap or what LRU keeps a chunk it took at P, whichever is later; held (priced) from P
+            # until the resume or the cap, less what LRU keeps it anyway. Every breakpoint is a candidate: a
+            # bin's edge, an edge less the read or less LRU's keeping, the cap less LRU's keeping.
             p, gg = starts[:, None], g[None, :]
-            held = price * (np.minimum(gg, cap) - p)
+            held = price * np.maximum(np.minimum(gg, cap) - p - lru, 0.0)  # (lru inf: nothing charged)
+            until = np.maximum(cap, p + lru)
             cost = np.where(
                 gg < p,
                 fallback,
-                np.where(gg < p + read, p + read - gg + host + held, np.where(gg < cap, host, fallback) + held),
+                np.where(gg < p + read, p + read - gg + host + held, np.where(gg < until, host, fallback) + held),
             ).mean(axis=1)
             best = int(np.argmin(cost))  # (on a tie, the earlier read: the more margin)
             if cost[best] < fallback:
-                in_host = ((gg >= p + read) & (gg < cap))[best].mean()
+                in_host = ((gg >= p + read) & (gg < until))[best].mean()
                 plans["demote"] = (float(cost[best]), cap, float(starts[best]), float(in_host))
                 options["demote"] = float(cost[best])
     least = min(plan[0] for plan in plans.values())
@@ -322,7 +329,11 @@ def _explain(
         assert lease_end is not None
         what = f"keep in host RAM until {seconds_text(lease_end)} (back by then with p={in_host:.2f})"
     elif choice == "demote" and prefetch_at is not None:
-        what = f"demote, read back from {seconds_text(prefetch_at)} (in host RAM at the resume with p={in_host:.2f})"
+        unleased = ", LRU's from then, no lease" if lease_end is not None and lease_end <= prefetch_at + lru else ""
+        what = (
+            f"demote, read back from {seconds_text(prefetch_at)}{unleased} (in host RAM at the resume with "
+            f"p={in_host:.2f})"
+        )
     elif choice == "demote":
         what = "demote, no read ahead (the tier's read at the resume is cheaper than holding)"
     else:

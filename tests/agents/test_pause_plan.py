@@ -228,8 +228,28 @@ def lru_resume_cost(g: float, costs: PauseCosts, price: float, lru: float, lease
     return fallback + hold * max(0.0, lease - lru)
 
 
+def lru_read_back_cost(g: float, costs: PauseCosts, price: float, lru: float, cap: float, start: float) -> float:
+    """A resume at ``g`` when the chunks were demoted and read back from ``start``, and LRU keeps what it read
+    back ``lru`` seconds after it took it in: in host RAM from the read's end until the later of the cap and
+    that, the hold charged only for what of it until the resume (or the cap) is past ``start + lru`` (the
+    reference, apart from the module)."""
+    assert costs.read_s is not None and costs.tier_s is not None
+    fallback = min(costs.tier_s, costs.recompute_s)
+    hold = price * costs.nbytes
+    charged = hold * max(0.0, min(g, cap) - start - lru)
+    if g < start:
+        return fallback
+    if g < start + costs.read_s:
+        return (start + costs.read_s - g) + costs.host_s + charged
+    if g < max(cap, start + lru):
+        return costs.host_s + charged
+    return fallback + charged
+
+
 @pytest.mark.parametrize("lru", [0.05, 2.0, 30.0])
-@pytest.mark.parametrize("name", ["tool_gap_busy_host", "minute_gap_dear_host", "no_tier_dear_hold", "slow_tier"])
+@pytest.mark.parametrize(
+    "name", ["tool_gap_busy_host", "minute_gap_dear_host", "no_tier_dear_hold", "slow_tier", "tight_estimate"]
+)
 def test_with_lrus_memory_the_plan_costs_no_more_than_a_brute_force_search(name: str, lru: float) -> None:
     gaps, costs, price = SCENARIOS[name]
     plan = plan_pause(gaps, costs, hold_price=price, lru_s=lru)
@@ -239,18 +259,29 @@ def test_with_lrus_memory_the_plan_costs_no_more_than_a_brute_force_search(name:
     def keeping(lease: float) -> float:
         return sum(lru_resume_cost(g, costs, price, lru, lease) for g in points) / len(points)
 
+    def reading_back(start: float) -> float:
+        return sum(lru_read_back_cost(g, costs, price, lru, cap, start) for g in points) / len(points)
+
     common = dict(costs=costs, price=price, cap=cap)
     if plan.choice == "keep":
         assert plan.lease_end_s is not None
         mine = keeping(plan.lease_end_s)
         assert plan.leased == (plan.lease_end_s > lru)
+    elif plan.prefetch_at_s is not None:
+        mine = reading_back(plan.prefetch_at_s)
+        assert plan.leased == (cap > plan.prefetch_at_s + lru)
     else:
         mine = plan_cost(plan, points, costs, price, cap)  # a demotion or a drop: LRU keeps nothing of it
-    best = min(
+    candidates = [
         expected(points, lease=None, prefetch=None, kept=False, **common),  # drop
         keeping(lru),  # left to LRU, unleased
         *(keeping(lru + (cap - lru) * i / 80) for i in range(81) if lru < cap),
-    )
+    ]
+    if costs.tier_s is not None:
+        assert costs.read_s is not None
+        candidates.append(expected(points, lease=0.0, prefetch=None, kept=True, **common))  # demoted, no read
+        candidates += [reading_back(t) for t in (cap * i / 80 for i in range(1, 80)) if t + costs.read_s < cap]
+    best = min(candidates)
     assert mine <= best * 1.02 + 1e-3, (plan.explanation, mine, best)
 
 

@@ -110,13 +110,15 @@ def agent_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 @dataclass
 class _Prefetch:
-    """A demoted session's read back: due at ``due`` (the clock's seconds), then leased until ``until``."""
+    """A demoted session's read back: due at ``due`` (the clock's seconds), then held until ``until``, under a
+    lease when ``leased`` (else LRU's, which keeps it as long: PausePlan.leased)."""
 
     session: str
     keys: tuple[OffloadKey, ...]
     context: ReqContext
     due: float
     until: float
+    leased: bool
     waiting: set[OffloadKey] = field(default_factory=set)  # promoted, not landed yet
     read: list[OffloadKey] = field(default_factory=list)  # every chunk it promoted (landed or not)
     started: bool = False
@@ -293,7 +295,7 @@ class AgentPauses:
             self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("keep",))
         elif plan.prefetch_at_s is not None and plan.lease_end_s is not None:
             self._prefetches[pause.session] = _Prefetch(
-                pause.session, tuple(held), context, now + plan.prefetch_at_s, now + plan.lease_end_s
+                pause.session, tuple(held), context, now + plan.prefetch_at_s, now + plan.lease_end_s, plan.leased
             )
             self._notify()
         self.stats.increase_counter(PAUSES, 1, (plan.choice,))
@@ -348,6 +350,8 @@ class AgentPauses:
                     self._lease_prefetched(prefetch)
 
     def _lease_prefetched(self, prefetch: _Prefetch) -> None:
+        if not prefetch.leased:
+            return  # (LRU keeps what it read back until the plan's end)
         leased = self.policy.lease(prefetch.session, prefetch.keys, prefetch.until)
         self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("prefetch",))
 
