@@ -63,10 +63,10 @@ BUGS = (
         "ahead = None",
     ),
     Bug(
-        "a keep not charged for the time LRU keeps the chunks",
+        "a lease charged for the time LRU keeps the chunks anyway",
         "kvcopy/agents/plan.py",
-        "held = np.minimum(g[None, :], leases[:, None])  #",
-        "held = np.maximum(np.minimum(g[None, :], leases[:, None]) - lru, 0.0)  #",
+        "held = np.minimum(g[None, :], leases[:, None]) - lru",
+        "held = np.minimum(g[None, :], leases[:, None]) - 0.0",
     ),
     Bug(
         "holding priced at nothing before the tier's reuse is measured",
@@ -75,10 +75,10 @@ BUGS = (
         "if self.policy.evicted < 0:",
     ),
     Bug(
-        "a read back not charged while LRU keeps it",
+        "a read back charged for the time LRU keeps it anyway",
         "kvcopy/agents/plan.py",
-        "held = price * (np.minimum(gg, until) - p)",
         "held = price * np.maximum(np.minimum(gg, cap) - p - lru, 0.0)",
+        "held = price * np.maximum(np.minimum(gg, cap) - p, 0.0)",
     ),
     Bug(
         "one request's hint read for another's",

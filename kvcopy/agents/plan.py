@@ -24,12 +24,11 @@ byte-second (:func:`hold_price` prices it from how much of what the host tier ev
 
 Without a lease the chunks are LRU's, and LRU keeps them too: a request that just finished left the tier's
 most recent chunks, which go only once the tier has stored a capacity's worth after them (``lru_s``). So a
-resume within ``lru_s`` is a host hit whatever the plan but a demotion, and a keep whose lease would end by
-then needs no lease at all (``PausePlan.leased`` is False): the chunks are left to LRU. Chunks read back are
-LRU's most recent in their turn: a read back from P stays ``lru_s`` after P unleased. Holding is priced
-for every second the chunks hold host RAM, LRU's or leased (a demotion, which frees it at once, is what
-saves it): a back-to-back turn, a pause of milliseconds, holds next to nothing and is left to LRU, and a
-long one on a busy tier is read back rather than kept.
+resume within ``lru_s`` is a host hit at no price, whatever the plan but a demotion, and a lease pays only
+for what it holds past ``lru_s``; a keep whose lease ends by then needs no lease at all (``PausePlan.leased``
+is False): the chunks are left to LRU, and a pause shorter than LRU's memory, an agent's back-to-back turn,
+costs the other sessions nothing. Chunks read back are LRU's most recent in their turn: a read back from P is
+kept ``lru_s`` after P unleased, and priced only past that.
 A lease, and a prefetched hold, end at the latest at ``lease_cap_s`` (the forecast's high quantile plus
 slack): past it the chunks fall back to LRU, as if demoted. Early prefetches cost only residency and late ones
 forfeit the gain, so the best start is a low quantile of G minus the read; the optimum is found exactly on the
@@ -228,15 +227,16 @@ def plan_pause(
 
     options: dict[str, float] = {"drop": costs.recompute_s}
     plans: dict[str, tuple[float, float | None, float | None, float]] = {"drop": (costs.recompute_s, None, None, 0.0)}
-    # keep until L >= lru: a resume at g <= L is a host hit, a later one falls back; the chunks hold host RAM
-    # until the resume or L. L = lru is LRU's keeping, unleased (with lru 0, a demotion); a longer one is a
-    # lease, only with room for it.
+    # keep until L: a resume at g <= max(L, lru) is a host hit (leased for what of g is past lru), a later one
+    # falls back (leased for what of L is past lru). L = lru is LRU's keeping, unleased (with lru 0, a
+    # demotion); a longer lease only with room for it.
     leases = np.array([lru] if lru > 0 else [])
     if may_hold and lru < cap:
         leases = np.unique(np.concatenate((leases, [cap], edges[(edges > lru) & (edges < cap)])))
     if len(leases):
         inside = g[None, :] <= leases[:, None]
-        held = np.minimum(g[None, :], leases[:, None])  # (lru inf: until the resume)
+        held = np.minimum(g[None, :], leases[:, None]) - lru
+        held = np.where(np.isfinite(held), np.maximum(held, 0.0), 0.0)  # (inf - inf: LRU keeps them, unleased)
         cost = np.where(inside, host, fallback).mean(axis=1) + price * held.mean(axis=1)
         best = _last_min(cost)  # (on a tie, the longer lease: holding was free)
         plans["keep"] = (float(cost[best]), float(leases[best]), None, float(inside[best].mean()))
@@ -253,12 +253,12 @@ def plan_pause(
             starts = np.unique(starts[(starts > 0.0) & (starts + read < cap)])
         if len(starts):
             # read back from P: released before P, in flight on [P, P + read), then in host RAM until the resume,
-            # or until the cap or what LRU keeps a chunk it took in at P, whichever is later; holding host RAM
-            # from P on. Every breakpoint is a candidate: a bin's edge, an edge less the read or less LRU's
-            # keeping, the cap less LRU's keeping.
+            # or until the cap or what LRU keeps a chunk it took at P, whichever is later; held (priced) from P
+            # until the resume or the cap, less what LRU keeps it anyway. Every breakpoint is a candidate: a
+            # bin's edge, an edge less the read or less LRU's keeping, the cap less LRU's keeping.
             p, gg = starts[:, None], g[None, :]
+            held = price * np.maximum(np.minimum(gg, cap) - p - lru, 0.0)  # (lru inf: nothing charged)
             until = np.maximum(cap, p + lru)
-            held = price * (np.minimum(gg, until) - p)
             cost = np.where(
                 gg < p,
                 fallback,

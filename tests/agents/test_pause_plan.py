@@ -219,31 +219,31 @@ def test_a_read_longer_than_the_lease_cap_is_never_started_ahead() -> None:
 
 def lru_resume_cost(g: float, costs: PauseCosts, price: float, lru: float, lease: float) -> float:
     """A resume at ``g`` when the chunks are kept until ``lease`` and LRU keeps them ``lru`` seconds anyway: a
-    host hit until the later of the two, when they go; charged for every second they hold host RAM (the
+    host hit until the later of the two, the lease charged only for what it holds past ``lru`` (the
     reference, apart from the module)."""
     fallback = costs.recompute_s if costs.tier_s is None else min(costs.tier_s, costs.recompute_s)
     hold = price * costs.nbytes
-    kept = max(lease, lru)
-    if g <= kept:
-        return costs.host_s + hold * g
-    return fallback + hold * kept
+    if g <= max(lease, lru):
+        return costs.host_s + hold * max(0.0, min(g, lease) - lru)
+    return fallback + hold * max(0.0, lease - lru)
 
 
 def lru_read_back_cost(g: float, costs: PauseCosts, price: float, lru: float, cap: float, start: float) -> float:
     """A resume at ``g`` when the chunks were demoted and read back from ``start``, and LRU keeps what it read
     back ``lru`` seconds after it took it in: in host RAM from the read's end until the later of the cap and
-    that, charged for every second from ``start`` (the reference, apart from the module)."""
+    that, the hold charged only for what of it until the resume (or the cap) is past ``start + lru`` (the
+    reference, apart from the module)."""
     assert costs.read_s is not None and costs.tier_s is not None
     fallback = min(costs.tier_s, costs.recompute_s)
     hold = price * costs.nbytes
-    until = max(cap, start + lru)
+    charged = hold * max(0.0, min(g, cap) - start - lru)
     if g < start:
         return fallback
     if g < start + costs.read_s:
-        return (start + costs.read_s - g) + costs.host_s + hold * (g - start)
-    if g < until:
-        return costs.host_s + hold * (g - start)
-    return fallback + hold * (until - start)
+        return (start + costs.read_s - g) + costs.host_s + charged
+    if g < max(cap, start + lru):
+        return costs.host_s + charged
+    return fallback + charged
 
 
 @pytest.mark.parametrize("lru", [0.05, 2.0, 30.0])
