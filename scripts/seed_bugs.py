@@ -4,7 +4,7 @@ Issue #40 asks that every seeded bug in the pause paths fail a test: a lease nev
 wrong time, a hint's session mixed with another's, a wrong quantile. Each entry of BUGS is one such bug, as an
 exact replacement in one file; the script applies it, runs the agents' tests (AGENT_TESTS, about 40 s on two
 cores), puts the file back, and says which test caught it; the tests must pass first, without a bug. It exits
-1 when a bug survives. It is not part of scripts/test.sh (fourteen runs of the agents' tests): run it after changing
+1 when a bug survives. It is not part of scripts/test.sh (fifteen runs of the agents' tests): run it after changing
 these paths.
 
     .venv/bin/python scripts/seed_bugs.py [index ...]
@@ -79,6 +79,12 @@ BUGS = (
         "kvcopy/agents/plan.py",
         "held = price * np.maximum(np.minimum(gg, cap) - p - lru, 0.0)",
         "held = price * np.maximum(np.minimum(gg, cap) - p, 0.0)",
+    ),
+    Bug(
+        "a pause planned as it begins, whatever the delay",
+        PAUSES,
+        "delay = min(self.plan_delay_s, 0.5 * self.policy.lru_s())",
+        "delay = 0.0",
     ),
     Bug(
         "one request's hint read for another's",

@@ -53,11 +53,14 @@ def agents_rig(
     primary_chunks: int = 2 * CHUNKS + 2,
     disk_s: float = 1e9,
     measured: bool = True,
+    plan_delay_s: float = 0.0,
     **extra,
 ):
     """kvcopy's tiered spec over a KVCopyDiskTier whose reads take ``disk_s`` a call (by default far slower than
     recomputing: a chunk not in host RAM is computed), with a host tier of ``primary_chunks`` chunks that one
-    session may lease whole; ``measured``: its reuse taken as measured (:func:`reuse_measured`)."""
+    session may lease whole; ``measured``: its reuse taken as measured (:func:`reuse_measured`);
+    ``plan_delay_s``: how long a pause waits for its plan (0: planned as it begins, which is what most tests
+    here look at; the delay has tests of its own)."""
     profile = write_profile(
         tmp_path / f"disk_{disk_s:g}.json",
         "model",
@@ -81,8 +84,10 @@ def agents_rig(
             **extra,
         },
     )
-    if measured and rig.manager.pauses is not None:
-        reuse_measured(rig)
+    if rig.manager.pauses is not None:
+        rig.manager.pauses.plan_delay_s = plan_delay_s
+        if measured:
+            reuse_measured(rig)
     return rig
 
 
@@ -178,6 +183,91 @@ def test_a_pause_shorter_than_lrus_keeping_leases_nothing_and_comes_back_to_a_ho
         assert sum(f.get("turn-2", 0) for f in rig.forwards) == len(tokens) - CHUNKS * BLOCK_TOKENS
         rig.run()  # (turn-2 pauses in its turn, left to LRU too)
         assert seen[PAUSES] == {("keep",): 2} and seen[RESUMES] == {("host",): 1} and policy.leased() == 0
+    finally:
+        rig.close()
+
+
+def test_a_session_back_within_the_plan_delay_is_never_planned(tmp_path, monkeypatch):
+    """An agent's back-to-back turn ends its pause before the pause has waited PLAN_DELAY_S for its plan: no plan
+    is computed (a few milliseconds of the scheduler's thread each), LRU keeps the chunks meanwhile, and the
+    resume is a host hit, counted as one; no pause decision is counted."""
+    from kvcopy.integrations.vllm.agents.pauses import PLAN_DELAY_S
+
+    rig = agents_rig(tmp_path, plan_delay_s=PLAN_DELAY_S)
+    try:
+        pauses = rig.manager.pauses
+        clock = Clock(1000.0)
+        pauses.clock = pauses.policy.clock = pauses.tracker.clock = clock
+
+        def planned(*args, **kwargs):
+            raise AssertionError("a pause was planned")
+
+        monkeypatch.setattr(pauses, "_plan", planned)
+        seen = counted(rig)
+        run_one(rig, "turn-1", PROMPT, HINT)
+        assert "s-17" in pauses._waiting and pauses.policy.leased() == 0 and not pauses.due_now()
+        clock.now += PLAN_DELAY_S / 2  # back before its plan is due
+        tokens = [*PROMPT, 5, 6, 7]
+        rig.add("turn-2", tokens, max_tokens=4, kv_transfer_params=HINT)
+        rig.run_until_prefilled("turn-2")
+        assert not pauses._waiting
+        assert sum(f.get("turn-2", 0) for f in rig.forwards) == len(tokens) - CHUNKS * BLOCK_TOKENS
+        rig.run()
+        rig.drain()  # (turn-2 pauses in its turn, and waits for its plan)
+        assert PAUSES not in seen and seen[RESUMES] == {("host",): 1}
+    finally:
+        rig.close()
+
+
+def test_a_pause_that_outlasts_the_plan_delay_is_planned_by_the_step_that_reaches_it(tmp_path, monkeypatch):
+    """The engine is asked to step once the plan is due (has_pending_work); that step plans the pause, and the
+    lease's end counts from the pause's beginning, not from the plan."""
+    from kvcopy.integrations.vllm.agents.pauses import PLAN_DELAY_S
+
+    rig = agents_rig(tmp_path, plan_delay_s=PLAN_DELAY_S)
+    try:
+        pauses = rig.manager.pauses
+        clock = Clock(1000.0)
+        pauses.clock = pauses.policy.clock = pauses.tracker.clock = clock
+        plans = []
+        real = pauses._plan
+        monkeypatch.setattr(pauses, "_plan", lambda *args, **kwargs: plans.append(real(*args, **kwargs)) or plans[-1])
+        seen = counted(rig)
+        run_one(rig, "turn-1", PROMPT, HINT)
+        assert pauses.policy.leased() == 0 and not rig.manager.has_pending_work()
+        clock.now += PLAN_DELAY_S
+        assert rig.manager.has_pending_work()  # (the engine steps for it, with nothing to schedule)
+        rig.step()
+        (plan,) = plans
+        assert plan.choice == "keep" and plan.leased and not pauses._waiting
+        assert pauses.policy.leased("s-17") == CHUNKS
+        assert pauses.policy.lease_end("s-17") == pytest.approx(1000.0 + plan.lease_end_s)
+        rig.run()
+        assert seen[PAUSES] == {("keep",): 1}
+    finally:
+        rig.close()
+
+
+def test_an_idle_engines_pause_is_planned_by_the_timer(tmp_path):
+    """Nothing steps an idle engine: the agents' timer plans a pause that has waited its delay, under the
+    manager's lock."""
+    import time
+
+    from kvcopy.integrations.vllm.agents.pauses import PLAN_DELAY_S
+
+    rig = agents_rig(tmp_path, plan_delay_s=PLAN_DELAY_S)
+    try:
+        pauses = rig.manager.pauses
+        clock = Clock(1000.0)
+        pauses.clock = pauses.policy.clock = pauses.tracker.clock = clock
+        run_one(rig, "turn-1", PROMPT, HINT)
+        assert pauses.policy.leased() == 0
+        clock.now += PLAN_DELAY_S
+        pauses._notify()  # (the timer sleeps at most a moment; woken, it reads the test's clock)
+        waited = time.monotonic()
+        while pauses._waiting and time.monotonic() - waited < 10.0:
+            time.sleep(0.01)
+        assert not pauses._waiting and pauses.policy.leased("s-17") == CHUNKS
     finally:
         rig.close()
 
@@ -549,6 +639,7 @@ def test_the_untiered_spec_leases_a_hinted_session_that_lru_would_have_evicted(t
         assert (rig.manager.pauses is None) == (agents == "off")
         if agents == "auto":
             reuse_measured(rig)
+            rig.manager.pauses.plan_delay_s = 0.0
         for name, tokens, params in (("turn-1", PROMPT, HINT), ("other", OTHER, None), ("third", THIRD, None)):
             rig.add(name, list(tokens), kv_transfer_params=params)
             rig.run()
@@ -577,6 +668,7 @@ def test_the_agents_metrics_reach_vllms_logger(tmp_path, tiered):
         whole = {"kvcopy_agent_max_leased_fraction": 1.0, "kvcopy_agent_max_session_fraction": 1.0}
         rig = make_rig(tmp_path, extra={"cpu_bytes_to_use": 4 * CHUNKS * ROW_BYTES, "kvcopy_profile": profile, **whole})
         reuse_measured(rig)
+        rig.manager.pauses.plan_delay_s = 0.0
     try:
         registry = prometheus_logger(rig)
         run_one(rig, "turn-1", PROMPT, HINT)

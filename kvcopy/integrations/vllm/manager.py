@@ -206,4 +206,10 @@ class KVCopyOffloadingManager(CPUOffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._verdicts.clear()  # the next step judges again, on what is stored and learned by then
+        if self.pauses is not None:
+            self.pauses.start_due()  # (the pauses that have waited their delay are planned)
         super().on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        """vLLM's, or a pause's plan due now (an idle engine evicts nothing, so one not due waits for a step)."""
+        return super().has_pending_work() or (self.pauses is not None and self.pauses.due_now())

@@ -89,6 +89,16 @@ REUSE_WINDOW_S = 60.0
 # writes other sessions' cascades), and a read that lands late forfeits the gain while one early costs only
 # residency (bench_agents.py: timed at the prediction, 16 of 81 exactly-timed prefetches landed late).
 PREFETCH_READ_MARGIN = 0.5
+# A pause is planned once it has lasted this long (or half what LRU keeps the chunks, when that is less): one
+# shorter, an agent's back-to-back turn (about a millisecond on the agent bench), ends before it and is left to
+# LRU unplanned, which keeps the chunks meanwhile anyway. Planned at every finish, such turns cost the
+# scheduler thread a plan each (~3 ms): on the bench's back-to-back trace, computing every plan and acting on
+# none took 1.14x the makespan of computing none. 50 ms is under a sixth of TraceLab's median tool call (0.3 s).
+PLAN_DELAY_S = 0.05
+# A learned session's resume is known only when vLLM first looks its request up (by its keys), which a busy
+# engine may do some steps after it arrived: its pause's plan waits for the requests that arrived since to be
+# looked up, but no longer than this, nor than half what LRU keeps its chunks (LRU keeps them meanwhile).
+MAX_PLAN_WAIT_S = 1.0
 # A timer that wakes for a prefetch sleeps at most this long, so that a shutdown or an earlier prefetch planned
 # meanwhile is seen within it.
 _TIMER_MAX_SLEEP_S = 0.5
@@ -122,6 +132,20 @@ class _Prefetch:
     waiting: set[OffloadKey] = field(default_factory=set)  # promoted, not landed yet
     read: list[OffloadKey] = field(default_factory=list)  # every chunk it promoted (landed or not)
     started: bool = False
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A pause not planned yet, over the ``chunks`` its request left in host RAM: planned at ``due`` (the
+    clock's seconds) unless its session is back first; a learned one, while a request that arrived since is
+    not looked up yet (it may be the resume, known only by its keys), at the latest at ``latest``."""
+
+    pause: Pause
+    hint: PauseHint | None
+    chunks: list[OffloadKey]
+    context: ReqContext
+    due: float
+    latest: float
 
 
 @dataclass(frozen=True)
@@ -180,6 +204,8 @@ class AgentPauses:
         self.stats = OffloadingConnectorStats()
         self._hints: dict[str, PauseHint | None] = {}  # by live request, parsed at its first sight
         self._arrivals: dict[str, float] = {}  # live requests whose resume is not looked for yet: when they came
+        self.plan_delay_s = PLAN_DELAY_S  # (0: every pause planned as it begins)
+        self._waiting: dict[str, _Waiting] = {}  # by paused session, not planned yet
         self._planned: dict[str, _Planned] = {}  # by paused session
         self._prefetches: dict[str, _Prefetch] = {}  # by paused session
         self._warned: set[str] = set()  # the kinds of hint fault already logged
@@ -236,6 +262,7 @@ class AgentPauses:
         pause, gap = found
         session = pause.session
         held = self.policy.keys_of(session)
+        self._waiting.pop(session, None)  # (back before its plan: LRU kept its chunks)
         self.policy.release(session)
         prefetch = self._prefetches.pop(session, None)
         planned = self._planned.pop(session, None)
@@ -257,8 +284,10 @@ class AgentPauses:
             self.stats.increase_counter(RESUMES_IN_BAND, 1, ("yes" if low <= gap <= high else "no",))
 
     def finished(self, context: ReqContext) -> PausePlan | None:
-        """The request finished: its session pauses, and the plan for its chunks in host RAM is acted on.
-        None when nothing was planned (no session, or nothing in host RAM)."""
+        """The request finished: its session pauses. The plan for its chunks in host RAM is made and acted on
+        once the pause has lasted ``plan_delay_s`` (at the step, or the timer's wake, that reaches it; at once
+        when that is 0), unless the session is back first. Returns the plan when it was made now; None
+        otherwise (no session, nothing in host RAM, or planned later)."""
         self.seen(context)
         hint = self.hint_of(context)
         self._hints.pop(context.req_id, None)
@@ -280,10 +309,37 @@ class AgentPauses:
         if (hint is None and not learned_before) or not chunks:
             return None  # a session not hinted and not learned yet: LRU's, as without agents
         self._end(pause.session)
+        half_lru = 0.5 * self.policy.lru_s()  # (LRU keeps the chunks meanwhile)
+        delay = min(self.plan_delay_s, half_lru)
+        if delay > 0:
+            latest = pause.since + max(delay, min(half_lru, MAX_PLAN_WAIT_S))
+            self._waiting[pause.session] = _Waiting(pause, hint, chunks, context, pause.since + delay, latest)
+            self._notify()
+            return None
+        return self._act(pause, hint, chunks, context)
+
+    def _plan_due(self, waiting: _Waiting) -> float:
+        """When a waiting pause is planned: at its delay, or for a learned one while a request that arrived
+        since is not looked up yet, at its latest (the step that looks the request up plans it, if it is not
+        the resume)."""
+        arrivals = list(self._arrivals.values())  # (copied whole first: the timer's thread asks too)
+        if waiting.hint is None and any(at >= waiting.pause.since for at in arrivals):
+            return waiting.latest
+        return waiting.due
+
+    def _act(
+        self, pause: Pause, hint: PauseHint | None, chunks: list[OffloadKey], context: ReqContext
+    ) -> PausePlan | None:
+        """Plans the pause over its ``chunks`` still in host RAM and acts on the plan (None, nothing planned,
+        when LRU let them all go meanwhile); the plan's times count from the pause's beginning (a prefetch due
+        by now starts at once)."""
+        chunks = [key for key in chunks if self.policy.get(key) is not None]
+        if not chunks:
+            return None
         held = chunks[: self.policy.room(pause.session)]  # (a session holds its leading chunks, to its share)
         forecast = self._forecast(pause.session, hint)
         plan = self._plan(forecast, held or chunks, room=bool(held))
-        now = self.clock()
+        since = pause.since
         # A plan made with room to hold that holds nothing frees the chunks; the chunks a lease cannot hold (past
         # the session's share, or all of them when the leases are full) stay LRU's, as recent as they are: a
         # session back at once still finds them (demoted, they would go before any other request's).
@@ -291,11 +347,11 @@ class AgentPauses:
             self.policy.demote(chunks)
         if plan.choice == "keep" and plan.leased:
             assert plan.lease_end_s is not None
-            leased = self.policy.lease(pause.session, held, now + plan.lease_end_s)
+            leased = self.policy.lease(pause.session, held, since + plan.lease_end_s)
             self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("keep",))
         elif plan.prefetch_at_s is not None and plan.lease_end_s is not None:
             self._prefetches[pause.session] = _Prefetch(
-                pause.session, tuple(held), context, now + plan.prefetch_at_s, now + plan.lease_end_s, plan.leased
+                pause.session, tuple(held), context, since + plan.prefetch_at_s, since + plan.lease_end_s, plan.leased
             )
             self._notify()
         self.stats.increase_counter(PAUSES, 1, (plan.choice,))
@@ -309,9 +365,13 @@ class AgentPauses:
     # ------------------------------------------------------------------ prefetches
 
     def start_due(self) -> int:
-        """Starts the prefetches due by now (the caller holds the manager's lock), and ends those whose session
-        did not come back by their lease's end (counted unused); returns how many started."""
+        """Plans the pauses that have waited their delay, starts the prefetches due by now (the caller holds
+        the manager's lock), and ends those whose session did not come back by their lease's end (counted
+        unused); returns how many prefetches started."""
         now = self.clock()
+        for session in [s for s, w in self._waiting.items() if self._plan_due(w) <= now]:
+            waiting = self._waiting.pop(session)
+            self._act(waiting.pause, waiting.hint, waiting.chunks, waiting.context)
         for session in [s for s, p in self._prefetches.items() if p.until <= now]:
             self._end(session)
         started = 0
@@ -337,9 +397,11 @@ class AgentPauses:
         return started
 
     def due_now(self) -> bool:
-        """Whether a prefetch is due and not started: the engine should step (``has_pending_work``)."""
+        """Whether a plan or a prefetch is due and not started: the engine should step (``has_pending_work``)."""
         now = self.clock()
-        return any(not p.started and p.due <= now for p in self._prefetches.values())
+        return any(self._plan_due(w) <= now for w in self._waiting.values()) or any(
+            not p.started and p.due <= now for p in self._prefetches.values()
+        )
 
     def landed(self, keys: Sequence[OffloadKey]) -> None:
         """A promotion landed ``keys``: a prefetch whose every chunk is in leases its chunks until its end."""
@@ -356,7 +418,9 @@ class AgentPauses:
         self.stats.increase_counter(LEASED_BYTES, leased * self.manager.row_bytes, ("prefetch",))
 
     def _end(self, session: str) -> None:
-        """Ends what a session's earlier pause left: its lease, its prefetch (counted unused if it landed)."""
+        """Ends what a session's earlier pause left: its plan not made yet, its lease, its prefetch (counted
+        unused if it landed)."""
+        self._waiting.pop(session, None)
         self.policy.release(session)
         prefetch = self._prefetches.pop(session, None)
         if prefetch is not None and prefetch.started and not prefetch.waiting:
@@ -364,14 +428,19 @@ class AgentPauses:
         self._planned.pop(session, None)
 
     def _timer_loop(self) -> None:
-        """While the engine is idle nothing steps: this starts due prefetches under the manager's lock and
-        submits them (vLLM's flush of pending promotions)."""
+        """While the engine is idle nothing steps: this plans the pauses and starts the prefetches due, under
+        the manager's lock, and submits them (vLLM's flush of pending promotions)."""
         while True:
             with self._wake:
                 if self._stopping:
                     return
                 now = self.clock()
-                due = min((p.due for p in self._prefetches.values() if not p.started), default=math.inf)
+                # (copied whole first: the scheduler's thread adds to them meanwhile)
+                prefetches, waiting = list(self._prefetches.values()), list(self._waiting.values())
+                due = min(
+                    [p.due for p in prefetches if not p.started] + [self._plan_due(w) for w in waiting],
+                    default=math.inf,
+                )
                 if due > now:
                     self._wake.wait(min(_TIMER_MAX_SLEEP_S, due - now))
                     continue
