@@ -2,9 +2,10 @@
 
 :class:`AgentPauses` is the part of :class:`~kvcopy.integrations.vllm.tiering.KVCopyTieringManager` that
 looks ahead. At a request's finish (the pause edge) it reads the request's pause hint (``kv_transfer_params``'
-``"kvcopy"`` or a ``kvcopy.pause`` action of vLLM's ``kv_hints``), finds its session (named by the hint, or
-learned by prefix continuation: kvcopy.agents.sessions), forecasts the pause (kvcopy.agents.GapForecaster) and
-plans it (kvcopy.agents.plan_pause) over the chunks the request left in host RAM:
+``"kvcopy"`` or a ``kvcopy.pause`` action of vLLM's ``kv_hints``) and finds its session (named by the hint, or
+learned by prefix continuation: kvcopy.agents.sessions). Once the pause has lasted PLAN_DELAY_S (shorter ones,
+back-to-back turns, are left to LRU unplanned), it forecasts the pause (kvcopy.agents.GapForecaster) and plans
+it (kvcopy.agents.plan_pause) over the chunks the request left in host RAM:
 
 - **keep**: the host tier's eviction policy leases them until the plan's lease end (kvcopy.integrations.vllm
   .leases: bounded, displaced before they keep a request from room, LRU's again once expired); the chunks a
