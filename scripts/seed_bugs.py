@@ -43,7 +43,12 @@ BUGS = (
         "        prefetch = self._prefetches.pop(session, None)\n        planned",
     ),
     Bug("a prefetch started at once", PAUSES, "if prefetch.started or prefetch.due > now:", "if prefetch.started:"),
-    Bug("a prefetch started late", PAUSES, "now + plan.prefetch_at_s, now", "now + 3 * plan.prefetch_at_s, now"),
+    Bug(
+        "a prefetch started late",
+        PAUSES,
+        "since + plan.prefetch_at_s, since",
+        "since + 3 * plan.prefetch_at_s, since",
+    ),
     Bug(
         "a resume taken for another session's",
         "kvcopy/agents/sessions.py",
@@ -83,7 +88,7 @@ BUGS = (
     Bug(
         "a pause planned as it begins, whatever the delay",
         PAUSES,
-        "delay = min(self.plan_delay_s, 0.5 * self.policy.lru_s())",
+        "delay = min(self.plan_delay_s, half_lru)",
         "delay = 0.0",
     ),
     Bug(
