@@ -319,14 +319,15 @@ class AgentPauses:
             return None
         return self._act(pause, hint, chunks, context)
 
-    def _plan_due(self, waiting: _Waiting) -> float:
-        """When a waiting pause is planned: at its delay, or for a learned one while a request that arrived
-        since is not looked up yet, at its latest (the step that looks the request up plans it, if it is not
-        the resume)."""
-        arrivals = list(self._arrivals.values())  # (copied whole first: the timer's thread asks too)
-        if waiting.hint is None and any(at >= waiting.pause.since for at in arrivals):
-            return waiting.latest
-        return waiting.due
+    def _plan_dues(self) -> list[tuple[str, float]]:
+        """Each waiting pause's session and when it is planned: at its delay, or for a learned one while a
+        request that arrived since is not looked up yet, at its latest (the step that looks the request up
+        plans it, if it is not the resume)."""
+        waiting = list(self._waiting.items())  # (copied whole first: the timer's thread asks too)
+        if not waiting:
+            return []
+        newest = max(list(self._arrivals.values()), default=-math.inf)  # (the newest not looked up yet)
+        return [(s, w.latest if w.hint is None and newest >= w.pause.since else w.due) for s, w in waiting]
 
     def _act(
         self, pause: Pause, hint: PauseHint | None, chunks: list[OffloadKey], context: ReqContext
@@ -370,7 +371,7 @@ class AgentPauses:
         the manager's lock), and ends those whose session did not come back by their lease's end (counted
         unused); returns how many prefetches started."""
         now = self.clock()
-        for session in [s for s, w in self._waiting.items() if self._plan_due(w) <= now]:
+        for session in [s for s, due in self._plan_dues() if due <= now]:
             waiting = self._waiting.pop(session)
             self._act(waiting.pause, waiting.hint, waiting.chunks, waiting.context)
         for session in [s for s, p in self._prefetches.items() if p.until <= now]:
@@ -400,7 +401,7 @@ class AgentPauses:
     def due_now(self) -> bool:
         """Whether a plan or a prefetch is due and not started: the engine should step (``has_pending_work``)."""
         now = self.clock()
-        return any(self._plan_due(w) <= now for w in self._waiting.values()) or any(
+        return any(due <= now for _, due in self._plan_dues()) or any(
             not p.started and p.due <= now for p in self._prefetches.values()
         )
 
@@ -436,10 +437,9 @@ class AgentPauses:
                 if self._stopping:
                     return
                 now = self.clock()
-                # (copied whole first: the scheduler's thread adds to them meanwhile)
-                prefetches, waiting = list(self._prefetches.values()), list(self._waiting.values())
+                prefetches = list(self._prefetches.values())  # (copied whole first: the scheduler's thread adds)
                 due = min(
-                    [p.due for p in prefetches if not p.started] + [self._plan_due(w) for w in waiting],
+                    [p.due for p in prefetches if not p.started] + [due for _, due in self._plan_dues()],
                     default=math.inf,
                 )
                 if due > now:
