@@ -265,7 +265,7 @@ def test_an_idle_engines_pause_is_planned_by_the_timer(tmp_path):
         clock.now += PLAN_DELAY_S
         pauses._notify()  # (the timer sleeps at most a moment; woken, it reads the test's clock)
         waited = time.monotonic()  # (60 s bounds a hung timer, it is not a speed: the timer wakes within 0.5 s)
-        while pauses._waiting and time.monotonic() - waited < 60.0:
+        while not pauses.policy.leased("s-17") and time.monotonic() - waited < 60.0:  # (the plan's outcome)
             time.sleep(0.01)
         assert not pauses._waiting and pauses.policy.leased("s-17") == CHUNKS
     finally:
